@@ -1,0 +1,192 @@
+"""The engine: a loaded model plus its KV-cache mode; chunked prefill, decode loop, generation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from ..kv.cache import KVCache, parse_mode
+from ..models.loader import LoadedModel, load_model
+from ..models.transformer import Transformer
+from .attention import make_attend, resolve_backend
+from .sampling import Sampler, SamplingParams
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+class ContextOverflowError(ValueError):
+    """The prompt (plus the tokens asked for) does not fit in the model's context."""
+
+
+class LLM:
+    """A model ready to run with a given KV-cache mode (``kv``) and attention backend."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        kv: str = "q8",
+        attn_backend: str = "auto",
+        mirror_prefill: str = "exact",
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> None:
+        parse_mode(kv)  # fail early on an unknown mode
+        self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
+        self.model = Transformer(loaded.config, loaded.weights)
+        self.device = self.model.device
+        self.kv, self.mirror_prefill, self.prefill_chunk = kv, mirror_prefill, prefill_chunk
+        self.attn_backend = resolve_backend(attn_backend, self.device)
+
+    # -- cache and forward -------------------------------------------------------------------
+    def new_cache(self, capacity: int, kv: str | None = None, **options) -> KVCache:
+        cfg = self.config
+        options.setdefault("mirror_prefill", self.mirror_prefill)
+        return KVCache(
+            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, kv or self.kv, self.device, **options
+        )
+
+    def check_fits(self, n_tokens: int) -> None:
+        if n_tokens > self.config.max_ctx:
+            raise ContextOverflowError(
+                f"{n_tokens} tokens do not fit in the model's context of {self.config.max_ctx} tokens"
+            )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: list[int] | torch.Tensor,
+        cache: KVCache,
+        start: int,
+        prefill: bool = True,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """Run tokens at positions start.. through the model, writing the cache; returns hidden [n, hidden]."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        self.check_fits(start + ids.shape[0])
+        attend = make_attend(cache, prefill, backend or self.attn_backend, self.config.sliding_window)
+        return self.model.forward(ids, start, attend)
+
+    def prefill(
+        self,
+        ids: list[int],
+        cache: KVCache,
+        chunk: int | None = None,
+        start: int = 0,
+        on_hidden: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Prefill in chunks: each chunk attends every earlier position through the cache.
+
+        Returns the last position's logits; ``on_hidden(chunk_start, hidden)`` sees every chunk.
+        """
+        if not ids:
+            raise ValueError("cannot prefill an empty prompt")
+        chunk = chunk or self.prefill_chunk
+        hidden = None
+        for s in range(0, len(ids), chunk):
+            hidden = self.forward(ids[s : s + chunk], cache, start + s, prefill=True)
+            if on_hidden is not None:
+                on_hidden(start + s, hidden)
+        return self.model.logits(hidden[-1:])[0]
+
+    @torch.inference_mode()
+    def logits(
+        self, ids: list[int], kv: str | None = None, prefill_chunk: int | None = None, **cache_options
+    ) -> torch.Tensor:
+        """Logits [len(ids), vocab] for a fresh cache, prefilling in chunks of ``prefill_chunk``."""
+        self.check_fits(len(ids))
+        cache = self.new_cache(len(ids), kv, **cache_options)
+        out: list[torch.Tensor] = []
+        self.prefill(ids, cache, prefill_chunk, on_hidden=lambda _s, h: out.append(self.model.logits(h)))
+        return torch.cat(out)
+
+    # -- generation --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate_ids(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        stop_at_eos: bool = True,
+        cache: KVCache | None = None,
+    ) -> Iterator[int]:
+        """Yield new token ids one by one: chunked prefill, then one-token decode steps."""
+        self.check_fits(len(prompt_ids) + max_new_tokens)
+        sample = Sampler(sampling or SamplingParams())
+        cache = cache or self.new_cache(len(prompt_ids) + max_new_tokens)
+        logits = self.prefill(prompt_ids, cache)
+        pos = len(prompt_ids)
+        for i in range(max_new_tokens):
+            tok = sample(logits)
+            yield tok
+            if (stop_at_eos and tok in self.tokenizer.eos_ids) or i == max_new_tokens - 1:
+                return
+            hidden = self.forward([tok], cache, pos, prefill=False)
+            logits = self.model.logits(hidden)[0]
+            pos += 1
+
+    def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            # The template writes any BOS itself.
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_bos=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompt: str,
+        max_new_tokens: int = 64,
+        chat: bool = False,
+        sampling: SamplingParams | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> str:
+        """Generate a continuation of ``prompt`` (greedy unless ``sampling`` says otherwise)."""
+        ids = self.encode_prompt(prompt, chat)
+        stream = self.tokenizer.stream_decoder()
+        pieces = []
+        for tok in self.generate_ids(ids, max_new_tokens, sampling):
+            if tok in self.tokenizer.eos_ids:
+                break
+            piece = stream.push(tok)
+            pieces.append(piece)
+            if on_text and piece:
+                on_text(piece)
+        tail = stream.flush()
+        if on_text and tail:
+            on_text(tail)
+        return "".join(pieces) + tail
+
+    # -- lab hooks ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_qkv(self, ids: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Exact post-RoPE Q [H, n, d], K and V [KV, n, d] of one layer for a prompt (f32 cache)."""
+        if not 0 <= layer < self.config.n_layers:
+            raise ValueError(f"layer {layer} out of range: the model has {self.config.n_layers} layers")
+        cache = self.new_cache(len(ids), "f32")
+        captured: dict[str, torch.Tensor] = {}
+        inner = make_attend(cache, True, "torch", self.config.sliding_window)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+            if i == layer:
+                captured.update(q=q.clone(), k=k.clone(), v=v.clone())
+            return inner(i, q, k, v, start)
+
+        self.check_fits(len(ids))
+        self.model.forward(torch.as_tensor(ids, device=self.device), 0, attend)
+        return captured["q"], captured["k"], captured["v"]
+
+
+def load(
+    model: str | Path = "smollm2",
+    kv: str = "q8",
+    device: str | None = None,
+    attn_backend: str = "auto",
+    mirror_prefill: str = "exact",
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+) -> LLM:
+    """Load a model (``"smollm2"``, a .gguf file or an HF directory) with a KV-cache mode."""
+    parse_mode(kv)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return LLM(load_model(model, dev), kv, attn_backend, mirror_prefill, prefill_chunk)

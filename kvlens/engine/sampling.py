@@ -1,0 +1,50 @@
+"""Next-token choice: greedy by default; temperature, top-k and top-p when asked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 → greedy
+    top_k: int = 0  # 0 → no limit
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be ≥ 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be ≥ 0")
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams) -> None:
+        self.p = params
+        self.gen = torch.Generator()
+        if params.seed is not None:
+            self.gen.manual_seed(params.seed)
+        else:
+            self.gen.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """Pick the next token from the logits [vocab] of the last position."""
+        if self.p.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits.float().cpu() / self.p.temperature
+        if self.p.top_k:
+            kth = torch.topk(logits, min(self.p.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.p.top_p < 1:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            drop = (sorted_p.cumsum(0) - sorted_p) >= self.p.top_p
+            sorted_p[drop] = 0
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))

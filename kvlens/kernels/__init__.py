@@ -1,0 +1,1 @@
+"""Attention kernels: the reference (torch), and fused decode kernels over the cache."""

@@ -1,0 +1,66 @@
+"""Reference attention: plain softmax(Q·Kᵀ/sqrt(d))·V in torch, the ground truth for every kernel.
+
+Shapes (one sequence, head-major like the cache)::
+
+    q: [n_heads, n_q, head_dim]     k, v: [n_kv_heads, n_k, head_dim]
+
+Query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)`` (grouped-query attention).
+``q_pos`` gives the absolute position of each query; key ``j`` sits at position ``j``. A query
+attends keys with position ≤ its own (causal) and, with ``window``, > its position − window.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_mask(q_pos: torch.Tensor, n_k: int, window: int | None = None) -> torch.Tensor:
+    """Boolean [n_q, n_k] mask, True where the query may attend the key."""
+    k_pos = torch.arange(n_k, device=q_pos.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > (q_pos[:, None] - window)
+    return mask
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor | None = None,
+    window: int | None = None,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Stable-softmax attention in the dtype of ``q`` (pass float64 for a float64 reference).
+
+    With ``q_pos=None`` every query sees every key (the seed's single-query experiment).
+    """
+    n_heads, n_q, d = q.shape
+    n_kv = k.shape[0]
+    group = n_heads // n_kv
+    k = k.to(q.dtype).repeat_interleave(group, dim=0)
+    v = v.to(q.dtype).repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    if q_pos is not None:
+        mask = attention_mask(q_pos, k.shape[1], window)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores - scores.amax(dim=-1, keepdim=True)
+    w = torch.exp(scores)
+    w = w / w.sum(dim=-1, keepdim=True)
+    out = torch.matmul(w, v)
+    return (out, w) if return_weights else out
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None = None, window: int | None = None
+) -> torch.Tensor:
+    """The same contract through torch's fused ``scaled_dot_product_attention`` (the engine's default)."""
+    n_heads, n_kv = q.shape[0], k.shape[0]
+    mask = None if q_pos is None else attention_mask(q_pos, k.shape[1], window)
+    if q.shape[1] == 1 and window is None:
+        mask = None  # one query at the newest position sees every cached key
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=n_heads != n_kv
+    ).squeeze(0)

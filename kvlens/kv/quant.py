@@ -1,0 +1,57 @@
+"""The seed's int8 KV rule: one fp32 ``max_abs`` per row, round half up, clamp to ±127.
+
+For a row ``x`` of ``head_dim`` values (one token, one KV head, K or V separately)::
+
+    max_abs = max |x|            (a row with max_abs < 1e-6 uses 1.0)
+    q       = clamp(floor(x * (127 / max_abs) + 0.5), -127, 127)   as int8
+    x'      = q * (max_abs / 127)
+
+The arithmetic is done in float32 exactly as written (multiply by the reciprocal, not divide),
+so results are bit-identical with the seed's C engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Q8_MAX = 127.0
+TINY_MAX_ABS = 1e-6
+
+
+class NonFiniteError(ValueError):
+    """K/V contained NaN or Inf; quantizing it would silently produce garbage codes."""
+
+
+def check_finite(x: torch.Tensor, what: str = "input") -> None:
+    """Raise :class:`NonFiniteError` if ``x`` holds NaN or Inf."""
+    if not bool(torch.isfinite(x).all()):
+        bad = (~torch.isfinite(x)).nonzero()[0].tolist()
+        raise NonFiniteError(f"non-finite value in {what} at index {tuple(bad)}; refusing to quantize it")
+
+
+def row_max_abs(x: torch.Tensor) -> torch.Tensor:
+    """Per-row max |x| over the last dimension, with the seed's 1e-6 floor replaced by 1.0."""
+    m = x.abs().amax(dim=-1)
+    return torch.where(m < TINY_MAX_ABS, torch.ones_like(m), m)
+
+
+def quantize_q8(x: torch.Tensor, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize over the last dimension. Returns ``(q int8, max_abs float32)``; max_abs lacks the last dim."""
+    x = x.to(torch.float32)
+    if check:
+        check_finite(x)
+    max_abs = row_max_abs(x)
+    inv = Q8_MAX / max_abs  # float32, as the C engine computes 127/max_abs once per row
+    q = torch.floor(x * inv.unsqueeze(-1) + 0.5).clamp_(-Q8_MAX, Q8_MAX).to(torch.int8)
+    return q, max_abs
+
+
+def dequantize_q8(q: torch.Tensor, max_abs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_q8`: ``q * (max_abs / 127)`` in float32."""
+    step = (max_abs.to(torch.float32) / Q8_MAX).unsqueeze(-1)
+    return (q.to(torch.float32) * step).to(dtype)
+
+
+def q8_step(max_abs: torch.Tensor) -> torch.Tensor:
+    """The quantization step (distance between adjacent codes) of each row."""
+    return max_abs.to(torch.float32) / Q8_MAX

