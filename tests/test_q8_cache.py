@@ -1,0 +1,135 @@
+"""The seed's int8 rule, bit for bit, and the cache that stores it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from kvlens.kv import (
+    KVCache,
+    NonFiniteError,
+    NonFiniteKVError,
+    UnknownKVModeError,
+    dequantize_q8,
+    quantize_q8,
+)
+
+
+def rule(row: list[float]) -> tuple[list[int], float]:
+    """The seed's rule written out scalar by scalar in float32 (numpy), as the C engine does it."""
+    x = np.asarray(row, dtype=np.float32)
+    m = np.float32(np.max(np.abs(x)))
+    if m < np.float32(1e-6):
+        m = np.float32(1.0)
+    inv = np.float32(127.0) / m
+    q = [int(max(-127, min(127, math.floor(np.float32(v * inv) + np.float32(0.5))))) for v in x]
+    return q, float(m)
+
+
+def check(row: list[float]) -> None:
+    q, m = quantize_q8(torch.tensor([row], dtype=torch.float32))
+    want_q, want_m = rule(row)
+    assert q.dtype == torch.int8
+    assert q[0].tolist() == want_q
+    assert m.dtype == torch.float32 and m[0].item() == want_m
+
+
+def test_hand_written_rows():
+    check([0.0] * 8)  # zeros: max_abs < 1e-6 → 1.0, all codes 0
+    check([1e-7, -5e-7, 0.0, 2e-7])  # tiny row: uses max_abs 1.0 → codes 0
+    check([127.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 0.0])  # exact .5 ties: half up (−0.5 → 0, −1.5 → −1)
+    check([1000.0] + [0.01] * 7)  # a single outlier crushes the rest to 0
+    check([-3.0, 1.0, 2.0, -1.0])  # max at −: −3 → −127
+    check([3.0, -1.0, 0.25, 1.0])  # max at +
+
+
+def test_exact_ties_round_half_up():
+    q, m = quantize_q8(torch.tensor([[127.0, 0.5, -0.5, 1.5, -1.5, 126.5, -126.5]]))
+    assert m.item() == 127.0
+    assert q[0].tolist() == [127, 1, 0, 2, -1, 127, -126]
+
+
+def test_random_rows_bit_exact():
+    g = torch.Generator().manual_seed(0)
+    for scale in (1e-3, 1.0, 37.0):
+        x = torch.randn(64, 64, generator=g) * scale
+        q, m = quantize_q8(x)
+        for i in range(0, 64, 7):
+            want_q, want_m = rule(x[i].tolist())
+            assert q[i].tolist() == want_q and m[i].item() == want_m
+
+
+def test_dequantize_is_code_times_step():
+    q = torch.tensor([[127, -127, 3, 0]], dtype=torch.int8)
+    out = dequantize_q8(q, torch.tensor([2.54]))
+    step = np.float32(2.54) / np.float32(127)
+    assert out[0].tolist() == [float(np.float32(c) * step) for c in (127, -127, 3, 0)]
+
+
+def test_any_leading_shape():
+    x = torch.randn(2, 3, 5, 16)
+    q, m = quantize_q8(x)
+    assert q.shape == x.shape and m.shape == (2, 3, 5)
+    assert dequantize_q8(q, m).shape == x.shape
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays(np.float32, st.integers(1, 96), elements=st.floats(-1e4, 1e4, width=32)))
+def test_error_at_most_half_a_step(row):
+    x = torch.from_numpy(row)[None]
+    q, m = quantize_q8(x)
+    err = (dequantize_q8(q, m) - x).abs().max().item()
+    assert err <= m.item() / 127 / 2 * (1 + 1e-5) + 1e-6
+
+
+def test_non_finite_raises():
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(NonFiniteError):
+            quantize_q8(torch.tensor([[1.0, bad]]))
+
+
+def test_cache_refuses_non_finite_naming_layer_and_position():
+    cache = KVCache(n_layers=4, n_kv_heads=2, head_dim=8, capacity=64, mode="q8")
+    k = torch.randn(2, 5, 8)
+    v = torch.randn(2, 5, 8)
+    v[1, 3, 2] = float("nan")
+    with pytest.raises(NonFiniteKVError, match="non-finite V value at layer 2, position 13"):
+        cache.write(2, 10, k, v)
+
+
+def test_cache_modes_store_what_they_say():
+    k, v = torch.randn(3, 40, 16), torch.randn(3, 40, 16)
+    for mode, k_exact, v_exact in (
+        ("f32", True, True),
+        ("q8", False, False),
+        ("q8-k", False, True),
+        ("q8-v", True, False),
+    ):
+        c = KVCache(1, 3, 16, 8, mode)  # capacity 8 → grows block by block to 64
+        c.write(0, 0, k, v)
+        assert c.capacity == 64 and c.length == 40
+        rk, rv = c.read(0, 40)
+        assert torch.equal(rk, k) == k_exact and torch.equal(rv, v) == v_exact
+        qk, mk = quantize_q8(k)
+        if not k_exact:
+            assert torch.equal(rk, dequantize_q8(qk, mk))
+
+
+def test_keep_sink_and_recent_splice_exact_rows():
+    k, v = torch.randn(2, 50, 8), torch.randn(2, 50, 8)
+    c = KVCache(1, 2, 8, 64, "q8", keep_sink=4, keep_recent=10)
+    c.write(0, 0, k, v)
+    rk, _ = c.read(0, 50)
+    assert torch.equal(rk[:, :4], k[:, :4]) and torch.equal(rk[:, 40:], k[:, 40:])
+    assert not torch.equal(rk[:, 4:40], k[:, 4:40])
+
+
+def test_unknown_mode():
+    with pytest.raises(UnknownKVModeError, match="q7"):
+        KVCache(1, 1, 8, 8, "q7")
