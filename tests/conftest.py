@@ -34,10 +34,18 @@ def smol_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smol_f32(smol_path):
+def smol_loaded(smol_path):
+    """Config, weights and tokenizer of the default model, loaded once; wrap with ``kvlens.LLM``."""
+    from kvlens.models.loader import load_model
+
+    return load_model(smol_path)
+
+
+@pytest.fixture(scope="session")
+def smol_f32(smol_loaded):
     import kvlens
 
-    return kvlens.load(smol_path, kv="f32", attn_backend="torch")
+    return kvlens.LLM(smol_loaded, kv="f32", attn_backend="torch")
 
 
 @pytest.fixture(scope="session")

@@ -46,10 +46,10 @@ def test_q8_cache_is_read_and_still_says_paris(smol_f32):
 
 
 @pytest.mark.parametrize("kv", ["q8", "q8+mirror", "f16", "bf16"])
-def test_greedy_paris_every_mode(smol_path, kv):
+def test_greedy_paris_every_mode(smol_loaded, kv):
     import kvlens
 
-    llm = kvlens.load(smol_path, kv=kv, attn_backend="torch")
+    llm = kvlens.LLM(smol_loaded, kv=kv, attn_backend="torch")
     assert llm.generate("The capital of France is", max_new_tokens=3).startswith(" Paris")
 
 
@@ -85,10 +85,10 @@ def test_kv_bytes_per_token(smol_f32):
     )
 
 
-def test_chat_generation_answers(smol_path):
+def test_chat_generation_answers(smol_loaded):
     import kvlens
 
-    llm = kvlens.load(smol_path, kv="q8")
+    llm = kvlens.LLM(smol_loaded, kv="q8")
     text = llm.generate("What is the capital of France?", max_new_tokens=24, chat=True)
     assert "Paris" in text
 

@@ -1,0 +1,395 @@
+"""``kvlens lab unit``: the seed's unit-level experiment, one variable at a time.
+
+Baseline: one query over L keys with K/V in fp32. Test: K and/or V through a quantization scheme
+(``kvlens.kv.schemes``) and back to fp32, then the *same* attention code
+(:func:`kvlens.kernels.reference.reference_attention`). Everything else is held fixed, so Δ =
+out_q - out_f is the quantizer's contribution alone. Metrics and the first-order prediction of the
+error are in :mod:`kvlens.lab.metrics`.
+
+Synthetic data: a seeded stream per tensor (``seed``, trial, tensor), generated token-major, so a
+longer L extends the same keys (a sweep over L changes only L). ``--dist`` changes K and V only;
+Q is always N(0,1). ``normal`` N(0,1); ``uniform`` U(-√3, √3) (unit variance); ``student-t:NU``
+Student-t scaled to unit variance when NU > 2; ``outlier-channels[:F]`` N(0,1) with d/32 random
+key channels multiplied by F (default 10), the pattern per-channel key schemes target; ``real``
+Q/K/V captured from a model run by the engine on real text (trial i reads the i-th window of L
+tokens after ``seed`` windows; the query is the window's last position).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..kv.schemes import get_scheme
+from .metrics import compare, pooled_t
+
+SYNTH_DEFAULTS = {"head_dim": 128, "heads": 1, "kv_heads": 1}
+DISTS = ("normal", "uniform", "student-t:NU", "outlier-channels[:F]", "real")
+TOLERANCE = 0.05  # amplitude verdict: "unchanged" means within 5% of the first amplitude
+_LLMS: dict[str, Any] = {}
+
+
+@dataclass
+class UnitConfig:
+    seq_len: list[int] = field(default_factory=lambda: [256])
+    head_dim: int | None = None  # None: 128 (synthetic) or the model's
+    heads: int | None = None
+    kv_heads: int | None = None
+    dist: str = "normal"
+    k_amp: float = 1.0
+    v_amp: float = 1.0
+    quantize: str = "kv"
+    scheme: str = "q8"
+    trials: int = 1
+    seed: int = 0
+    amplitude: list[float] | None = None
+    model: str = "smollm2"
+    layer: int | None = None  # None: the middle layer
+    head: int | None = None  # None: every query head of the layer
+    text: str | None = None  # corpus name or UTF-8 file; None: the default corpus
+
+    def validate(self) -> None:
+        if not self.seq_len or min(self.seq_len) < 1:
+            raise ValueError("--seq-len must be one or more positive integers, e.g. 256 or 64,256,1024")
+        if self.quantize not in ("k", "v", "kv"):
+            raise ValueError(f"--quantize must be k, v or kv, not {self.quantize!r}")
+        get_scheme(self.scheme)
+        parse_dist(self.dist)
+        if self.trials < 1:
+            raise ValueError("--trials must be >= 1")
+        for name in ("head_dim", "heads", "kv_heads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if not all(math.isfinite(a) and a > 0 for a in (self.k_amp, self.v_amp, *(self.amplitude or []))):
+            raise ValueError("amplitudes (--k-amp, --v-amp, --amplitude) must be finite and > 0")
+        if self.amplitude is not None and (len(self.seq_len) != 1 or not self.amplitude):
+            raise ValueError("--amplitude needs a list of factors and a single --seq-len")
+        h, kvh = self.heads or 1, self.kv_heads or 1
+        if self.dist != "real" and h % kvh:
+            raise ValueError(f"--heads ({h}) must be a multiple of --kv-heads ({kvh})")
+
+
+def parse_list(text: str, kind: type = int) -> list:
+    """``"64,256"`` -> ``[64, 256]``; ValueError with the bad item otherwise."""
+    out = []
+    for item in str(text).replace(" ", "").split(","):
+        try:
+            out.append(kind(item))
+        except ValueError:
+            raise ValueError(f"not a list of {kind.__name__}s: {text!r} (bad item {item!r})") from None
+    return out
+
+
+def parse_dist(dist: str) -> tuple[str, float]:
+    """``(name, parameter)``: student-t's NU, outlier-channels' factor (10 by default), else 0."""
+    name, _, arg = dist.partition(":")
+    try:
+        if name == "student-t" and arg and float(arg) > 0:
+            return name, float(arg)
+        if name == "outlier-channels":
+            return name, float(arg) if arg else 10.0
+        if name in ("normal", "uniform", "real") and not arg:
+            return name, 0.0
+    except ValueError:
+        pass
+    raise ValueError(f"unknown --dist {dist!r}; choose one of: {', '.join(DISTS)} (NU > 0)")
+
+
+# -- data ------------------------------------------------------------------------------------
+def _stream(seed: int, trial: int, which: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed + trial) * 7919 + which)  # one stream per tensor
+
+
+def _draw(name: str, arg: float, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    if name == "uniform":
+        return (torch.rand(shape, generator=g) * 2 - 1) * math.sqrt(3.0)
+    if name == "student-t":
+        rng = np.random.default_rng(int(torch.randint(0, 2**62, (1,), generator=g)))
+        x = torch.from_numpy(rng.standard_t(arg, size=shape)).float()
+        return x * math.sqrt((arg - 2) / arg) if arg > 2 else x
+    return torch.randn(shape, generator=g)
+
+
+def synthetic_qkv(
+    cfg: UnitConfig, seq_len: int, trial: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q [H, 1, d], K and V [KV, L, d] for one trial (before --k-amp/--v-amp)."""
+    name, arg = parse_dist(cfg.dist)
+    d, h, kvh = (getattr(cfg, n) or SYNTH_DEFAULTS[n] for n in ("head_dim", "heads", "kv_heads"))
+    q = torch.randn((h, 1, d), generator=_stream(cfg.seed, trial, 0))
+    kind = "normal" if name == "outlier-channels" else name
+    k, v = (_draw(kind, arg, (seq_len, kvh, d), _stream(cfg.seed, trial, i)).transpose(0, 1) for i in (1, 2))
+    if name == "outlier-channels":
+        chans = torch.randperm(d, generator=_stream(cfg.seed, trial, 3))[: max(1, d // 32)]
+        k = k.clone()
+        k[..., chans] *= arg
+    return q, k.contiguous(), v.contiguous()
+
+
+class RealSource:
+    """Q/K/V of one layer of a real model on real text; one capture per trial serves every L."""
+
+    def __init__(self, cfg: UnitConfig, llm: Any = None) -> None:
+        from .corpus import load_corpus
+
+        if llm is None:
+            if cfg.model not in _LLMS:
+                import kvlens
+
+                _LLMS[cfg.model] = kvlens.load(cfg.model, kv="f32", attn_backend="torch")
+            llm = _LLMS[cfg.model]
+        self.llm, c = llm, llm.config
+        self.layer = c.n_layers // 2 if cfg.layer is None else cfg.layer
+        if not 0 <= self.layer < c.n_layers:
+            raise ValueError(f"--layer {self.layer} out of range: the model has {c.n_layers} layers")
+        for name, have in (("heads", c.n_heads), ("kv_heads", c.n_kv_heads), ("head_dim", c.head_dim)):
+            given = getattr(cfg, name)
+            if given is not None and given != have:
+                raise ValueError(f"--dist real: --{name.replace('_', '-')} {given} differs from the model's {have}")
+        if cfg.head is not None and not 0 <= cfg.head < c.n_heads:
+            raise ValueError(f"--head {cfg.head} out of range: the model has {c.n_heads} query heads")
+        self.head, self.group = cfg.head, c.n_heads // c.n_kv_heads
+        text, self.text_label = load_corpus(cfg.text)
+        self.ids = llm.tokenizer.encode(text)
+        self.window, self.seed = max(cfg.seq_len), cfg.seed
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        last = (cfg.seed + cfg.trials) * self.window
+        if len(self.ids) < last:
+            raise ValueError(
+                f"text {self.text_label!r} has {len(self.ids)} tokens; seed {cfg.seed} and {cfg.trials} "
+                f"trial(s) of {self.window} tokens need {last}"
+            )
+
+    def get(self, seq_len: int, trial: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if trial not in self._cache:
+            start = (self.seed + trial) * self.window
+            self._cache[trial] = self.llm.capture_qkv(self.ids[start : start + self.window], self.layer)
+        q, k, v = (t.float().cpu() for t in self._cache[trial])
+        q, k, v = q[:, seq_len - 1 : seq_len], k[:, :seq_len], v[:, :seq_len]  # causal: a prefix is exact
+        if self.head is not None:
+            kvh = self.head // self.group
+            q, k, v = q[self.head : self.head + 1], k[kvh : kvh + 1], v[kvh : kvh + 1]
+        return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+# -- the experiment --------------------------------------------------------------------------
+def run_trial(cfg: UnitConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+    """Amplitudes, quantization of the chosen tensors, the comparison. Returns metrics + tensors."""
+    scheme = get_scheme(cfg.scheme)
+    k, v = k * cfg.k_amp, v * cfg.v_amp
+    k_hat, v_hat, k_step, v_step, scale = k, v, None, None, {}
+    for role in cfg.quantize:
+        x = k if role == "k" else v
+        qt = scheme.quantize(x, role)
+        x_hat, step = scheme.dequantize(qt), scheme.step(x, role)
+        scale[role] = float(scheme.multiplier(qt).mean())
+        if role == "k":
+            k_hat, k_step = x_hat, step
+        else:
+            v_hat, v_step = x_hat, step
+    m, delta, out_f, out_q = compare(q, k, v, k_hat, v_hat, k_step, v_step)
+    m["k_scale_mean"], m["v_scale_mean"] = scale.get("k", 0.0), scale.get("v", 0.0)
+    return {"metrics": m, "delta": delta, "out_f": out_f, "out_q": out_q, "shape": tuple(q.shape) + (k.shape[0],)}
+
+
+def run_point(cfg: UnitConfig, seq_len: int, source: RealSource | None = None) -> dict[str, Any]:
+    """All trials at one L: each metric's mean over trials, with its std under ``std``."""
+    runs = []
+    for t in range(cfg.trials):
+        qkv = source.get(seq_len, t) if source else synthetic_qkv(cfg, seq_len, t)
+        runs.append(run_trial(cfg, *qkv))
+    keys = runs[0]["metrics"].keys()
+    vals = {key: np.array([r["metrics"][key] for r in runs]) for key in keys}
+    h, _, d, kvh = runs[0]["shape"]
+    point: dict[str, Any] = {key: float(vals[key].mean()) for key in keys}
+    point["mean_signed_diff"], point["signed_t"] = pooled_t([r["delta"] for r in runs])
+    point["std"] = {key: float(vals[key].std(ddof=1)) if cfg.trials > 1 else 0.0 for key in keys}
+    point.update(
+        seq_len=seq_len, head_dim=d, heads=h, kv_heads=kvh, dist=cfg.dist, scheme=cfg.scheme,
+        quantize=cfg.quantize, k_amp=cfg.k_amp, v_amp=cfg.v_amp, seed=cfg.seed, trials=cfg.trials,
+        bits_per_value=get_scheme(cfg.scheme).bits_per_value(d),
+        out_f=[round(float(x), 6) for x in runs[0]["out_f"].flatten()[:4]],
+        out_q=[round(float(x), 6) for x in runs[0]["out_q"].flatten()[:4]],
+    )  # fmt: skip
+    if source is not None:
+        point.update(model=cfg.model, layer=source.layer, head=cfg.head, text=source.text_label)
+    point["_deltas"] = torch.cat([r["delta"].flatten() for r in runs])  # for the histogram, not JSON
+    return point
+
+
+@dataclass
+class UnitResult:
+    config: UnitConfig
+    points: list[dict[str, Any]]
+    amplitude: list[dict[str, Any]] | None = None
+    verdicts: dict[str, str] | None = None
+
+
+def run(cfg: UnitConfig, llm: Any = None) -> UnitResult:
+    """Run the configured experiment: one point, a sweep over L, or the amplitude analysis."""
+    cfg.validate()
+    source = RealSource(cfg, llm) if cfg.dist == "real" else None
+    if cfg.amplitude is None:
+        return UnitResult(cfg, [run_point(cfg, n, source) for n in cfg.seq_len])
+    rows = []
+    for a in cfg.amplitude:
+        for which in ("v", "k"):
+            c = replace(cfg, v_amp=cfg.v_amp * a) if which == "v" else replace(cfg, k_amp=cfg.k_amp * a)
+            rows.append({"scaled": which, "amplitude": a, **run_point(c, cfg.seq_len[0], source)})
+    return UnitResult(cfg, [r for r in rows if r["amplitude"] == cfg.amplitude[0]][:1], rows, amplitude_verdicts(rows))
+
+
+def amplitude_verdicts(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Does the seed's "relative error unchanged" hold when V (resp. K) is scaled? Why, in numbers."""
+    out = {}
+    for which, name in (("v", "V"), ("k", "K")):
+        rs = [r for r in rows if r["scaled"] == which]
+        base = rs[0]
+        ratios = [r["rel_l2"] / base["rel_l2"] for r in rs]
+        holds = all(abs(x - 1) <= TOLERANCE for x in ratios)
+        parts = ", ".join(f"x{r['amplitude']:g}: {x:.3f}" for r, x in zip(rs, ratios, strict=True))
+        top = rs[-1]
+        if which == "v":
+            why = (
+                "V's per-row scales grow with V, so V-hat scales by the same factor (exactly for a power of "
+                "two); the weights do not change, so Δout and out scale together"
+            )
+        else:
+            why = (
+                f"K×a multiplies every logit by a (softmax temperature 1/a): effective keys "
+                f"{base['eff_keys']:.1f} -> {top['eff_keys']:.1f}, KL(w||w-hat) {base['kl_weights']:.2e} -> "
+                f"{top['kl_weights']:.2e}; the K step grows by a, so logit errors grow a-fold while |out| "
+                f"changes (rms {base['out_rms']:.3f} -> {top['out_rms']:.3f})"
+            )
+        verdict = "holds" if holds else "does NOT hold"
+        out[which] = f"{name} scaled: rel L2 ratio vs x{base['amplitude']:g} = {parts} -> {verdict} ({why})."
+    return out
+
+
+# -- output ----------------------------------------------------------------------------------
+def seed_line(p: dict[str, Any]) -> str:
+    """The seed's printout, on one line."""
+    tgt = p["quantize"].upper()
+    f4 = " ".join(f"{x:.4f}" for x in p["out_f"])
+    q4 = " ".join(f"{x:.4f}" for x in p["out_q"])
+    r = "k" if "k" in p["quantize"] else "v"
+    tail = f"avg {r.upper()} per-token scale ~ {p[f'{r}_scale_mean']:.5f} - {p['scheme']} step ~ {p[f'{r}_step_mean']:.5f}"
+    return (
+        f"L{p['seq_len']} hd{p['head_dim']} | fp32-KV vs {p['scheme']}-{tgt} attention output: "
+        f"max|d_out| {p['max_abs_diff']:.5f} mean|d_out| {p['mean_abs_diff']:.5f} "
+        f"out_f[0..3] {f4} out_q[0..3] {q4} ({tail})"
+    )
+
+
+def _fmt(p: dict[str, Any], key: str) -> str:
+    s = f"{p[key]:.4g}"
+    return f"{s} ± {p['std'][key]:.2g}" if p["trials"] > 1 and key in p["std"] else s
+
+
+def render(result: UnitResult, console: Any = None) -> None:
+    """Print the seed line(s) and a table (rows = metrics for one point; one row per L for sweeps)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console(width=160)
+    pts = result.points if result.amplitude is None else []
+    for p in pts:
+        con.print(seed_line(p), markup=False, highlight=False, soft_wrap=True)
+    c = result.config
+    title = f"lab unit: {c.scheme} on {c.quantize.upper()}, dist {c.dist}, trials {c.trials} (mean ± std), seed {c.seed}"
+    if len(pts) == 1:
+        p = pts[0]
+        t = Table(title=title)
+        for col in ("metric", "measured", "predicted (1st order)"):
+            t.add_column(col)
+        rows = [
+            ("max|Δ|", "max_abs_diff", None),
+            ("mean|Δ|", "mean_abs_diff", "predicted_mean_abs_diff"),
+            ("rel L2 ‖Δ‖/‖out‖", "rel_l2", "predicted_rel_l2"),
+            ("cosine(out_f, out_q)", "cosine", None),
+            ("mean signed Δ", "mean_signed_diff", None),
+            ("  t-statistic (pooled)", "signed_t", None),
+            ("  fraction Δ > 0", "frac_positive", None),
+            ("K step mean", "k_step_mean", None),
+            ("V step mean", "v_step_mean", None),
+            ("KL(w ‖ ŵ) attention weights", "kl_weights", None),
+            ("effective keys 1/Σw²", "eff_keys", None),
+            ("rms(out_f)", "out_rms", None),
+        ]
+        for label, key, pred in rows:
+            t.add_row(label, _fmt(p, key), _fmt(p, pred) if pred else "")
+        t.add_row("bits per K/V value", f"{p['bits_per_value']:g}", "")
+        con.print(t)
+    else:
+        rows_src = pts or result.amplitude or []
+        t = Table(title=title + (" — amplitude analysis" if result.amplitude else ""))
+        lead = ["L"] if pts else ["scaled", "a"]
+        for col in lead + ["max|Δ|", "mean|Δ|", "pred mean|Δ|", "rel L2", "pred rel L2", "cosine", "signed Δ", "t", "KL(w‖ŵ)", "eff keys"]:
+            t.add_column(col)
+        keys = ["max_abs_diff", "mean_abs_diff", "predicted_mean_abs_diff", "rel_l2", "predicted_rel_l2", "cosine", "mean_signed_diff", "signed_t", "kl_weights", "eff_keys"]
+        for p in rows_src:
+            head = [str(p["seq_len"])] if pts else [p["scaled"].upper(), f"{p['amplitude']:g}"]
+            t.add_row(*head, *(_fmt(p, k) for k in keys))
+        con.print(t)
+    for line in (result.verdicts or {}).values():
+        con.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _clean(p: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in p.items() if not k.startswith("_")}
+
+
+def to_json(result: UnitResult) -> str:
+    """One object for a single point, a list for a sweep, ``{rows, verdicts, config}`` for amplitudes."""
+    if result.amplitude is not None:
+        obj: Any = {"amplitude": [_clean(r) for r in result.amplitude], "verdicts": result.verdicts,
+                    "config": asdict(result.config)}  # fmt: skip
+    elif len(result.points) == 1:
+        obj = _clean(result.points[0])
+    else:
+        obj = [_clean(p) for p in result.points]
+    return json.dumps(obj, indent=2)
+
+
+def write_plot(result: UnitResult, path: str | Path) -> Path:
+    """PNG: error vs L (sweep), rel L2 vs amplitude (amplitude mode), else a histogram of Δ."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    c = result.config
+    if result.amplitude is not None:
+        for which in ("v", "k"):
+            rs = [r for r in result.amplitude if r["scaled"] == which]
+            ax.plot([r["amplitude"] for r in rs], [r["rel_l2"] for r in rs], "o-", label=f"{which.upper()} × a")
+        ax.set(xlabel="amplitude a", ylabel="rel L2 ‖Δ‖/‖out‖")
+    elif len(result.points) > 1:
+        L = [p["seq_len"] for p in result.points]
+        for key, label in (("mean_abs_diff", "mean|Δ| measured"), ("predicted_mean_abs_diff", "mean|Δ| predicted"),
+                           ("max_abs_diff", "max|Δ| measured")):  # fmt: skip
+            err = [p["std"][key] for p in result.points] if c.trials > 1 else None
+            ax.errorbar(L, [p[key] for p in result.points], yerr=err, marker="o", capsize=3, label=label)
+        ax.set(xscale="log", yscale="log", xlabel="L (keys)", ylabel="|Δout|")
+    else:
+        p = result.points[0]
+        d = p["_deltas"].numpy()
+        ax.hist(d, bins=max(10, min(80, d.size // 8)), density=True, alpha=0.7, label="measured Δ")
+        sigma = p["predicted_mean_abs_diff"] / math.sqrt(2 / math.pi)
+        xs = np.linspace(d.min(), d.max(), 200)
+        ax.plot(xs, np.exp(-(xs**2) / (2 * sigma**2)) / (sigma * math.sqrt(2 * math.pi)), label="predicted N(0, σ)")
+        ax.set(xlabel="Δout = out_q - out_f", ylabel="density")
+    ax.set_title(f"{c.scheme} on {c.quantize.upper()}, dist {c.dist}, L {','.join(map(str, c.seq_len))}")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
