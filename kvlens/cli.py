@@ -158,6 +158,85 @@ def lab_unit(
 
 
 # == lab ppl / greedy / layers (kvlens.lab.ppl, .greedy, .layers) ==
+LAB_KV_HELP = "Comma list of KV modes to test (or 'all'): " + KV_HELP.split(": ", 1)[1]
+LAB_CORPUS_HELP = "Built-in corpus name or a UTF-8 file (default: britannica)."
+LAB_REPORT_HELP = "Write Markdown + PNG plots into this directory."
+
+
+@lab_app.command("ppl")
+def lab_ppl(
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    corpus: str | None = typer.Option(None, help=LAB_CORPUS_HELP),
+    ctx: int = typer.Option(512, min=4, help="Tokens per chunk; the second half of each is scored."),
+    kv: str = typer.Option("q8,q8-k,q8-v,f16", help=LAB_KV_HELP),
+    base: str = typer.Option("f32", help="Baseline KV mode, computed in the same run."),
+    chunks: int | None = typer.Option(None, min=1, help="Score at most this many chunks."),
+    prefill_chunk: int = typer.Option(
+        32, min=1, help="Test modes prefill each chunk in sub-chunks of this size."
+    ),
+    keep_sink: int = typer.Option(0, min=0, help="Keep the first S positions exact."),
+    keep_recent: int = typer.Option(0, min=0, help="Keep the last R positions exact."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    report: str | None = typer.Option(None, help=LAB_REPORT_HELP),
+) -> None:
+    """Perplexity and llama-perplexity's KL-divergence report, per KV mode, against a baseline."""
+    from .lab import ppl
+
+    ppl.cli(model, corpus, ctx, kv, base, chunks, prefill_chunk, keep_sink, keep_recent, json_out, report)
+
+
+@lab_app.command("greedy")
+def lab_greedy(
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    corpus: str | None = typer.Option(None, help=LAB_CORPUS_HELP),
+    ctx: int = typer.Option(64, min=2, help="Prompt length in tokens."),
+    kv: str = typer.Option("q8,q8-k,q8-v,f16", help=LAB_KV_HELP),
+    base: str = typer.Option("f32", help="Baseline KV mode."),
+    prompts: int = typer.Option(16, "--prompts", "--chunks", min=1, help="Prompts cut from the corpus."),
+    tokens: int = typer.Option(32, min=1, help="Greedy tokens per prompt."),
+    prefill_chunk: int = typer.Option(32, min=1, help="Prompt prefill sub-chunk size."),
+    keep_sink: int = typer.Option(0, min=0, help="Keep the first S positions exact."),
+    keep_recent: int = typer.Option(0, min=0, help="Keep the last R positions exact."),
+    show: int = typer.Option(3, min=0, help="Diverging continuations shown per mode."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    report: str | None = typer.Option(None, help=LAB_REPORT_HELP),
+) -> None:
+    """Greedy continuations under the baseline and each KV mode: agreement and first divergence."""
+    from .lab import greedy
+
+    greedy.cli(
+        model,
+        corpus,
+        ctx,
+        kv,
+        base,
+        prompts,
+        tokens,
+        prefill_chunk,
+        keep_sink,
+        keep_recent,
+        show,
+        json_out,
+        report,
+    )
+
+
+@lab_app.command("layers")
+def lab_layers(
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    corpus: str | None = typer.Option(None, help=LAB_CORPUS_HELP),
+    ctx: int = typer.Option(512, min=4, help="Corpus window length in tokens."),
+    kv: str = typer.Option("q8,q8-k,q8-v,f16", help=LAB_KV_HELP),
+    chunks: int = typer.Option(1, min=1, help="Windows (ppl-protocol chunks) to pool."),
+    keep_sink: int = typer.Option(0, min=0, help="Keep the first S positions exact."),
+    keep_recent: int = typer.Option(0, min=0, help="Keep the last R positions of the window exact."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    report: str | None = typer.Option(None, help=LAB_REPORT_HELP),
+) -> None:
+    """Relative attention-output error per layer and KV head for each mode, with flagged outliers."""
+    from .lab import layers
+
+    layers.cli(model, corpus, ctx, kv, chunks, keep_sink, keep_recent, json_out, report)
 
 
 # == bench attention / decode (kvlens.bench) ==

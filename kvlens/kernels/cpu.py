@@ -11,10 +11,9 @@ The kernels read the cache exactly as :mod:`kvlens.kv.cache` stores it (``data [
 * the sequence is split (Flash-Decoding): ``prange`` over (kv_head, split) pairs, each split keeps
   ``(m, l, partial acc)``, merged exactly afterwards with the log-sum-exp rule.
 
-Storage kinds share one kernel: the raw rows are passed as int8 (q8), or as their bit patterns —
-uint16 for f16/bf16 (numba has no float16/bfloat16 arrays) and uint32 for f32 — and converted to
-f32 in-register (bf16: ``bits << 16``; f16: the exact magic-multiply conversion below). So f32,
-f16, bf16, q8 and the mixed modes (q8-k, q8-v) all run fused; nothing falls back to torch.
+Every storage kind runs through one compiled kernel: rows arrive as raw bytes and are converted to
+f32 per tile (int8 -> f32; bf16: ``bits << 16``; f16: an exact bit conversion, numba having no
+float16 arrays). So f32, f16, bf16, q8 and the mixed modes (q8-k, q8-v) all run fused.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ from ..kv.quant import quantize_q8
 
 QBLOCK = 32  # query block of the int-dot variant (the seed: 32 values, one scale)
 TILE = 32  # positions per online-softmax step: scratch K/V tile is TILE*hd*4 bytes (16 KiB at hd 128)
+SERIAL_ROWS = 2048  # below this many (kv_head, position) rows one thread runs it all (~0.1 ms of work)
 MIN_SPLIT = 256  # shortest split worth a thread: below it the merge and scheduling cost dominate
-# Storage codes of the raw row arrays.
 CODE_Q8, CODE_F16, CODE_BF16, CODE_F32 = 0, 1, 2, 3
 _KIND_CODE = {"q8": CODE_Q8, "f16": CODE_F16, "bf16": CODE_BF16, "f32": CODE_F32}
 # reassoc+contract let LLVM vectorize the dot-product / sum reductions (and use FMA). No nnan/ninf:
@@ -41,38 +40,41 @@ _F16_MAGIC = np.float32(2.0**112)  # (h & 0x7fff) << 13 read as f32, times 2^112
 
 
 @njit(fastmath=_FM, cache=True)
-def _stage(src, code, h, t0, nt, dst_u, dst_f):  # pragma: no cover - compiled
-    """Convert rows src[h, t0:t0+nt] to float32 in dst_f (dst_u: the same buffer as uint32)."""
-    hd = src.shape[2]
+def _stage(raw, code, h, t0, nt, dst_u, dst_f):  # pragma: no cover - compiled
+    """Rows t0..t0+nt of KV head h as f32 in dst_f (dst_u: same buffer). ``raw``: the store's bytes
+    ``[n_kv, cap, row_bytes]`` — one uint8 signature for every kind means a single (cached) compile."""
+    hd = dst_f.shape[1]
     if code == CODE_Q8:
+        s8 = raw.view(np.int8)
         for j in range(nt):
             for d in range(hd):
-                dst_f[j, d] = np.float32(src[h, t0 + j, d])
+                dst_f[j, d] = np.float32(s8[h, t0 + j, d])
     elif code == CODE_F32:
+        s32 = raw.view(np.uint32)
         for j in range(nt):
             for d in range(hd):
-                dst_u[j, d] = np.uint32(src[h, t0 + j, d])
-    elif code == CODE_BF16:
+                dst_u[j, d] = s32[h, t0 + j, d]
+    elif code == CODE_BF16:  # bf16 is the top half of an f32
+        s16 = raw.view(np.uint16)
         for j in range(nt):
             for d in range(hd):
-                dst_u[j, d] = np.uint32(np.uint16(src[h, t0 + j, d])) << np.uint32(16)
-    else:  # f16 bits; cache rows are finite by policy, so Inf/NaN patterns need no special case
+                dst_u[j, d] = np.uint32(s16[h, t0 + j, d]) << np.uint32(16)
+    else:  # f16; cache rows are finite by policy, so Inf/NaN bit patterns need no special case
+        s16 = raw.view(np.uint16)
         for j in range(nt):
             for d in range(hd):
-                dst_u[j, d] = (np.uint32(np.uint16(src[h, t0 + j, d])) & np.uint32(0x7FFF)) << np.uint32(13)
+                dst_u[j, d] = (np.uint32(s16[h, t0 + j, d]) & np.uint32(0x7FFF)) << np.uint32(13)
             for d in range(hd):
-                dst_f[j, d] *= _F16_MAGIC
+                dst_f[j, d] *= _F16_MAGIC  # exact: also renormalizes f16 subnormals
             for d in range(hd):
-                dst_u[j, d] |= (np.uint32(np.uint16(src[h, t0 + j, d])) & np.uint32(0x8000)) << np.uint32(16)
+                dst_u[j, d] |= (np.uint32(s16[h, t0 + j, d]) & np.uint32(0x8000)) << np.uint32(16)
 
 
 @njit(fastmath={"contract"}, cache=True)  # no reassoc: it would fold the two-step ln2 reduction
 def _exp_inplace(x, n, e_u, e_f):  # pragma: no cover - compiled
-    """x[:n] = exp(x[:n]) for x <= 0, vectorizable (libm expf is a scalar call, ~10x slower here).
-
-    Cephes expf: Cody-Waite reduction x = k ln2 + r, degree-6 polynomial, times 2^k built in the
-    exponent bits (e_u/e_f: one uint32/float32 scratch). Max error ~1 ulp; x < -87 gives ~1e-38, not 0.
-    """
+    """x[:n] = exp(x[:n]) for x <= 0, vectorized (a libm expf call per score cost ~15 ns here). Cephes
+    expf: x = k ln2 + r, degree-6 polynomial in r, times 2^k built in the exponent bits of e_u/e_f
+    (one scratch). Max error ~1 ulp; x < -87 gives ~1e-38 instead of 0."""
     for j in range(n):
         xj = max(x[j], np.float32(-87.0))
         k = np.floor(xj * np.float32(1.4426950408889634) + np.float32(0.5))
@@ -111,11 +113,8 @@ def _dot_tile(qs, hq0, group, tile, nt, sc):  # pragma: no cover - compiled
 
 @njit(fastmath=_FM, cache=True)
 def _dot_tile_int(q8, qsc, hq0, group, k, h, t0, nt, prod, sc):  # pragma: no cover - compiled
-    """The seed's integer dot: per 32-block int32 sum of q8 * k8, times the block's query scale.
-
-    Written as an int32 product pass then block sums: the only form numba/LLVM vectorized at all
-    (a fused int loop is widened to int64 by numba's integer typing and stays scalar).
-    """
+    """The seed's integer dot: per 32-block int32 sum of q8 * k8, times the block's query scale. An int32
+    product pass then block sums: the only form LLVM vectorized (numba types the fused loop int64)."""
     hd = k.shape[2]
     for g in range(group):
         hq = hq0 + g
@@ -149,10 +148,8 @@ def _axpy_tile(sc, tile, nt, group, acc):  # pragma: no cover - compiled
 
 @njit(fastmath=_FM, cache=True)
 def _softmax_tile(sc, nt, group, m, lsum, acc, v_scale, v_q8, h, t0, e_u, e_f):  # pragma: no cover
-    """Online-softmax step over one tile of scores: update (m, l), rescale acc, leave weights in sc.
-
-    With an int8 V the weight also carries the row's max_abs/127, so V is never dequantized.
-    """
+    """Online-softmax step over a tile: update (m, l), rescale acc, leave the weights in sc (times the
+    row's max_abs/127 for an int8 V, so V is never dequantized)."""
     hd = acc.shape[1]
     for g in range(group):
         row = sc[g]
@@ -208,6 +205,7 @@ def _decode_core(
     n_heads, hd = qs.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
+    k8 = k.view(np.int8)
     split_len = (length + n_splits - 1) // n_splits
     n_items = n_kv * n_splits
     part_acc = np.zeros((n_items, group, hd), np.float32)
@@ -227,7 +225,7 @@ def _decode_core(
         for t0 in range(t_lo, t_hi, TILE):
             nt = min(TILE, t_hi - t0)
             if int_dot:
-                _dot_tile_int(q8, qsc, h * group, group, k, h, t0, nt, prod, sc)
+                _dot_tile_int(q8, qsc, h * group, group, k8, h, t0, nt, prod, sc)
             else:
                 _stage(k, k_code, h, t0, nt, tile_u, tile)
                 _dot_tile(qs, h * group, group, tile, nt, sc)
@@ -265,6 +263,15 @@ def quantize_query_blocks(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 _NO_SCALE = np.ones((1, 1), np.float32)
 _NO_Q8 = np.zeros((1, 1), np.int8)
+_ITEMSIZE = {CODE_Q8: 1, CODE_F16: 2, CODE_BF16: 2, CODE_F32: 4}
+_NP_CODE = {np.dtype(np.int8): CODE_Q8, np.dtype(np.float16): CODE_F16, np.dtype(np.float32): CODE_F32}
+
+
+def _raw(a: np.ndarray) -> tuple[np.ndarray, int]:
+    """A numpy cache array as the uint8 bytes the core reads, and its storage code."""
+    if a.dtype not in _NP_CODE:
+        raise TypeError(f"cache rows must be int8, float16 or float32, got {a.dtype}")
+    return np.ascontiguousarray(a).view(np.uint8), _NP_CODE[a.dtype]
 
 
 def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_dot=False):
@@ -272,84 +279,74 @@ def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_d
     n_kv, cap = k.shape[:2]
     if not 1 <= length <= cap:
         raise ValueError(f"length {length} outside [1, cap={cap}]")
-    if n_heads % n_kv or k.shape[2] != hd or v.shape != k.shape or out.shape != q.shape:
+    if n_heads % n_kv or v.shape[:2] != (n_kv, cap) or out.shape != q.shape:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}, out {out.shape}")
+    if k.shape[2] != hd * _ITEMSIZE[k_code] or v.shape[2] != hd * _ITEMSIZE[v_code]:
+        raise ValueError(f"head_dim mismatch: q has {hd}")
     if out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError("out must be a C-contiguous float32 array")
-    n_splits = choose_splits(length, n_kv) if n_splits is None else max(1, int(n_splits))
+    n_threads = numba.get_num_threads()
+    serial = n_kv * length < SERIAL_ROWS
+    if n_splits is None:
+        n_splits = 1 if serial else choose_splits(length, n_kv, n_threads)
+    n_splits = max(1, int(n_splits))
     qs = np.ascontiguousarray(q, np.float32) * np.float32(1.0 / math.sqrt(hd))  # 1/sqrt(d) once, in q
     q8, qsc = _NO_Q8, _NO_SCALE
     if int_dot:
         q8, q_max = quantize_query_blocks(q)
         qsc = q_max * np.float32(1.0 / (127.0 * math.sqrt(hd)))
-    _decode_core(qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, int(length), n_splits, out)
+    k_scale = np.ascontiguousarray(k_scale, np.float32)
+    v_scale = np.ascontiguousarray(v_scale, np.float32)
+    args = (qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, int(length), n_splits, out)
+    if serial and n_threads > 1:  # waking the thread pool would cost more than the work
+        numba.set_num_threads(1)
+        try:
+            _decode_core(*args)
+        finally:
+            numba.set_num_threads(n_threads)
+    else:
+        _decode_core(*args)
     return out
 
 
-def decode_attention_q8(
-    q: np.ndarray,
-    k_q8: np.ndarray,
-    k_max_abs: np.ndarray,
-    v_q8: np.ndarray,
-    v_max_abs: np.ndarray,
-    length: int,
-    out: np.ndarray,
-    n_splits: int | None = None,
-) -> np.ndarray:
-    """Attention of ``q [n_heads, hd]`` over the first ``length`` int8 rows ``[n_kv, cap, hd]`` with
-    ``max_abs [n_kv, cap]``; f32 query, f32 math. Writes and returns ``out [n_heads, hd]`` (f32).
+def decode_attention_q8(q, k_q8, k_max_abs, v_q8, v_max_abs, length: int, out, n_splits=None) -> np.ndarray:
+    """Attention of ``q [n_heads, hd]`` (f32) over the first ``length`` int8 rows ``[n_kv, cap, hd]``
+    with ``max_abs [n_kv, cap]``; f32 math. Writes and returns ``out [n_heads, hd]`` (f32 numpy).
 
-    The default q8 kernel: measured 3-5x faster than :func:`decode_attention_q8_intdot` here (numba
-    widens int8*int8 products to int64, so the integer dot barely vectorizes, while int8 -> f32
-    converts and FMAs vectorize fully on AVX2) and, unlike it, exact up to f32 rounding.
+    The default q8 kernel. It beat :func:`decode_attention_q8_intdot` 2.5-3x in
+    ``scripts/bench_kernels_quick.py`` (numba types int8*int8 products as int64, so integer dots barely
+    vectorize, while int8 -> f32 converts + FMAs vectorize fully on AVX2; this CPU has no VNNI) and,
+    unlike it, it is exact up to f32 rounding.
     """
-    return _run(q, k_q8, CODE_Q8, k_max_abs, v_q8, CODE_Q8, v_max_abs, length, out, n_splits)
+    k, v = _raw(k_q8)[0], _raw(v_q8)[0]
+    return _run(q, k, CODE_Q8, k_max_abs, v, CODE_Q8, v_max_abs, length, out, n_splits)
 
 
 def decode_attention_q8_intdot(
-    q: np.ndarray,
-    k_q8: np.ndarray,
-    k_max_abs: np.ndarray,
-    v_q8: np.ndarray,
-    v_max_abs: np.ndarray,
-    length: int,
-    out: np.ndarray,
-    n_splits: int | None = None,
+    q, k_q8, k_max_abs, v_q8, v_max_abs, length: int, out, n_splits=None
 ) -> np.ndarray:
     """The seed's variant: query int8 in blocks of 32 (:func:`quantize_query_blocks`), int32 dots.
 
-    Same contract as :func:`decode_attention_q8` except that the query is quantized first.
+    Same contract as :func:`decode_attention_q8`, except that the query is quantized first.
     """
-    return _run(q, k_q8, CODE_Q8, k_max_abs, v_q8, CODE_Q8, v_max_abs, length, out, n_splits, int_dot=True)
-
-
-def _bits(a: np.ndarray) -> tuple[np.ndarray, int]:
-    """A float cache array as the raw bits the core reads, and its storage code."""
-    if a.dtype == np.float32:
-        return a.view(np.uint32), CODE_F32
-    if a.dtype == np.float16:
-        return a.view(np.uint16), CODE_F16
-    raise TypeError(f"float cache must be float32 or float16, got {a.dtype}")
+    k, v = _raw(k_q8)[0], _raw(v_q8)[0]
+    return _run(q, k, CODE_Q8, k_max_abs, v, CODE_Q8, v_max_abs, length, out, n_splits, int_dot=True)
 
 
 def decode_attention_float(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int, out: np.ndarray, n_splits: int | None = None
 ) -> np.ndarray:
     """The same over float32 or float16 K/V ``[n_kv, cap, hd]`` (bf16: :func:`decode_attention`)."""
-    kb, kc = _bits(k)
-    vb, vc = _bits(v)
+    kb, kc = _raw(k)
+    vb, vc = _raw(v)
     return _run(q, kb, kc, _NO_SCALE, vb, vc, _NO_SCALE, length, out, n_splits)
 
 
 def _store_arrays(store) -> tuple[np.ndarray, int, np.ndarray]:
-    """Zero-copy numpy views of a RowStore: (raw rows, storage code, scales)."""
-    data = store.data
-    if store.kind == "q8":
-        return data.numpy(), CODE_Q8, store.scale.numpy()
-    if store.kind == "bf16":  # numpy has no bfloat16: pass the bits, the kernel shifts them to f32
-        return data.view(torch.int16).numpy().view(np.uint16), CODE_BF16, _NO_SCALE
-    raw, code = _bits(data.numpy())
-    return raw, code, _NO_SCALE
+    """Zero-copy numpy views of a RowStore: (row bytes, storage code, scales)."""
+    raw = store.data.view(torch.uint8).numpy()  # bf16 too: numpy has no bfloat16, the kernel shifts bits
+    scale = store.scale.numpy() if store.kind == "q8" else _NO_SCALE
+    return raw, _KIND_CODE[store.kind], scale
 
 
 def decode_attention(

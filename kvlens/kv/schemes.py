@@ -164,10 +164,15 @@ class BlockSym(Scheme):
     def _quantize(self, xg):
         d = xg.abs().amax(dim=-1) / self.qmax
         if bool((d > FP16_MAX).any()):
-            raise ValueError(f"{self.name}: |x| up to {float(d.max()) * self.qmax:.3g} overflows the fp16 scale")
+            raise ValueError(
+                f"{self.name}: |x| up to {float(d.max()) * self.qmax:.3g} overflows the fp16 scale"
+            )
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))  # llama.cpp: id = d ? 1/d : 0
-        q = _roundf(xg * inv.unsqueeze(-1)).clamp_(-self.qmax, self.qmax).to(torch.int8)
-        return q, d.to(torch.float16), None
+        q = _roundf(xg * inv.unsqueeze(-1)).clamp_(-self.qmax, self.qmax)
+        d16 = d.to(torch.float16)
+        # a scale that underflows fp16 dequantizes to 0 whatever the codes: store 0 codes then
+        q = torch.where((d16 == 0).unsqueeze(-1), torch.zeros_like(q), q)
+        return q.to(torch.int8), d16, None
 
     def _dequantize(self, qt):
         return qt.codes.to(torch.float32) * qt.scale.to(torch.float32).unsqueeze(-1)
@@ -190,7 +195,9 @@ class FP8(Scheme):
     def _quantize(self, xg):
         amax = xg.abs().amax(dim=-1)
         # below this the scale would be subnormal/zero in fp32; such rows quantize to 0 with s = 1
-        s = torch.where(amax >= torch.finfo(torch.float32).tiny * FP8_MAX, amax / FP8_MAX, torch.ones_like(amax))
+        s = torch.where(
+            amax >= torch.finfo(torch.float32).tiny * FP8_MAX, amax / FP8_MAX, torch.ones_like(amax)
+        )
         y = (xg / s.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
         return y.to(torch.float8_e4m3fn), s, None
 
@@ -214,7 +221,9 @@ class Kivi(Scheme):
         self.code_bits = bits
         self.levels = float(2**bits - 1)
         self.name = "kivi" if bits == 2 else f"kivi{bits}"
-        self.description = f"KIVI-{bits}: K per channel (groups of 32 tokens), V per token (32 channels), min/max"
+        self.description = (
+            f"KIVI-{bits}: K per channel (groups of 32 tokens), V per token (32 channels), min/max"
+        )
 
     def axis(self, role: str = "k") -> int:
         super().axis(role)

@@ -8,8 +8,10 @@ evaluated from an empty cache; only the second half is scored: the logits of pos
 
 The baseline (``base``, default f32) is computed in the same run. Test modes prefill each chunk in
 sub-chunks of ``prefill_chunk`` tokens, so every sub-chunk attends all earlier positions through the
-mode's (quantized) cache. An f32 base is prefilled in one pass (f32 storage is chunk-invariant);
-any other base uses the same sub-chunks as the test modes.
+mode's (quantized) cache. (kvlens's cache also writes the current sub-chunk before attending it, so a
+query reads int8 for its own sub-chunk too: the sub-chunk size changes a q8 result only through float
+rounding that flips int8 rounding decisions.) An f32 base is prefilled in one pass (f32 storage is
+chunk-invariant); any other base uses the same sub-chunks as the test modes.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ MIRROR_NOTE = (
 _METRIC_KEYS = ("nll_q", "nll_base", "kld", "top_q", "top_base")
 
 
-def make_chunks(ids: list[int], ctx: int, n_chunks: int | None = None, bos_id: int | None = None) -> list[list[int]]:
+def make_chunks(
+    ids: list[int], ctx: int, n_chunks: int | None = None, bos_id: int | None = None
+) -> list[list[int]]:
     """Non-overlapping ``ctx``-token chunks of ``ids``; the first token of each becomes ``bos_id`` if given.
 
     At most ``n_chunks`` (llama.cpp silently caps a larger request at the number available).
@@ -237,8 +241,10 @@ def run_ppl(
 def describe(r: PplResult) -> list[str]:
     """The protocol in words (for the terminal and the Markdown report)."""
     first, end = scored_span(r.ctx)
-    bos = f"first token of every chunk replaced by BOS (id {r.bos_id})" if r.bos_id is not None else (
-        "no BOS (the tokenizer adds none)"
+    bos = (
+        f"first token of every chunk replaced by BOS (id {r.bos_id})"
+        if r.bos_id is not None
+        else ("no BOS (the tokenizer adds none)")
     )
     base_how = (
         "prefilled in one pass (f32 storage is chunk-invariant)"
@@ -251,8 +257,8 @@ def describe(r: PplResult) -> list[str]:
         f"scored: second half of each chunk, positions {first}..{end - 1} predict tokens {first + 1}..{end} "
         f"-> {end - first} per chunk, {r.tokens_scored} in total",
         f"base {r.base}: {base_how}",
-        f"test modes: prefill sub-chunk {r.prefill_chunk} tokens; every sub-chunk attends all earlier "
-        "positions through the mode's cache",
+        f"test modes: prefill sub-chunk {r.prefill_chunk} tokens; each sub-chunk is written to the mode's "
+        "cache, then attends every position up to its own through it (its own rows included)",
     ]
     if r.keep_sink or r.keep_recent:
         lines.append(f"kept exact in test modes: first {r.keep_sink} / last {r.keep_recent} positions")
@@ -330,7 +336,7 @@ def cli(
     keep_sink: int,
     keep_recent: int,
     json_out: bool,
-    report: Path | None,
+    report: str | Path | None,
 ) -> None:
     """The body of ``kvlens lab ppl``."""
     import sys

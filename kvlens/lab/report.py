@@ -137,7 +137,7 @@ def plot_kld(kld_by_mode: dict[str, np.ndarray], path: Path) -> Path:
     bins = np.linspace(lo, hi + 1e-9, 60)
     for m, v in logs.items():
         ax.hist(v, bins=bins, histtype="step", linewidth=1.5, label=f"{m} (mean {kld_by_mode[m].mean():.2e})")
-    ax.set_xlabel("log10 KLD(base ‖ mode) per scored token")
+    ax.set_xlabel("log10 KLD(base ‖ mode) per scored token (≤ 1e-12 drawn at -12)")
     ax.set_ylabel("tokens")
     ax.legend(fontsize=8)
     ax.set_title("Per-token KL divergence from the base")
@@ -151,10 +151,15 @@ def plot_layers(err_by_mode: dict[str, np.ndarray], path: Path) -> Path:
     """Per-layer relative attention-output error (one line per mode, worst KV head dotted), log y."""
     plt = _figure()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for m, e in err_by_mode.items():  # e: [layers, kv_heads]; all heads 0 (exact mode) cannot be drawn on log y
+    for (
+        m,
+        e,
+    ) in err_by_mode.items():  # e: [layers, kv_heads]; all heads 0 (exact mode) cannot be drawn on log y
         if not np.any(e > 0):
             continue
-        (line,) = ax.plot(np.sqrt((e**2).mean(axis=1)), marker="o", markersize=3, label=f"{m} (RMS over heads)")
+        (line,) = ax.plot(
+            np.sqrt((e**2).mean(axis=1)), marker="o", markersize=3, label=f"{m} (RMS over heads)"
+        )
         ax.plot(e.max(axis=1), linestyle=":", color=line.get_color(), linewidth=1)
     ax.set_yscale("log")
     ax.set_xlabel("layer")

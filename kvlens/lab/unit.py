@@ -151,7 +151,9 @@ class RealSource:
         for name, have in (("heads", c.n_heads), ("kv_heads", c.n_kv_heads), ("head_dim", c.head_dim)):
             given = getattr(cfg, name)
             if given is not None and given != have:
-                raise ValueError(f"--dist real: --{name.replace('_', '-')} {given} differs from the model's {have}")
+                raise ValueError(
+                    f"--dist real: --{name.replace('_', '-')} {given} differs from the model's {have}"
+                )
         if cfg.head is not None and not 0 <= cfg.head < c.n_heads:
             raise ValueError(f"--head {cfg.head} out of range: the model has {c.n_heads} query heads")
         self.head, self.group = cfg.head, c.n_heads // c.n_kv_heads
@@ -195,7 +197,13 @@ def run_trial(cfg: UnitConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             v_hat, v_step = x_hat, step
     m, delta, out_f, out_q = compare(q, k, v, k_hat, v_hat, k_step, v_step)
     m["k_scale_mean"], m["v_scale_mean"] = scale.get("k", 0.0), scale.get("v", 0.0)
-    return {"metrics": m, "delta": delta, "out_f": out_f, "out_q": out_q, "shape": tuple(q.shape) + (k.shape[0],)}
+    return {
+        "metrics": m,
+        "delta": delta,
+        "out_f": out_f,
+        "out_q": out_q,
+        "shape": tuple(q.shape) + (k.shape[0],),
+    }
 
 
 def run_point(cfg: UnitConfig, seq_len: int, source: RealSource | None = None) -> dict[str, Any]:
@@ -210,6 +218,7 @@ def run_point(cfg: UnitConfig, seq_len: int, source: RealSource | None = None) -
     point: dict[str, Any] = {key: float(vals[key].mean()) for key in keys}
     point["mean_signed_diff"], point["signed_t"] = pooled_t([r["delta"] for r in runs])
     point["std"] = {key: float(vals[key].std(ddof=1)) if cfg.trials > 1 else 0.0 for key in keys}
+    del point["std"]["signed_t"]  # the t-statistic is pooled over all trials' components, one number
     point.update(
         seq_len=seq_len, head_dim=d, heads=h, kv_heads=kvh, dist=cfg.dist, scheme=cfg.scheme,
         quantize=cfg.quantize, k_amp=cfg.k_amp, v_amp=cfg.v_amp, seed=cfg.seed, trials=cfg.trials,
@@ -242,7 +251,9 @@ def run(cfg: UnitConfig, llm: Any = None) -> UnitResult:
         for which in ("v", "k"):
             c = replace(cfg, v_amp=cfg.v_amp * a) if which == "v" else replace(cfg, k_amp=cfg.k_amp * a)
             rows.append({"scaled": which, "amplitude": a, **run_point(c, cfg.seq_len[0], source)})
-    return UnitResult(cfg, [r for r in rows if r["amplitude"] == cfg.amplitude[0]][:1], rows, amplitude_verdicts(rows))
+    return UnitResult(
+        cfg, [r for r in rows if r["amplitude"] == cfg.amplitude[0]][:1], rows, amplitude_verdicts(rows)
+    )
 
 
 def amplitude_verdicts(rows: list[dict[str, Any]]) -> dict[str, str]:
@@ -255,18 +266,24 @@ def amplitude_verdicts(rows: list[dict[str, Any]]) -> dict[str, str]:
         holds = all(abs(x - 1) <= TOLERANCE for x in ratios)
         parts = ", ".join(f"x{r['amplitude']:g}: {x:.3f}" for r, x in zip(rs, ratios, strict=True))
         top = rs[-1]
+        grow = f"mean|Δ| x{top['mean_abs_diff'] / base['mean_abs_diff']:.2f}, rms(out) x{top['out_rms'] / base['out_rms']:.2f}"
         if which == "v":
             why = (
                 "V's per-row scales grow with V, so V-hat scales by the same factor (exactly for a power of "
-                "two); the weights do not change, so Δout and out scale together"
+                f"two) and the weights do not change: Δout and out scale together ({grow})"
             )
         else:
             why = (
                 f"K×a multiplies every logit by a (softmax temperature 1/a): effective keys "
-                f"{base['eff_keys']:.1f} -> {top['eff_keys']:.1f}, KL(w||w-hat) {base['kl_weights']:.2e} -> "
-                f"{top['kl_weights']:.2e}; the K step grows by a, so logit errors grow a-fold while |out| "
-                f"changes (rms {base['out_rms']:.3f} -> {top['out_rms']:.3f})"
+                f"{base['eff_keys']:.1f} -> {top['eff_keys']:.1f}; "
             )
+            if "k" in base["quantize"]:
+                why += (
+                    f"K's step grows by a too, so the logit errors grow a-fold: KL(w||w-hat) "
+                    f"{base['kl_weights']:.2e} -> {top['kl_weights']:.2e}, {grow}"
+                )
+            else:
+                why += f"K is exact here, and the V error relative to |out| hardly depends on the weights ({grow})"
         verdict = "holds" if holds else "does NOT hold"
         out[which] = f"{name} scaled: rel L2 ratio vs x{base['amplitude']:g} = {parts} -> {verdict} ({why})."
     return out
@@ -287,9 +304,15 @@ def seed_line(p: dict[str, Any]) -> str:
     )
 
 
-def _fmt(p: dict[str, Any], key: str) -> str:
-    s = f"{p[key]:.4g}"
-    return f"{s} ± {p['std'][key]:.2g}" if p["trials"] > 1 and key in p["std"] else s
+def _fmt(p: dict[str, Any], key: str, short: bool = False) -> str:
+    x = p[key]
+    s = f"{x:.6f}" if key == "cosine" else f"{x:.3g}" if short else f"{x:.4g}"
+    if p["trials"] < 2 or key not in p["std"] or (short and key == "mean_signed_diff"):
+        return s
+    sd = p["std"][key]
+    if short:  # compact tables: the spread as a percentage of the mean
+        return f"{s} ±{100 * sd / abs(x):.0f}%" if x else s
+    return f"{s} ± {sd:.2g}"
 
 
 def render(result: UnitResult, console: Any = None) -> None:
@@ -297,7 +320,9 @@ def render(result: UnitResult, console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = console or Console(width=160)
+    con = console or Console()
+    if console is None and not con.is_terminal:
+        con.width = 160  # pipes and files: no 80-column wrapping
     pts = result.points if result.amplitude is None else []
     for p in pts:
         con.print(seed_line(p), markup=False, highlight=False, soft_wrap=True)
@@ -330,12 +355,14 @@ def render(result: UnitResult, console: Any = None) -> None:
         rows_src = pts or result.amplitude or []
         t = Table(title=title + (" — amplitude analysis" if result.amplitude else ""))
         lead = ["L"] if pts else ["scaled", "a"]
-        for col in lead + ["max|Δ|", "mean|Δ|", "pred mean|Δ|", "rel L2", "pred rel L2", "cosine", "signed Δ", "t", "KL(w‖ŵ)", "eff keys"]:
+        cols = {"max_abs_diff": "max|Δ|", "mean_abs_diff": "mean|Δ|", "predicted_mean_abs_diff": "pred",
+                "rel_l2": "rel L2", "predicted_rel_l2": "pred", "mean_signed_diff": "signed Δ",
+                "signed_t": "t", "kl_weights": "KL(w‖ŵ)", "eff_keys": "eff keys", "out_rms": "rms out"}  # fmt: skip
+        for col in lead + list(cols.values()):
             t.add_column(col)
-        keys = ["max_abs_diff", "mean_abs_diff", "predicted_mean_abs_diff", "rel_l2", "predicted_rel_l2", "cosine", "mean_signed_diff", "signed_t", "kl_weights", "eff_keys"]
         for p in rows_src:
             head = [str(p["seq_len"])] if pts else [p["scaled"].upper(), f"{p['amplitude']:g}"]
-            t.add_row(*head, *(_fmt(p, k) for k in keys))
+            t.add_row(*head, *(_fmt(p, k, short=True) for k in cols))
         con.print(t)
     for line in (result.verdicts or {}).values():
         con.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -369,7 +396,9 @@ def write_plot(result: UnitResult, path: str | Path) -> Path:
     if result.amplitude is not None:
         for which in ("v", "k"):
             rs = [r for r in result.amplitude if r["scaled"] == which]
-            ax.plot([r["amplitude"] for r in rs], [r["rel_l2"] for r in rs], "o-", label=f"{which.upper()} × a")
+            ax.plot(
+                [r["amplitude"] for r in rs], [r["rel_l2"] for r in rs], "o-", label=f"{which.upper()} × a"
+            )
         ax.set(xlabel="amplitude a", ylabel="rel L2 ‖Δ‖/‖out‖")
     elif len(result.points) > 1:
         L = [p["seq_len"] for p in result.points]
@@ -384,7 +413,11 @@ def write_plot(result: UnitResult, path: str | Path) -> Path:
         ax.hist(d, bins=max(10, min(80, d.size // 8)), density=True, alpha=0.7, label="measured Δ")
         sigma = p["predicted_mean_abs_diff"] / math.sqrt(2 / math.pi)
         xs = np.linspace(d.min(), d.max(), 200)
-        ax.plot(xs, np.exp(-(xs**2) / (2 * sigma**2)) / (sigma * math.sqrt(2 * math.pi)), label="predicted N(0, σ)")
+        ax.plot(
+            xs,
+            np.exp(-(xs**2) / (2 * sigma**2)) / (sigma * math.sqrt(2 * math.pi)),
+            label="predicted N(0, σ)",
+        )
         ax.set(xlabel="Δout = out_q - out_f", ylabel="density")
     ax.set_title(f"{c.scheme} on {c.quantize.upper()}, dist {c.dist}, L {','.join(map(str, c.seq_len))}")
     ax.legend()

@@ -1,0 +1,312 @@
+"""``kvlens lab layers``: per layer and KV head, how much a KV mode changes the attention output.
+
+Real Q/K/V come from one exact (f32) forward pass over a corpus window (every layer captured in the
+same pass through an ``attend`` callback, like ``LLM.capture_qkv``). For each mode, K/V go through a
+real :class:`~kvlens.kv.cache.KVCache` of that mode (write, then read: one quantizer implementation)
+and the causal attention output of ``reference_attention`` in float64 is compared with the exact one:
+
+    rel_err[layer, kv_head] = ‖out_mode − out_exact‖ / ‖out_exact‖   (over the head's query group, all positions)
+
+The mode's rows are read as decode reads them (``q8+mirror`` decode reads int8; its prefill reads the
+exact copy and would show 0). Heads above ``FLAG_FACTOR`` × the mode's median are flagged with a
+likely cause: outlier channels (max channel |K| or |V| / median channel, far above the model's
+usual), or an attention sink (mean attention weight on position 0 large).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..engine.attention import make_attend
+from ..kernels.reference import reference_attention
+from ..kv.cache import parse_mode
+from .ppl import make_chunks
+from .report import MIRROR_MODE, md_table, mode_label, model_name, parse_modes
+
+FLAG_FACTOR = 3.0  # a head this many times the mode's median error is flagged
+OUTLIER_FACTOR = 2.0  # channel ratio this many times the model-wide median = "outlier channels"
+SINK_WEIGHT = 0.5  # mean attention on position 0 at or above this = "attention sink"
+
+
+@torch.inference_mode()
+def capture_all(llm: Any, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Exact post-RoPE (Q [H, n, d], K [KV, n, d], V [KV, n, d]) of every layer, one forward pass."""
+    llm.check_fits(len(ids))
+    cache = llm.new_cache(len(ids), "f32")
+    inner = make_attend(cache, True, "torch", llm.config.sliding_window)
+    captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        captured.append((q.clone(), k.clone(), v.clone()))
+        return inner(i, q, k, v, start)
+
+    llm.model.forward(torch.as_tensor(ids, dtype=torch.long, device=llm.device), 0, attend)
+    return captured
+
+
+def stored_kv(
+    llm: Any, qkv: list, mode: str, **cache_options: Any
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K/V of every layer as a ``mode`` cache returns them after writing the exact rows (decode view)."""
+    n = qkv[0][1].shape[1]
+    cache = llm.new_cache(n, mode, **cache_options)
+    for i, (_q, k, v) in enumerate(qkv):
+        cache.write(i, 0, k, v)
+    return [cache.read(i, n, prefill=False) for i in range(len(qkv))]
+
+
+def channel_ratio(x: torch.Tensor) -> torch.Tensor:
+    """Per KV head: max over channels of (max |x| over positions) / its median over channels. [KV]"""
+    c = x.abs().amax(dim=1)  # [KV, d]
+    return c.amax(dim=-1) / c.median(dim=-1).values.clamp_min(1e-12)
+
+
+def flag_heads(
+    err: np.ndarray, k_ratio: np.ndarray, v_ratio: np.ndarray, sink: np.ndarray, k_kind: str, v_kind: str
+) -> list[dict[str, Any]]:
+    """Heads with error > FLAG_FACTOR × median (all arrays [layers, kv_heads]) and their likely causes."""
+    nz = err[err > 0]
+    if nz.size == 0:
+        return []
+    med = float(np.median(nz))
+    k_med, v_med = float(np.median(k_ratio)), float(np.median(v_ratio))
+    flagged = []
+    for layer, head in zip(*np.nonzero(err > FLAG_FACTOR * med), strict=True):
+        causes = []
+        if k_kind != "f32" and k_ratio[layer, head] >= OUTLIER_FACTOR * k_med:
+            causes.append(
+                f"outlier K channels (max/median channel {k_ratio[layer, head]:.1f}, model median {k_med:.1f})"
+            )
+        if v_kind != "f32" and v_ratio[layer, head] >= OUTLIER_FACTOR * v_med:
+            causes.append(
+                f"outlier V channels (max/median channel {v_ratio[layer, head]:.1f}, model median {v_med:.1f})"
+            )
+        if sink[layer, head] >= SINK_WEIGHT:
+            causes.append(f"attention sink (mean weight on position 0: {sink[layer, head]:.2f})")
+        flagged.append(
+            {
+                "layer": int(layer),
+                "kv_head": int(head),
+                "rel_err": float(err[layer, head]),
+                "times_median": float(err[layer, head] / med),
+                "causes": causes or ["no single cause found (not outlier channels, not a sink)"],
+            }
+        )
+    return sorted(flagged, key=lambda f: -f["rel_err"])
+
+
+@dataclass
+class LayersResult:
+    model: str
+    corpus: str
+    ctx: int
+    windows: int
+    keep_sink: int
+    keep_recent: int
+    err: dict[str, np.ndarray]  # mode -> [layers, kv_heads]
+    max_abs: dict[str, float]  # mode -> max |Δout| over everything
+    mean_abs: dict[str, float]  # mode -> mean |Δout|
+    k_ratio: np.ndarray
+    v_ratio: np.ndarray
+    sink: np.ndarray
+    flagged: dict[str, list[dict[str, Any]]]
+    seconds: float
+
+    def median(self, mode: str) -> float:
+        e = self.err[mode]
+        return float(np.median(e[e > 0])) if np.any(e > 0) else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = {
+            k: getattr(self, k)
+            for k in ("model", "corpus", "ctx", "windows", "keep_sink", "keep_recent", "seconds")
+        }
+        d["k_channel_ratio"], d["v_channel_ratio"] = self.k_ratio.tolist(), self.v_ratio.tolist()
+        d["sink_weight"] = self.sink.tolist()
+        d["modes"] = {
+            m: {
+                "rel_err": e.tolist(),
+                "rel_err_median": self.median(m),
+                "rel_err_max": float(e.max()),
+                "max_abs_dout": self.max_abs[m],
+                "mean_abs_dout": self.mean_abs[m],
+                "flagged": self.flagged[m],
+            }
+            for m, e in self.err.items()
+        }
+        return d
+
+
+@torch.inference_mode()
+def run_layers(
+    llm: Any,
+    text: str,
+    modes: list[str] | str = "q8",
+    ctx: int = 512,
+    n_windows: int = 1,
+    keep_sink: int = 0,
+    keep_recent: int = 0,
+    corpus_label: str = "",
+    on_step: Any = None,
+) -> LayersResult:
+    """Relative attention-output error per (layer, KV head) for each mode over ``n_windows`` windows of
+    ``ctx`` tokens (the ppl protocol's first chunks); errors pool squared norms over windows."""
+    t0 = time.perf_counter()
+    modes = parse_modes(modes) if isinstance(modes, str) else list(modes)
+    tok = llm.tokenizer
+    bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
+    windows = make_chunks(tok.encode(text), ctx, n_windows, bos)
+    cfg = llm.config
+    n_l, n_kv = cfg.n_layers, cfg.n_kv_heads
+    group = cfg.n_heads // n_kv
+    num = {m: np.zeros((n_l, n_kv)) for m in modes}
+    den = np.zeros((n_l, n_kv))
+    max_abs, sum_abs, count = dict.fromkeys(modes, 0.0), dict.fromkeys(modes, 0.0), 0
+    k_ratio, v_ratio, sink = (np.zeros((n_l, n_kv)) for _ in range(3))
+    keep = {"keep_sink": keep_sink, "keep_recent": keep_recent} if keep_sink or keep_recent else {}
+    for ids in windows:
+        qkv = capture_all(llm, ids)
+        stored = {m: stored_kv(llm, qkv, m, **keep) for m in modes}
+        n = len(ids)
+        pos = torch.arange(n, device=llm.device)
+        for layer, (q, k, v) in enumerate(qkv):
+            q64 = q.double()
+            ref, w = reference_attention(
+                q64, k.double(), v.double(), pos, cfg.sliding_window, return_weights=True
+            )
+            den[layer] += ref.pow(2).view(n_kv, group, n, -1).sum(dim=(1, 2, 3)).cpu().numpy()
+            k_ratio[layer] += channel_ratio(k).cpu().numpy() / len(windows)
+            v_ratio[layer] += channel_ratio(v).cpu().numpy() / len(windows)
+            # mean weight on position 0 over the group's heads and every query after position 0
+            sink[layer] += w[:, 1:, 0].reshape(n_kv, -1).mean(dim=1).cpu().numpy() / len(windows)
+            count += ref.numel()
+            for m in modes:
+                kq, vq = stored[m][layer]
+                diff = reference_attention(q64, kq.double(), vq.double(), pos, cfg.sliding_window) - ref
+                num[m][layer] += diff.pow(2).view(n_kv, group, n, -1).sum(dim=(1, 2, 3)).cpu().numpy()
+                max_abs[m] = max(max_abs[m], float(diff.abs().max()))
+                sum_abs[m] += float(diff.abs().sum())
+            if on_step:
+                on_step(f"layer {layer}")
+    err = {m: np.sqrt(num[m] / np.maximum(den, 1e-300)) for m in modes}
+    flagged = {m: flag_heads(err[m], k_ratio, v_ratio, sink, *parse_mode(m)[:2]) for m in modes}
+    return LayersResult(
+        model_name(llm), corpus_label, ctx, len(windows), keep_sink, keep_recent, err, max_abs,
+        {m: sum_abs[m] / max(count, 1) for m in modes}, k_ratio, v_ratio, sink, flagged,
+        time.perf_counter() - t0,
+    )  # fmt: skip
+
+
+# -- output ------------------------------------------------------------------------------------------
+def describe(r: LayersResult) -> list[str]:
+    lines = [
+        f"model {r.model}; corpus {r.corpus}: {r.windows} window(s) of {r.ctx} tokens, real Q/K/V of every layer",
+        "rel. error = ‖attn_out(mode K/V) − attn_out(exact)‖ / ‖attn_out(exact)‖ per (layer, KV head), "
+        "causal float64 reference attention; K/V written to and read back from a real cache of the mode",
+        f"flagged: > {FLAG_FACTOR:g}× the mode's median; outlier channels: max/median channel |K| or |V| "
+        f"≥ {OUTLIER_FACTOR:g}× the model's median ratio; sink: mean weight on position 0 ≥ {SINK_WEIGHT:g}",
+    ]
+    if any(m == MIRROR_MODE for m in r.err):
+        lines.append(f"{MIRROR_MODE}: decode view (int8 rows); its prefill reads the exact copy (error 0)")
+    if r.keep_sink or r.keep_recent:
+        lines.append(f"kept exact: first {r.keep_sink} / last {r.keep_recent} positions of the window")
+    return lines
+
+
+def summary_rows(r: LayersResult) -> tuple[list[str], list[list[str]]]:
+    headers = [
+        "mode",
+        "stores",
+        "median rel err",
+        "max rel err (layer.head)",
+        "flagged",
+        "max|Δout|",
+        "mean|Δout|",
+    ]
+    rows = []
+    for m, e in r.err.items():
+        li, hi = np.unravel_index(int(e.argmax()), e.shape)
+        rows.append(
+            [m, mode_label(m), f"{r.median(m):.2e}", f"{e.max():.2e} ({li}.{hi})",
+             f"{e.max() / r.median(m):.2f}×" if r.median(m) > 0 else "-", len(r.flagged[m]),
+             f"{r.max_abs[m]:.2e}", f"{r.mean_abs[m]:.2e}"]
+        )  # fmt: skip
+    return headers, rows
+
+
+def layer_rows(r: LayersResult) -> tuple[list[str], list[list[str]]]:
+    """Per layer: RMS error over KV heads for each mode, plus the K channel ratio and the sink weight."""
+    headers = ["layer", *r.err, "K ch. ratio (max head)", "sink w (max head)"]
+    rows = []
+    for layer in range(r.k_ratio.shape[0]):
+        rows.append(
+            [layer, *(f"{np.sqrt((e[layer] ** 2).mean()):.2e}" for e in r.err.values()),
+             f"{r.k_ratio[layer].max():.1f}", f"{r.sink[layer].max():.2f}"]
+        )  # fmt: skip
+    return headers, rows
+
+
+def flag_lines(r: LayersResult) -> list[str]:
+    lines = []
+    for m, fl in r.flagged.items():
+        if not fl:
+            lines.append(f"[{m}] no head above {FLAG_FACTOR:g}× the median")
+        for f in fl:
+            lines.append(
+                f"[{m}] layer {f['layer']} KV head {f['kv_head']}: rel err {f['rel_err']:.2e} "
+                f"({f['times_median']:.1f}× median) — {'; '.join(f['causes'])}"
+            )
+    return lines
+
+
+def write_report(r: LayersResult, out_dir: str | Path, command: str = "") -> Path:
+    from .report import plot_layers, write_markdown
+
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    plot_layers(r.err, d / "layers_error.png")
+    md = ["# kvlens lab layers", ""] + (["```", command, "```", ""] if command else [])
+    md += [f"- {line}" for line in describe(r)] + [""]
+    md += [md_table(*summary_rows(r)), "![per-layer error](layers_error.png)", ""]
+    md += ["## Flagged heads", "", *[f"- {s}" for s in flag_lines(r)], ""]
+    md += ["## Per layer", "", md_table(*layer_rows(r))]
+    return write_markdown(d, "layers.md", "\n".join(md))
+
+
+def cli(
+    model: str,
+    corpus: str | None,
+    ctx: int,
+    kv: str,
+    n_windows: int,
+    keep_sink: int,
+    keep_recent: int,
+    json_out: bool,
+    report: str | Path | None,
+) -> None:
+    """The body of ``kvlens lab layers``."""
+    import sys
+
+    from .report import dump_json, load_lab, print_table, progress
+
+    modes = parse_modes(kv)
+    llm, text, label = load_lab(model, corpus, "f32")
+    with progress(n_windows * llm.config.n_layers, "lab layers") as step:
+        r = run_layers(llm, text, modes, ctx, n_windows, keep_sink, keep_recent, label, step)
+    if json_out:
+        print(dump_json(r.to_json()))
+    else:
+        print("\n".join(describe(r)))
+        print_table("Attention-output error per mode", *summary_rows(r))
+        print_table("Per layer (RMS over KV heads)", *layer_rows(r))
+        print("\n".join(flag_lines(r)))
+        print(f"time {r.seconds:.1f} s")
+    if report is not None:
+        path = write_report(r, report, "kvlens " + " ".join(sys.argv[1:]))
+        print(f"report: {path}", file=sys.stderr)

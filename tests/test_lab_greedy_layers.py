@@ -1,0 +1,126 @@
+"""`kvlens lab greedy` and `kvlens lab layers`: helpers by hand, then the real model on a short text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvlens.lab.greedy import cut_prompts, first_divergence, greedy_continuation, run_greedy
+from kvlens.lab.layers import capture_all, channel_ratio, flag_heads, run_layers
+
+EXCERPT = Path(__file__).parent / "data" / "excerpt.txt"
+
+
+# -- helpers, no model ---------------------------------------------------------------------------------
+def test_prompts_are_evenly_spaced_windows() -> None:
+    assert cut_prompts(list(range(30)), 3, 4) == [[0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23]]
+    assert cut_prompts(list(range(30)), 2, 4, bos_id=99) == [[99, 0, 1, 2], [99, 15, 16, 17]]
+
+
+def test_too_short_corpus_for_prompts() -> None:
+    with pytest.raises(ValueError, match=r"has 10 tokens; 3 prompts of 4 tokens need at least 12"):
+        cut_prompts(list(range(10)), 3, 4)
+
+
+def test_first_divergence() -> None:
+    assert first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [0, 2, 3]) == 0
+
+
+def test_channel_ratio_by_hand() -> None:
+    x = torch.tensor([[[1.0, -2.0, 3.0, 40.0], [0.5, 1.0, -1.0, 1.0]]])  # [KV=1, n=2, d=4]
+    # per-channel max |x| = [1, 2, 3, 40]; median (torch: lower middle) = 2 -> 20
+    assert channel_ratio(x).tolist() == [20.0]
+
+
+def _arrays():
+    err = np.full((4, 2), 0.01)
+    err[2, 1] = 0.05  # 5x the median
+    k_ratio, v_ratio, sink = np.full((4, 2), 4.0), np.full((4, 2), 3.0), np.full((4, 2), 0.1)
+    return err, k_ratio, v_ratio, sink
+
+
+def test_flags_outlier_channels_and_sinks() -> None:
+    err, k_ratio, v_ratio, sink = _arrays()
+    k_ratio[2, 1] = 20.0
+    sink[2, 1] = 0.9
+    (f,) = flag_heads(err, k_ratio, v_ratio, sink, "q8", "q8")
+    assert (f["layer"], f["kv_head"]) == (2, 1) and f["times_median"] == pytest.approx(5.0)
+    assert any("outlier K channels" in c for c in f["causes"])
+    assert any("attention sink" in c for c in f["causes"])
+
+
+def test_flags_do_not_blame_an_unquantized_tensor() -> None:
+    err, k_ratio, v_ratio, sink = _arrays()
+    k_ratio[2, 1] = 20.0  # K outliers, but this mode stores K in f32
+    (f,) = flag_heads(err, k_ratio, v_ratio, sink, "f32", "q8")
+    assert f["causes"] == ["no single cause found (not outlier channels, not a sink)"]
+    err[2, 1] = 0.02  # 2x the median: not flagged
+    assert flag_heads(err, k_ratio, v_ratio, sink, "q8", "q8") == []
+    assert flag_heads(np.zeros((4, 2)), k_ratio, v_ratio, sink, "f32", "f32") == []
+
+
+# -- the real model ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def text() -> str:
+    return EXCERPT.read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_greedy_base_equals_engine_generation_and_base_mode_agrees(smol_f32, text) -> None:
+    r = run_greedy(smol_f32, text, ["f32", "q8", "q8+mirror"], "f32", n_prompts=2, prompt_len=24, n_tokens=6)
+    f32, q8, mirror = r.modes
+    assert f32.agreement == 1.0 and f32.first_div == [6, 6] and f32.identical == 2
+    for m in (q8, mirror):
+        assert 0.0 <= m.agreement <= 1.0 and all(0 <= d <= 6 for d in m.first_div)
+        assert [len(t) for t in m.tokens] == [6, 6]
+    # the lab's loop is the engine's greedy generation
+    engine = list(smol_f32.generate_ids(r.prompts[1], 6, stop_at_eos=False))
+    assert r.base_tokens[1] == engine
+    # a continuation computed on its own is the one the run recorded (fresh cache per prompt)
+    assert q8.tokens[0] == greedy_continuation(smol_f32, r.prompts[0], 6, "q8", 32)
+
+
+@pytest.mark.slow
+def test_layers_f32_exact_q8_not_and_mirror_decode_reads_int8(smol_f32, text) -> None:
+    r = run_layers(smol_f32, text, ["f32", "q8", "q8-k", "q8-v", "q8+mirror"], ctx=48)
+    cfg = smol_f32.config
+    assert r.err["q8"].shape == (cfg.n_layers, cfg.n_kv_heads)
+    assert np.all(r.err["f32"] == 0) and r.flagged["f32"] == []
+    assert np.all(r.err["q8"] > 0) and np.all(r.err["q8-k"] > 0) and np.all(r.err["q8-v"] > 0)
+    assert np.array_equal(r.err["q8+mirror"], r.err["q8"])
+    assert np.all((r.sink >= 0) & (r.sink <= 1)) and np.all(r.k_ratio >= 1)
+    assert r.median("q8") < 0.2  # a few percent, not garbage
+
+
+@pytest.mark.slow
+def test_capture_all_matches_capture_qkv(smol_f32, text) -> None:
+    ids = smol_f32.tokenizer.encode(text)[:20]
+    layer = smol_f32.config.n_layers // 2
+    q, k, v = smol_f32.capture_qkv(ids, layer)
+    q2, k2, v2 = capture_all(smol_f32, ids)[layer]
+    assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["greedy", "layers"])
+def test_cli_json_and_report(smol_f32, monkeypatch, tmp_path, command) -> None:
+    from typer.testing import CliRunner
+
+    import kvlens
+    from kvlens.cli import app
+
+    monkeypatch.setattr(kvlens, "load", lambda *a, **k: smol_f32)  # reuse the session's model
+    args = ["lab", command, "--corpus", str(EXCERPT), "--kv", "q8,f16", "--json", "--report", str(tmp_path)]
+    args += ["--ctx", "16", "--prompts", "2", "--tokens", "4"] if command == "greedy" else ["--ctx", "32"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert set(out["modes"]) == {"q8", "f16"}
+    png = "greedy_divergence.png" if command == "greedy" else "layers_error.png"
+    assert (tmp_path / f"{command}.md").is_file() and (tmp_path / png).stat().st_size > 1000

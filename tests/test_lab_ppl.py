@@ -1,0 +1,210 @@
+"""`kvlens lab ppl`: llama-perplexity's protocol (by hand and against HF transformers) per KV mode."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvlens.kv.cache import MODES
+from kvlens.lab.ppl import MIRROR_NOTE, make_chunks, run_ppl, scored_logits, scored_span
+from kvlens.lab.report import parse_modes
+
+EXCERPT = Path(__file__).parent / "data" / "excerpt.txt"
+
+
+# -- protocol, no model --------------------------------------------------------------------------------
+def test_chunks_are_non_overlapping_and_drop_the_tail() -> None:
+    assert make_chunks(list(range(11)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_bos_overwrites_the_first_token_of_every_chunk() -> None:
+    assert make_chunks(list(range(1, 9)), 4, bos_id=99) == [[99, 2, 3, 4], [99, 6, 7, 8]]
+
+
+def test_chunk_limit_and_cap() -> None:
+    assert len(make_chunks(list(range(40)), 4, n_chunks=3)) == 3
+    assert len(make_chunks(list(range(40)), 4, n_chunks=50)) == 10  # capped like llama-perplexity
+    with pytest.raises(ValueError, match="at least 1"):
+        make_chunks(list(range(40)), 4, n_chunks=0)
+
+
+def test_too_short_corpus_says_how_many_tokens() -> None:
+    with pytest.raises(ValueError, match=r"has 5 tokens; ctx 8 needs at least 8"):
+        make_chunks(list(range(5)), 8)
+    with pytest.raises(ValueError, match="has 0 tokens"):
+        make_chunks([], 8)
+
+
+def test_second_half_is_scored() -> None:
+    assert scored_span(512) == (256, 511)  # 255 tokens per chunk, as llama-perplexity scores
+    assert scored_span(7) == (3, 6)
+
+
+def test_modes_come_from_the_cache_module() -> None:
+    assert parse_modes("all") == list(MODES)
+    assert parse_modes("q8, f16,q8") == ["q8", "f16"]
+    with pytest.raises(ValueError, match="unknown KV cache mode"):
+        parse_modes("q3")
+
+
+class _FakeLLM:
+    """Token ids are the text's integers; logits at chunk position p = [p + shift(kv), 0, 0, 0]."""
+
+    def __init__(self, add_bos: bool) -> None:
+        self.tokenizer = SimpleNamespace(bos_id=7, add_bos=add_bos, encode=self._encode)
+        self.config = SimpleNamespace(name="fake")
+        self.model = SimpleNamespace(logits=self._logits)
+        self.seen: list[tuple[str, int, list[int]]] = []
+
+    def _encode(self, text: str) -> list[int]:
+        ids = [int(t) for t in text.split()]
+        return [7, *ids] if self.tokenizer.add_bos else ids
+
+    def check_fits(self, n: int) -> None:
+        pass
+
+    def new_cache(self, capacity: int, kv: str, **options):
+        return SimpleNamespace(kv=kv, bytes_per_token=lambda: 1)
+
+    def prefill(self, ids, cache, chunk, on_hidden):
+        self.seen.append((cache.kv, chunk, list(ids)))
+        shift = 0.5 if cache.kv == "q8" else 0.0
+        for s in range(0, len(ids), chunk):
+            n = len(ids[s : s + chunk])
+            on_hidden(s, torch.arange(s, s + n, dtype=torch.float64)[:, None] + shift)
+
+    @staticmethod
+    def _logits(h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([h, torch.zeros(h.shape[0], 3, dtype=h.dtype)], dim=1)
+
+
+def _nll0(x: float) -> float:
+    """-ln p(token 0) for logits [x, 0, 0, 0]."""
+    return math.log(math.exp(x) + 3) - x
+
+
+def test_protocol_by_hand_with_a_fake_model() -> None:
+    llm = _FakeLLM(add_bos=True)
+    # BOS + 13 zeros = 14 tokens -> 2 chunks of 6 (tail of 2 dropped); positions 3, 4 of each chunk scored
+    r = run_ppl(llm, " ".join(["0"] * 13), ctx=6, modes=["q8"], prefill_chunk=2)
+    assert r.chunks == 2 and r.tokens_scored == 4 and r.bos_id == 7
+    base_calls = [s for s in llm.seen if s[0] == "f32"]
+    q8_calls = [s for s in llm.seen if s[0] == "q8"]
+    assert [c[1] for c in base_calls] == [6, 6]  # f32 base: one pass per chunk
+    assert [c[1] for c in q8_calls] == [2, 2]  # test mode: the sub-chunk size
+    assert all(c[2] == [7, 0, 0, 0, 0, 0] for c in llm.seen)  # BOS first in every chunk
+    nll_b = np.array([_nll0(3), _nll0(4)] * 2)
+    nll_q = np.array([_nll0(3.5), _nll0(4.5)] * 2)
+    s = r.modes[0].stats
+    assert s["ppl_base"] == pytest.approx(math.exp(nll_b.mean()), rel=1e-12)
+    assert s["ppl_q"] == pytest.approx(math.exp(nll_q.mean()), rel=1e-12)
+    # se of the mean = sqrt(population var / (n - 1)); err(PPL) = PPL * se
+    se = math.sqrt(nll_b.var() / 3)
+    assert s["ppl_base_err"] == pytest.approx(math.exp(nll_b.mean()) * se, rel=1e-12)
+    assert s["n_tokens"] == 4 and s["same_top_p"] == 100.0 and s["kld_mean"] > 0
+
+
+def test_no_bos_when_the_tokenizer_adds_none() -> None:
+    llm = _FakeLLM(add_bos=False)
+    r = run_ppl(llm, " ".join(str(i % 3) for i in range(12)), ctx=6, modes=["f16"])
+    assert r.bos_id is None and llm.seen[0][2] == [0, 1, 2, 0, 1, 2]
+
+
+def test_non_f32_base_uses_the_sub_chunks_too() -> None:
+    llm = _FakeLLM(add_bos=False)
+    run_ppl(llm, " ".join(["0"] * 6), ctx=6, modes=["q8"], base="f16", prefill_chunk=3)
+    assert {(kv, c) for kv, c, _ in llm.seen} == {("f16", 3), ("q8", 3)}
+
+
+# -- the real model ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return EXCERPT.read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_f32_equals_float64_hf_perplexity(smol_f32, hf_smol, text) -> None:
+    ctx, n = 64, 2
+    r = run_ppl(smol_f32, text, ctx, ["f32"], n_chunks=n)
+    tok = smol_f32.tokenizer
+    chunks = make_chunks(tok.encode(text), ctx, n, tok.bos_id if tok.add_bos else None)
+    nll = []
+    with torch.no_grad():
+        for c in chunks:
+            logp = torch.log_softmax(hf_smol(torch.tensor([c])).logits[0].double(), dim=-1)
+            pos = torch.arange(ctx // 2, ctx - 1)
+            nll.append(-logp[pos, torch.tensor(c)[pos + 1]])
+    ppl_hf = math.exp(torch.cat(nll).mean().item())
+    s = r.modes[0].stats
+    assert s["n_tokens"] == n * (ctx - 1 - ctx // 2)
+    assert abs(s["ppl_base"] / ppl_hf - 1) < 1e-3
+    # mode == base: the same path, so KLD is exactly 0 and the top token always agrees
+    assert s["kld_mean"] == 0.0 and s["kld_max"] == 0.0 and s["same_top_p"] == 100.0
+    assert s["ppl_q"] == s["ppl_base"]
+
+
+@pytest.mark.slow
+def test_q8_is_read_and_sub_chunk_size_changes_q8_not_f32(smol_f32, text) -> None:
+    # The engine writes each sub-chunk to the cache before attending it, so every query reads int8
+    # rows at any sub-chunk size; the size changes q8 only through float rounding of K/V (~1e-6) that
+    # flips int8 rounding decisions, which then cascade through the layers. 16/32/64 happen to be
+    # bitwise identical on CPU (same GEMM blocking), 8 is not.
+    a = run_ppl(smol_f32, text, 64, ["q8", "q8+mirror"], n_chunks=2, prefill_chunk=8)
+    b = run_ppl(smol_f32, text, 64, ["q8"], n_chunks=2, prefill_chunk=32)
+    q8, mirror = a.modes
+    assert q8.stats["ppl_q"] != q8.stats["ppl_base"]  # the int8 rows were read
+    assert q8.stats["kld_mean"] > 1e-5 and b.modes[0].stats["kld_mean"] > 1e-5
+    assert q8.stats["ppl_q"] != b.modes[0].stats["ppl_q"]
+    assert a.modes[0].stats["ppl_base"] == b.modes[0].stats["ppl_base"]
+    # the seed's mirror: prefill reads the exact copy, so nothing of q8 shows
+    assert mirror.stats["kld_mean"] < 1e-9 and mirror.note == MIRROR_NOTE
+    # f32 as a test mode (base q8) is chunk-invariant: sub-chunk 8 vs 32 gives the same PPL
+    c = run_ppl(smol_f32, text, 64, ["f32"], base="q8", n_chunks=1, prefill_chunk=8)
+    d = run_ppl(smol_f32, text, 64, ["f32"], base="q8", n_chunks=1, prefill_chunk=32)
+    assert c.modes[0].stats["ppl_q"] == pytest.approx(d.modes[0].stats["ppl_q"], rel=1e-6)
+    assert c.modes[0].stats["ppl_base"] != d.modes[0].stats["ppl_base"]
+
+
+@pytest.mark.slow
+def test_scored_logits_f32_invariant_q8_not(smol_f32, text) -> None:
+    chunk = smol_f32.tokenizer.encode(text)[:48]
+    f8, f48 = (scored_logits(smol_f32, chunk, "f32", pc, 24) for pc in (8, 48))
+    q8, q48 = (scored_logits(smol_f32, chunk, "q8", pc, 24) for pc in (8, 48))
+    assert f8.shape == (23, smol_f32.config.vocab)
+    assert (f8 - f48).abs().max().item() < 1e-4
+    assert (q8 - q48).abs().max().item() > 1e-3
+    assert (q48 - f48).abs().max().item() > 1e-3  # one pass still reads int8: rows are written first
+
+
+@pytest.mark.slow
+def test_too_short_corpus_through_run_ppl(smol_f32) -> None:
+    with pytest.raises(ValueError, match=r"needs at least 512 tokens"):
+        run_ppl(smol_f32, "A short text.", 512, ["q8"])
+
+
+@pytest.mark.slow
+def test_cli_json_and_report(smol_f32, monkeypatch, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    import kvlens
+    from kvlens.cli import app
+
+    monkeypatch.setattr(kvlens, "load", lambda *a, **k: smol_f32)  # reuse the session's model
+    args = ["lab", "ppl", "--corpus", str(EXCERPT), "--ctx", "32", "--chunks", "1", "--kv", "q8,q8-v"]
+    res = CliRunner().invoke(app, [*args, "--json", "--report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    for key in ("ppl", "ppl_base", "ppl_ratio", "kld_mean", "kld_p99", "same_top_p", "tokens_scored"):
+        assert key in out["modes"]["q8"] and key in out["modes"]["q8-v"]
+    assert out["modes"]["q8"]["tokens_scored"] == 15
+    md = (tmp_path / "ppl.md").read_text()
+    assert "Mean PPL(Q)/PPL(base)" in md and "prefill sub-chunk 32" in md
+    assert (tmp_path / "ppl_kld.png").stat().st_size > 1000
