@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.reference import sdpa_attention
-from ..kv.cache import KVCache
+from ..kernels.reference import blocks_to_mask, sdpa_attention
+from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
+from ..kv.cache import BLOCK, KVCache
 from ..models.transformer import AttendFn
 
 BACKENDS = ("auto", "torch", "numba", "triton")
@@ -64,20 +65,52 @@ def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def make_attend(cache: KVCache, prefill: bool, backend: str = "torch", window: int | None = None) -> AttendFn:
-    """An ``attend`` callback for one forward pass (``prefill`` says which phase the mirror mode sees)."""
+def select_blocks(
+    q: torch.Tensor, cache: KVCache, layer: int, length: int, sparse: SparseConfig
+) -> torch.Tensor | None:
+    """Sparse decode's block choice for one query ``q [H, d]``: sorted indices [KV, n_sel], or None (dense)."""
+    n_select = sparse.budget_blocks(length, BLOCK)
+    nb = -(-length // BLOCK)
+    if n_select >= nb:
+        return None
+    if sparse.method == "quest":
+        scores = quest_scores(q, cache.bounds.kmin[layer][:, :nb], cache.bounds.kmax[layer][:, :nb])
+    else:
+        scores = probe_scores(q, cache.k[layer].read_index(probe_positions(length, BLOCK).to(q.device)))
+    return top_blocks(scores, n_select)
+
+
+def make_attend(
+    cache: KVCache,
+    prefill: bool,
+    backend: str = "torch",
+    window: int | None = None,
+    sparse: SparseConfig | None = None,
+) -> AttendFn:
+    """An ``attend`` callback for one forward pass (``prefill`` says which phase the mirror mode sees).
+
+    With ``sparse`` (decode steps only; the cache must track blocks), layers past the dense ones attend
+    only the selected blocks: the fused kernels read just those blocks, the torch path masks the rest.
+    """
     kernel = _fused_kernel(backend)
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
     use_kernel = kernel is not None and not cache.keep_sink and not cache.keep_recent and window is None
+    if sparse is not None and cache.bounds is None:
+        raise ValueError("sparse decode needs a cache created with track_blocks=True")
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         n = q.shape[1]
         cache.write(layer, start, k, v)
         end = start + n
-        if use_kernel and n == 1 and not prefill:
-            return kernel(q[:, 0], cache.k[layer], cache.v[layer], end).unsqueeze(1)
+        decode = n == 1 and not prefill
+        blocks = None
+        if decode and sparse is not None and sparse.applies(layer, end):
+            blocks = select_blocks(q[:, 0], cache, layer, end, sparse)
+        if use_kernel and decode:
+            return kernel(q[:, 0], cache.k[layer], cache.v[layer], end, blocks=blocks).unsqueeze(1)
         k_all, v_all = cache.read(layer, end, prefill=prefill)
         q_pos = torch.arange(start, end, device=q.device)
-        return sdpa_attention(q, k_all, v_all, q_pos, window)
+        kv_mask = None if blocks is None else blocks_to_mask(blocks, end, BLOCK)
+        return sdpa_attention(q, k_all, v_all, q_pos, window, kv_mask)
 
     return attend

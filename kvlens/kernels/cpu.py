@@ -14,6 +14,10 @@ The kernels read the cache exactly as :mod:`kvlens.kv.cache` stores it (``data [
 Every storage kind runs through one compiled kernel: rows arrive as raw bytes and are converted to
 f32 per tile (int8 -> f32; bf16: ``bits << 16``; f16: an exact bit conversion, numba having no
 float16 arrays). So f32, f16, bf16, q8 and the mixed modes (q8-k, q8-v) all run fused.
+
+Threads: torch and numba's omp layer each run their own libgomp pool; with default spin-waiting the
+idle pool starves the busy one on a small box (2 cores: 0.5 ms calls took ~45 ms). Set
+``OMP_WAIT_POLICY=PASSIVE`` before importing torch (see scripts/bench_kernels_quick.py).
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from ..kv.cache import BLOCK
 from ..kv.quant import quantize_q8
 
 QBLOCK = 32  # query block of the int-dot variant (the seed: 32 values, one scale)
-TILE = 32  # positions per online-softmax step: scratch K/V tile is TILE*hd*4 bytes (16 KiB at hd 128)
+# positions per online-softmax step = the cache block, so sparse decode can pick tiles by block index;
+# the scratch K/V tile is TILE*hd*4 bytes (16 KiB at hd 128)
+TILE = BLOCK
 SERIAL_ROWS = 2048  # below this many (kv_head, position) rows one thread runs it all (~0.1 ms of work)
 MIN_SPLIT = 256  # shortest split worth a thread: below it the merge and scheduling cost dominate
 CODE_Q8, CODE_F16, CODE_BF16, CODE_F32 = 0, 1, 2, 3
@@ -199,14 +206,18 @@ def _merge(part_acc, part_m, part_l, n_splits, group, out):  # pragma: no cover 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _decode_core(
-    qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, length, n_splits, out
+    qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, length, tiles, n_splits, out
 ):  # pragma: no cover
-    """Flash-Decoding over (kv_head, split) items; ``int_dot`` selects the seed's int8-query scores."""
+    """Flash-Decoding over (kv_head, split) items; ``int_dot`` selects the seed's int8-query scores.
+
+    ``tiles [n_kv, n_tiles]``: the TILE-position tiles each KV head attends (every tile for dense
+    decode, the selected blocks for sparse decode); splits divide this list, not the positions."""
     n_heads, hd = qs.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
     k8 = k.view(np.int8)
-    split_len = (length + n_splits - 1) // n_splits
+    n_tiles = tiles.shape[1]
+    split_len = (n_tiles + n_splits - 1) // n_splits
     n_items = n_kv * n_splits
     part_acc = np.zeros((n_items, group, hd), np.float32)
     part_m = np.full((n_items, group), -np.inf, np.float32)
@@ -214,16 +225,17 @@ def _decode_core(
     k_q8, v_q8 = k_code == CODE_Q8, v_code == CODE_Q8
     for item in prange(n_items):
         h = item // n_splits
-        t_lo = (item % n_splits) * split_len
-        t_hi = min(length, t_lo + split_len)
+        i_lo = (item % n_splits) * split_len
+        i_hi = min(n_tiles, i_lo + split_len)
         tile_u = np.empty((TILE, hd), np.uint32)  # one L1-resident f32 tile, used for K then V
         tile = tile_u.view(np.float32)
         sc = np.empty((group, TILE), np.float32)
         e_u = np.empty(TILE, np.uint32)
         e_f = e_u.view(np.float32)
         prod = np.empty(hd, np.int32)
-        for t0 in range(t_lo, t_hi, TILE):
-            nt = min(TILE, t_hi - t0)
+        for ti in range(i_lo, i_hi):
+            t0 = tiles[h, ti] * TILE
+            nt = min(TILE, length - t0)
             if int_dot:
                 _dot_tile_int(q8, qsc, h * group, group, k8, h, t0, nt, prod, sc)
             else:
@@ -274,7 +286,19 @@ def _raw(a: np.ndarray) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(a).view(np.uint8), _NP_CODE[a.dtype]
 
 
-def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_dot=False):
+def _tile_table(n_kv: int, length: int, blocks: np.ndarray | None) -> np.ndarray:
+    """Tiles each KV head attends: all ``ceil(length / TILE)`` of them, or the given sparse blocks."""
+    if blocks is None:
+        return np.ascontiguousarray(np.broadcast_to(np.arange(-(-length // TILE), dtype=np.int32), (n_kv, -(-length // TILE))))
+    blocks = np.ascontiguousarray(blocks, np.int32)
+    if blocks.ndim != 2 or blocks.shape[0] != n_kv or blocks.shape[1] == 0:
+        raise ValueError(f"blocks must be [n_kv={n_kv}, n_selected>0], got {blocks.shape}")
+    if blocks.min() < 0 or blocks.max() * TILE >= length:
+        raise ValueError(f"a selected block lies outside the {length} cached positions")
+    return blocks
+
+
+def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_dot=False, blocks=None):
     n_heads, hd = q.shape
     n_kv, cap = k.shape[:2]
     if not 1 <= length <= cap:
@@ -285,10 +309,12 @@ def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_d
         raise ValueError(f"head_dim mismatch: q has {hd}")
     if out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError("out must be a C-contiguous float32 array")
+    tiles = _tile_table(n_kv, length, blocks)
+    rows = tiles.shape[1] * TILE  # positions each KV head actually reads
     n_threads = numba.get_num_threads()
-    serial = n_kv * length < SERIAL_ROWS
+    serial = n_kv * rows < SERIAL_ROWS
     if n_splits is None:
-        n_splits = 1 if serial else choose_splits(length, n_kv, n_threads)
+        n_splits = 1 if serial else choose_splits(rows, n_kv, n_threads)
     n_splits = max(1, int(n_splits))
     qs = np.ascontiguousarray(q, np.float32) * np.float32(1.0 / math.sqrt(hd))  # 1/sqrt(d) once, in q
     q8, qsc = _NO_Q8, _NO_SCALE
@@ -297,7 +323,7 @@ def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_d
         qsc = q_max * np.float32(1.0 / (127.0 * math.sqrt(hd)))
     k_scale = np.ascontiguousarray(k_scale, np.float32)
     v_scale = np.ascontiguousarray(v_scale, np.float32)
-    args = (qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, int(length), n_splits, out)
+    args = (qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, int(length), tiles, n_splits, out)
     if serial and n_threads > 1:  # waking the thread pool would cost more than the work
         numba.set_num_threads(1)
         try:
@@ -350,13 +376,21 @@ def _store_arrays(store) -> tuple[np.ndarray, int, np.ndarray]:
 
 
 def decode_attention(
-    q: torch.Tensor, k_store, v_store, length: int, n_splits: int | None = None, int_dot: bool = False
+    q: torch.Tensor,
+    k_store,
+    v_store,
+    length: int,
+    n_splits: int | None = None,
+    int_dot: bool = False,
+    blocks: np.ndarray | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of one layer's K and V
     :class:`~kvlens.kv.cache.RowStore` (CPU; kinds f32/f16/bf16/q8, mixed K/V kinds included).
 
     Returns a new float32 ``[n_heads, hd]`` tensor. ``int_dot`` picks the seed's int8-query variant
-    (K must be q8). ``n_splits`` defaults to :func:`choose_splits`.
+    (K must be q8). ``n_splits`` defaults to :func:`choose_splits`. ``blocks [n_kv, n_sel]`` (block
+    indices of TILE = 32 positions, per KV head) restricts attention to those blocks (sparse decode:
+    the kernel reads only them, no gather copy; the softmax runs over the selected set).
     """
     k, kc, ks = _store_arrays(k_store)
     v, vc, vs = _store_arrays(v_store)
@@ -364,5 +398,7 @@ def decode_attention(
         raise ValueError("int_dot needs an int8 K store")
     qn = q.detach().to(torch.float32).numpy()
     out = np.empty(qn.shape, np.float32)
-    _run(qn, k, kc, ks, v, vc, vs, length, out, n_splits, int_dot)
+    if isinstance(blocks, torch.Tensor):
+        blocks = blocks.numpy()
+    _run(qn, k, kc, ks, v, vc, vs, length, out, n_splits, int_dot, blocks)
     return torch.from_numpy(out)

@@ -21,8 +21,11 @@ import os
 
 import torch
 
+from ..kv.cache import BLOCK
+
 LOG2E = 1.4426950408889634
 tl = None  # triton.language, bound by _kernels(); the jit functions resolve it from module globals
+attend_tile = None  # the shared online-softmax step, bound by _kernels() for the same reason
 
 
 class TritonUnavailableError(ImportError):
@@ -32,7 +35,7 @@ class TritonUnavailableError(ImportError):
 @functools.cache
 def _kernels():
     """Import triton and define the kernel (decorated now, so TRITON_INTERPRET is read at first use)."""
-    global tl
+    global tl, attend_tile  # jit functions resolve names (tl, helpers) from module globals
     try:
         import triton
         import triton.language as tl_mod
@@ -44,11 +47,43 @@ def _kernels():
     tl = tl_mod
 
     @triton.jit
+    def attend_tile(
+        q, m_i, l_i, acc, K, KS, V, VS, h, n, nmask, d, dmask,
+        stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh,
+        K_Q8: tl.constexpr, V_Q8: tl.constexpr,
+    ):  # fmt: skip
+        """One online-softmax step over the positions ``n`` (masked by ``nmask``)."""
+        kt = tl.load(
+            K + h * stride_kh + n[None, :] * stride_kt + d[:, None],
+            mask=nmask[None, :] & dmask[:, None],
+            other=0,
+        )
+        sc = tl.dot(q, kt.to(tl.float32), input_precision="ieee")  # [G_PAD, BLOCK_N]
+        if K_Q8:  # K row scale folded into the score
+            ks = tl.load(KS + h * stride_ksh + n, mask=nmask, other=0.0)
+            sc = sc * (ks * (1.0 / 127.0))[None, :]
+        sc = tl.where(nmask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_Q8:  # V row scale folded into the weight
+            vs = tl.load(VS + h * stride_vsh + n, mask=nmask, other=0.0)
+            p = p * (vs * (1.0 / 127.0))[None, :]
+        vt = tl.load(
+            V + h * stride_vh + n[:, None] * stride_vt + d[None, :],
+            mask=nmask[:, None] & dmask[None, :],
+            other=0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        return m_new, l_i, acc
+
+    @triton.jit
     def split_kernel(
-        Q, K, KS, V, VS, Acc, M, L,
+        Q, K, KS, V, VS, Acc, M, L, Blocks, n_sel,
         length, split_len, stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh, qk_scale,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr,
+        BLOCK_N: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr, SPARSE: tl.constexpr,
     ):  # fmt: skip
         h = tl.program_id(0)
         s = tl.program_id(1)
@@ -65,35 +100,24 @@ def _kernels():
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-        lo = s * split_len
-        hi = tl.minimum(lo + split_len, length)
-        for start in range(lo, hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            nmask = n < hi
-            kt = tl.load(
-                K + h * stride_kh + n[None, :] * stride_kt + d[:, None],
-                mask=nmask[None, :] & dmask[:, None],
-                other=0,
-            )
-            sc = tl.dot(q, kt.to(tl.float32), input_precision="ieee")  # [G_PAD, BLOCK_N]
-            if K_Q8:  # K row scale folded into the score
-                ks = tl.load(KS + h * stride_ksh + n, mask=nmask, other=0.0)
-                sc = sc * (ks * (1.0 / 127.0))[None, :]
-            sc = tl.where(nmask[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_Q8:  # V row scale folded into the weight
-                vs = tl.load(VS + h * stride_vsh + n, mask=nmask, other=0.0)
-                p = p * (vs * (1.0 / 127.0))[None, :]
-            vt = tl.load(
-                V + h * stride_vh + n[:, None] * stride_vt + d[None, :],
-                mask=nmask[:, None] & dmask[None, :],
-                other=0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-            m_i = m_new
+        if SPARSE:  # splits divide this head's list of selected blocks (BLOCK_N = the cache block)
+            lo = s * split_len
+            hi = tl.minimum(lo + split_len, n_sel)
+            for i in range(lo, hi):
+                n = tl.load(Blocks + h * n_sel + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+                m_i, l_i, acc = attend_tile(
+                    q, m_i, l_i, acc, K, KS, V, VS, h, n, n < length, d, dmask,
+                    stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh, K_Q8, V_Q8,
+                )  # fmt: skip
+        else:
+            lo = s * split_len
+            hi = tl.minimum(lo + split_len, length)
+            for start in range(lo, hi, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                m_i, l_i, acc = attend_tile(
+                    q, m_i, l_i, acc, K, KS, V, VS, h, n, n < hi, d, dmask,
+                    stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh, K_Q8, V_Q8,
+                )  # fmt: skip
         item = h * n_splits + s
         tl.store(M + item * G_PAD + g, m_i)
         tl.store(L + item * G_PAD + g, l_i)
@@ -117,13 +141,20 @@ def choose_splits_gpu(length: int, n_kv: int, device: torch.device, block_n: int
 
 
 def decode_attention_triton(
-    q: torch.Tensor, k_store, v_store, length: int, n_splits: int | None = None, block_n: int = 64
+    q: torch.Tensor,
+    k_store,
+    v_store,
+    length: int,
+    n_splits: int | None = None,
+    block_n: int = 64,
+    blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of one layer's K/V
     :class:`~kvlens.kv.cache.RowStore` (kinds f32/f16/bf16/q8, mixed K/V kinds included), in Triton.
 
     Returns float32 ``[n_heads, hd]`` on the stores' device. ``block_n``: positions per step (power
     of 2, >= 16); ``n_splits``: sequence splits per KV head (default :func:`choose_splits_gpu`).
+    ``blocks [n_kv, n_sel]``: sparse decode — attend only these cache blocks (BLOCK positions each).
     """
     kernel = _kernels()
     k, v = k_store.data, v_store.data
@@ -143,10 +174,17 @@ def decode_attention_triton(
         )
     group = n_heads // n_kv
     g_pad, d_pad = _next_pow2(group, 16), _next_pow2(hd, 16)
-    if n_splits is None:
-        n_splits = choose_splits_gpu(length, n_kv, k.device, block_n)
-    split_len = -(-length // n_splits)
     dev = k.device
+    n_sel, table = 0, torch.zeros(1, dtype=torch.int32, device=dev)
+    if blocks is not None:
+        table = torch.as_tensor(blocks, dtype=torch.int32).to(dev).contiguous()
+        n_sel, block_n = table.shape[1], BLOCK
+        if table.shape[0] != n_kv or n_sel == 0 or int(table.max()) * BLOCK >= length or int(table.min()) < 0:
+            raise ValueError(f"blocks must be [n_kv={n_kv}, n_sel>0] indices of blocks below {length}")
+    work = n_sel * BLOCK if blocks is not None else length
+    if n_splits is None:
+        n_splits = choose_splits_gpu(work, n_kv, k.device, block_n)
+    split_len = -(-(n_sel if blocks is not None else length) // n_splits)
     acc = torch.empty(n_kv, n_splits, g_pad, d_pad, dtype=torch.float32, device=dev)
     m = torch.empty(n_kv, n_splits, g_pad, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
@@ -154,10 +192,10 @@ def decode_attention_triton(
     vs = v_store.scale if v_store.kind == "q8" else m
     qc = q.detach().to(device=dev, dtype=torch.float32).contiguous()
     kernel[(n_kv, n_splits)](
-        qc, k, ks, v, vs, acc, m, lsum,
+        qc, k, ks, v, vs, acc, m, lsum, table, n_sel,
         length, split_len, k.stride(0), k.stride(1), v.stride(0), v.stride(1), ks.stride(0), vs.stride(0), LOG2E / math.sqrt(hd),
         GROUP=group, G_PAD=g_pad, HD=hd, D_PAD=d_pad, BLOCK_N=block_n,
-        K_Q8=k_store.kind == "q8", V_Q8=v_store.kind == "q8",
+        K_Q8=k_store.kind == "q8", V_Q8=v_store.kind == "q8", SPARSE=blocks is not None,
     )  # fmt: skip
     # Exact merge of the splits (base 2): empty splits have m = -inf, l = 0 and weigh exp2(-inf) = 0.
     m_max = m.amax(dim=1, keepdim=True)

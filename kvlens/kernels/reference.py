@@ -25,6 +25,12 @@ def attention_mask(q_pos: torch.Tensor, n_k: int, window: int | None = None) -> 
     return mask
 
 
+def blocks_to_mask(blocks: torch.Tensor, n_k: int, block: int) -> torch.Tensor:
+    """Sparse decode's selection (block indices [n_kv, n_sel]) as a key mask [n_kv, n_k]."""
+    pos = torch.arange(n_k, device=blocks.device)
+    return (pos[None, None, :] // block == blocks.long()[:, :, None]).any(dim=1)
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -32,10 +38,12 @@ def reference_attention(
     q_pos: torch.Tensor | None = None,
     window: int | None = None,
     return_weights: bool = False,
+    kv_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Stable-softmax attention in the dtype of ``q`` (pass float64 for a float64 reference).
 
     With ``q_pos=None`` every query sees every key (the seed's single-query experiment).
+    ``kv_mask [n_kv, n_k]`` restricts each KV head's keys (sparse decode: softmax over the selection).
     """
     n_heads, n_q, d = q.shape
     n_kv = k.shape[0]
@@ -46,6 +54,8 @@ def reference_attention(
     if q_pos is not None:
         mask = attention_mask(q_pos, k.shape[1], window)
         scores = scores.masked_fill(~mask, float("-inf"))
+    if kv_mask is not None:
+        scores = scores.masked_fill(~kv_mask.repeat_interleave(group, dim=0)[:, None, :], float("-inf"))
     scores = scores - scores.amax(dim=-1, keepdim=True)
     w = torch.exp(scores)
     w = w / w.sum(dim=-1, keepdim=True)
@@ -54,13 +64,21 @@ def reference_attention(
 
 
 def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None = None, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor | None = None,
+    window: int | None = None,
+    kv_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same contract through torch's fused ``scaled_dot_product_attention`` (the engine's default)."""
     n_heads, n_kv = q.shape[0], k.shape[0]
     mask = None if q_pos is None else attention_mask(q_pos, k.shape[1], window)
     if q.shape[1] == 1 and window is None:
         mask = None  # one query at the newest position sees every cached key
+    if kv_mask is not None:
+        head_mask = kv_mask.repeat_interleave(n_heads // n_kv, dim=0)[:, None, :]  # [H, 1, n_k]
+        mask = head_mask if mask is None else mask[None] & head_mask
     return torch.nn.functional.scaled_dot_product_attention(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=n_heads != n_kv
     ).squeeze(0)

@@ -19,6 +19,9 @@ Attention over a quantized store always reads the quantized values of every cach
 including earlier chunks of a chunked prefill. The only exceptions are explicit: the mirror option
 above, and ``keep_sink`` / ``keep_recent`` (lab options that keep the first S / last R positions exact).
 
+With ``track_blocks=True`` the cache also keeps, per block and KV head, the per-channel min/max of
+the keys as read (``bounds``, see :mod:`kvlens.kv.blocks`) for sparse decode.
+
 Non-finite policy: every write is checked; NaN/Inf in K or V raises :class:`NonFiniteKVError`
 naming the layer and position, in every mode (a quantized NaN would be silent garbage).
 """
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .blocks import BlockBounds
 from .quant import dequantize_q8, quantize_q8
 
 BLOCK = 32
@@ -105,6 +109,12 @@ class RowStore:
         else:
             self.data[:, start:end] = rows.to(self.data.dtype)
 
+    def read_index(self, pos: torch.Tensor) -> torch.Tensor:
+        """Rows at positions ``pos`` as float32 [n_kv, len(pos), head_dim]."""
+        if self.kind == "q8":
+            return dequantize_q8(self.data[:, pos], self.scale[:, pos])
+        return self.data[:, pos].to(torch.float32)
+
     def read(self, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) as float32 — the values attention sees."""
         if self.kind == "q8":
@@ -126,6 +136,7 @@ class KVCache:
         mirror_prefill: str = "exact",
         keep_sink: int = 0,
         keep_recent: int = 0,
+        track_blocks: bool = False,
     ) -> None:
         k_kind, v_kind, mirror = parse_mode(mode)
         if mirror_prefill not in ("exact", "q8"):
@@ -149,6 +160,8 @@ class KVCache:
             else []
         )
         self.length = 0  # positions written in every layer
+        # per-block key min/max for sparse decode's block selection (kv.blocks)
+        self.bounds = BlockBounds(n_layers, n_kv_heads, head_dim, BLOCK, self.device) if track_blocks else None
 
     @property
     def capacity(self) -> int:
@@ -188,6 +201,9 @@ class KVCache:
         if self.has_mirror:
             self.k_exact[layer].write(start, k)
             self.v_exact[layer].write(start, v)
+        if self.bounds is not None:
+            first = start - start % BLOCK
+            self.bounds.update(layer, self.k[layer].read(first, start + k.shape[1]), first, start + k.shape[1])
         if layer == self.n_layers - 1:
             self.length = max(self.length, start + k.shape[1])
 
