@@ -50,6 +50,9 @@ def generate(
         "exact", help="q8+mirror only: prefill reads the 'exact' copy or the 'q8' rows."
     ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
+    weights: str = typer.Option(
+        "auto", help="Weights: f32, bf16, int8, int4 (kept quantized), or auto = the file's own precision."
+    ),
 ) -> None:
     """Generate text, streaming it as it is produced."""
     import kvlens
@@ -61,6 +64,7 @@ def generate(
         attn_backend=attn_backend,
         mirror_prefill=mirror_prefill,
         prefill_chunk=prefill_chunk,
+        weights=weights,
     )
     params = kvlens.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if not chat:
@@ -239,7 +243,91 @@ def lab_layers(
     layers.cli(model, corpus, ctx, kv, chunks, keep_sink, keep_recent, json_out, report)
 
 
+# == lab needle (kvlens.lab.needle) ==
+@lab_app.command("needle")
+def lab_needle(
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    corpus: str | None = typer.Option(None, help="Filler text: built-in corpus name or a UTF-8 file."),
+    ctx: str = typer.Option("1024,2048,4096,8192", help="Contexts (comma list; 4k = 4096)."),
+    depth: str = typer.Option("0.1,0.5,0.9", help="Needle depths in [0, 1] (comma list)."),
+    kv: str = typer.Option("q8", help="Quantized cache mode compared with f32."),
+    sparse: str = typer.Option("quest", help="Sparse selection: quest or probe."),
+    sparse_budget: str = typer.Option("0.125,0.25", help="Budgets: tokens (≥ 1) or fractions of the context (< 1)."),
+    dense_layers: int = typer.Option(2, min=0, help="First layers kept dense."),
+    seed: int = typer.Option(0, help="Seed of the secret numbers."),
+    json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+    plot: str | None = typer.Option(None, help="Write a PNG heat map (depth × context → recall)."),
+) -> None:
+    """Needle in a haystack: recall of f32 dense, q8 dense and q8 sparse at several budgets."""
+    import json
+
+    import kvlens
+    from .lab.corpus import load_corpus
+    from .lab.needle import plot_heatmap, recall_table, run_needle
+
+    budgets = [float(b) for b in sparse_budget.split(",") if b]
+    depths = [float(d) for d in depth.split(",") if d]
+    llm = kvlens.load(model, kv=kv)
+    text, label = load_corpus(corpus)
+    rows = run_needle(llm, text, _csv_ints(ctx), depths, budgets, sparse, kv, seed, dense_layers,
+                      progress=None if json_out else lambda c, d: typer.echo(f"  ctx {c} depth {d:g} done", err=True))
+    if plot:
+        plot_heatmap(rows, plot)
+        typer.echo(f"wrote {plot}", err=True)
+    if json_out:
+        typer.echo(json.dumps({"rows": [r.as_dict() for r in rows], "recall": recall_table(rows)}, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = recall_table(rows)
+    ctxs = sorted({r.ctx for r in rows})
+    t = Table(title=f"needle recall over depths {depth} — filler: {label}, {llm.source.name}")
+    t.add_column("mode")
+    for c in ctxs:
+        t.add_column(f"ctx {c}", justify="right")
+    for mode, by_ctx in table.items():
+        t.add_row(mode, *[f"{100 * by_ctx[c]:.0f}%" for c in ctxs])
+    Console().print(t)
+
+
 # == bench attention / decode (kvlens.bench) ==
+@bench_app.command("attention")
+def bench_attention(
+    ctx: str = typer.Option("1k,4k,16k,64k", help="Contexts (comma list; 4k = 4096)."),
+    shape: str = typer.Option("smollm2,8b", help="Head shapes: smollm2 (9/3, hd 64), 8b (32/8, hd 128)."),
+    kv: str = typer.Option("f32,f16,q8", help="Cache modes (f32, f16, bf16, q8, q8-k, q8-v)."),
+    backend: str | None = typer.Option(
+        None, help="Comma list of numba, numba-intdot, torch-sdpa, dequant-sdpa, triton (default: all here)."
+    ),
+    threads: int | None = typer.Option(None, min=1, help="numba and torch threads (default: all cores)."),
+    reps: int = typer.Option(5, min=1, help="Interleaved timing rounds (min and median reported)."),
+    mem_gib: float = typer.Option(3.0, help="Memory cap for the rotated layer caches, GiB."),
+    prefill: bool = typer.Option(False, help="Also time the prefill path's whole-history read at 4K."),
+    json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+) -> None:
+    """One layer's decode attention per call: µs, GB/s vs the measured copy bandwidth, × torch SDPA."""
+    import json
+
+    from .bench import attention as ba
+
+    if threads:
+        import numba
+        import torch
+
+        numba.set_num_threads(threads)
+        torch.set_num_threads(threads)
+    rows, bw = ba.run_attention_bench(
+        _csv_ints(ctx), [s for s in shape.split(",") if s], [m for m in kv.split(",") if m],
+        [b for b in backend.split(",") if b] if backend else None, reps, mem_gib,
+        progress=None if json_out else lambda s: typer.echo(f"  {s}", err=True),
+    )  # fmt: skip
+    if json_out:
+        typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
+        return
+    ba.render(rows, bw)
+    if prefill:
+        ba.render_prefill("smollm2", 4096, 32, ba.time_prefill_read("smollm2", 4096, 32))
 
 
 def _csv_ints(s: str) -> list[int]:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from ..kv.blocks import SparseConfig
 from ..kv.cache import KVCache, parse_mode
-from ..models.loader import LoadedModel, load_model
+from ..models.loader import LoadedModel, check_weights_mode, load_model
 from ..models.transformer import Transformer
 from .attention import make_attend, resolve_backend
 from .sampling import Sampler, SamplingParams
@@ -30,8 +32,10 @@ class LLM:
         attn_backend: str = "auto",
         mirror_prefill: str = "exact",
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        sparse: SparseConfig | None = None,
     ) -> None:
         parse_mode(kv)  # fail early on an unknown mode
+        self.sparse = sparse  # sparse decode policy (None: dense); caches then track block bounds
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
         self.model = Transformer(loaded.config, loaded.weights)
         self.device = self.model.device
@@ -42,6 +46,7 @@ class LLM:
     def new_cache(self, capacity: int, kv: str | None = None, **options) -> KVCache:
         cfg = self.config
         options.setdefault("mirror_prefill", self.mirror_prefill)
+        options.setdefault("track_blocks", self.sparse is not None)
         return KVCache(
             cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, kv or self.kv, self.device, **options
         )
@@ -64,8 +69,20 @@ class LLM:
         """Run tokens at positions start.. through the model, writing the cache; returns hidden [n, hidden]."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         self.check_fits(start + ids.shape[0])
-        attend = make_attend(cache, prefill, backend or self.attn_backend, self.config.sliding_window)
+        sparse = self.sparse if cache.bounds is not None and not prefill else None
+        attend = make_attend(cache, prefill, backend or self.attn_backend, self.config.sliding_window, sparse)
         return self.model.forward(ids, start, attend)
+
+    def variant(self, **changes) -> LLM:
+        """The same loaded model with other engine settings (kv, sparse, attn_backend, ...), weights shared."""
+        other = copy.copy(self)
+        for name, value in changes.items():
+            if not hasattr(self, name):
+                raise AttributeError(f"LLM has no setting {name!r}")
+            setattr(other, name, value)
+        parse_mode(other.kv)
+        other.attn_backend = resolve_backend(other.attn_backend, other.device)
+        return other
 
     def prefill(
         self,
@@ -112,10 +129,23 @@ class LLM:
     ) -> Iterator[int]:
         """Yield new token ids one by one: chunked prefill, then one-token decode steps."""
         self.check_fits(len(prompt_ids) + max_new_tokens)
-        sample = Sampler(sampling or SamplingParams())
         cache = cache or self.new_cache(len(prompt_ids) + max_new_tokens)
         logits = self.prefill(prompt_ids, cache)
-        pos = len(prompt_ids)
+        yield from self.decode(cache, logits, len(prompt_ids), max_new_tokens, sampling, stop_at_eos)
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        cache: KVCache,
+        logits: torch.Tensor,
+        pos: int,
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop_at_eos: bool = True,
+    ) -> Iterator[int]:
+        """Decode after a prefill: ``logits`` of the last prompt position, ``pos`` = prompt length."""
+        self.check_fits(pos + max_new_tokens)
+        sample = Sampler(sampling or SamplingParams())
         for i in range(max_new_tokens):
             tok = sample(logits)
             yield tok
@@ -185,8 +215,16 @@ def load(
     attn_backend: str = "auto",
     mirror_prefill: str = "exact",
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    weights: str | None = None,
+    sparse: SparseConfig | None = None,
 ) -> LLM:
-    """Load a model (``"smollm2"``, a .gguf file or an HF directory) with a KV-cache mode."""
+    """Load a model (``"smollm2"``, a .gguf file or an HF directory) with a KV-cache mode.
+
+    ``weights``: f32, bf16, int8 or int4 (kept quantized); None/"auto" = closest to the file's
+    own precision for a GGUF (SmolLM2 Q4_1: int4 layers, int8 embedding/head), f32 otherwise.
+    """
     parse_mode(kv)
+    check_weights_mode(weights or "auto")
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return LLM(load_model(model, dev), kv, attn_backend, mirror_prefill, prefill_chunk)
+    loaded = load_model(model, dev, weights=weights or "auto")
+    return LLM(loaded, kv, attn_backend, mirror_prefill, prefill_chunk, sparse)

@@ -1,0 +1,142 @@
+"""``kvlens lab needle``: can the model still find a fact in a long context — exact, q8, sparse q8?
+
+A short fact ("The special magic number is 48213.") is placed at a chosen depth of real-text
+filler, a question ends the prompt, and the model answers greedily. Recall = the number appears in
+the answer. For every (context, depth) the prompt is prefilled once per cache type (f32, q8 with
+block bounds); dense q8 and every sparse budget then decode from the same q8 prefill (the cache is
+rewound between them), so the only variable is how decode attends the history.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..engine.llm import LLM
+from ..kv.blocks import SparseConfig
+
+QUESTION = "\n\nQuestion: What is the special magic number mentioned in the text above?\nAnswer: The special magic number is"
+ANSWER_TOKENS = 8
+
+
+@dataclass
+class NeedleRow:
+    ctx: int
+    depth: float
+    mode: str
+    recalled: bool
+    answer: str
+    needle: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_prompt(llm: LLM, filler_ids: list[int], ctx: int, depth: float, secret: str) -> list[int]:
+    """``ctx`` tokens: filler with the fact inserted at ``depth`` (0 = start, 1 = just before the question)."""
+    tok = llm.tokenizer
+    fact = tok.encode(f" The special magic number is {secret}. Remember it: {secret}. ", add_bos=False)
+    question = tok.encode(QUESTION, add_bos=False)
+    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    n_filler = ctx - len(fact) - len(question) - len(bos)
+    if n_filler < 16:
+        raise ValueError(
+            f"context {ctx} is too short for the needle prompt (needs > {ctx - n_filler + 16} tokens)"
+        )
+    if len(filler_ids) < n_filler:
+        raise ValueError(f"the filler corpus has {len(filler_ids)} tokens; context {ctx} needs {n_filler}")
+    at = round(depth * n_filler)
+    return bos + filler_ids[:at] + fact + filler_ids[at:n_filler] + question
+
+
+def answer(llm: LLM, cache, logits: torch.Tensor, pos: int) -> str:
+    ids = list(llm.decode(cache, logits, pos, ANSWER_TOKENS))
+    cache.truncate(pos)
+    return llm.tokenizer.decode(ids, skip_special=True)
+
+
+def run_needle(
+    llm: LLM,
+    filler: str,
+    contexts: list[int],
+    depths: list[float],
+    budgets: list[float],
+    method: str = "quest",
+    kv: str = "q8",
+    seed: int = 0,
+    dense_layers: int = 2,
+    progress=None,
+) -> list[NeedleRow]:
+    if not contexts or not depths:
+        raise ValueError("give at least one context and one depth")
+    for d in depths:
+        if not 0 <= d <= 1:
+            raise ValueError(f"depth {d} must lie in [0, 1]")
+    filler_ids = llm.tokenizer.encode(filler, add_bos=False)
+    rng = random.Random(seed)
+    rows: list[NeedleRow] = []
+    for ctx in contexts:
+        llm.check_fits(ctx + ANSWER_TOKENS)
+        for depth in depths:
+            secret = str(rng.randint(10_000, 99_999))
+            ids = build_prompt(llm, filler_ids, ctx, depth, secret)
+            runs: list[tuple[str, LLM, str]] = [
+                ("f32 dense", llm.variant(kv="f32", sparse=None), "f32"),
+                (f"{kv} dense", llm.variant(kv=kv, sparse=None), kv),
+            ]
+            runs += [
+                (
+                    f"{kv} {method} {b:g}",
+                    llm.variant(kv=kv, sparse=SparseConfig(method, b, dense_layers, 0)),
+                    kv,
+                )
+                for b in budgets
+            ]
+            prefilled: dict[str, tuple] = {}
+            for name, variant, mode in runs:
+                if mode not in prefilled:  # one prefill per cache type; decode variants share it
+                    cache = variant.new_cache(len(ids) + ANSWER_TOKENS, mode, track_blocks=True)
+                    prefilled[mode] = (cache, variant.prefill(ids, cache))
+                cache, logits = prefilled[mode]
+                text = answer(variant, cache, logits, len(ids))
+                rows.append(NeedleRow(ctx, depth, name, secret in text, text.strip(), secret))
+            if progress:
+                progress(ctx, depth)
+    return rows
+
+
+def recall_table(rows: list[NeedleRow]) -> dict[str, dict[int, float]]:
+    """mode → context → recall over depths."""
+    out: dict[str, dict[int, list[bool]]] = {}
+    for r in rows:
+        out.setdefault(r.mode, {}).setdefault(r.ctx, []).append(r.recalled)
+    return {m: {c: sum(v) / len(v) for c, v in by_ctx.items()} for m, by_ctx in out.items()}
+
+
+def plot_heatmap(rows: list[NeedleRow], path: str) -> None:
+    """One panel per mode: depth × context → recalled (1) or not (0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(r.mode for r in rows))
+    ctxs = sorted({r.ctx for r in rows})
+    depths = sorted({r.depth for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(2.2 * len(modes) + 1, 2.8), squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        grid = torch.zeros(len(depths), len(ctxs))
+        for r in rows:
+            if r.mode == mode:
+                grid[depths.index(r.depth), ctxs.index(r.ctx)] = float(r.recalled)
+        ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_title(mode, fontsize=8)
+        ax.set_xticks(range(len(ctxs)), [str(c) for c in ctxs], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+        ax.set_xlabel("context", fontsize=7)
+    axes[0][0].set_ylabel("needle depth", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

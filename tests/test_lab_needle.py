@@ -1,0 +1,38 @@
+"""lab needle: prompt construction and a short real run."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlens.lab.needle import build_prompt, recall_table, run_needle
+
+pytestmark = pytest.mark.slow
+
+
+def test_prompt_has_exact_length_and_depth(smol_f32):
+    tok = smol_f32.tokenizer
+    filler = tok.encode("The river runs through the old town and past the mill. " * 80, add_bos=False)
+    for depth in (0.0, 0.5, 1.0):
+        ids = build_prompt(smol_f32, filler, 300, depth, "12345")
+        assert len(ids) == 300
+        text = tok.decode(ids)
+        assert text.count("12345") == 2 and text.rstrip().endswith("The special magic number is")
+        frac = text.index("12345") / len(text)
+        assert abs(frac - depth * 0.8) < 0.15  # the question takes the last fifth or so
+
+
+def test_prompt_errors(smol_f32):
+    filler = smol_f32.tokenizer.encode("word " * 50, add_bos=False)
+    with pytest.raises(ValueError, match="too short"):
+        build_prompt(smol_f32, filler, 30, 0.5, "12345")
+    with pytest.raises(ValueError, match="filler corpus has"):
+        build_prompt(smol_f32, filler, 400, 0.5, "12345")
+
+
+def test_short_needle_run(smol_f32):
+    filler = open(__file__.replace("test_lab_needle.py", "data/excerpt.txt"), encoding="utf-8").read()
+    rows = run_needle(smol_f32, filler, [320], [0.3], [64], kv="q8")
+    assert [r.mode for r in rows] == ["f32 dense", "q8 dense", "q8 quest 64"]
+    assert rows[0].recalled  # the model finds a fact 200 tokens back
+    table = recall_table(rows)
+    assert set(table) == {"f32 dense", "q8 dense", "q8 quest 64"} and table["f32 dense"][320] == 1.0
