@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import sys
 
 import numba
@@ -19,13 +18,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-if not torch.cuda.is_available():  # Triton's kernels are decorated lazily, on first use: set this before it
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kvlens.kernels import cpu  # noqa: E402
-from kvlens.kernels.reference import reference_attention  # noqa: E402
-from kvlens.kv.cache import RowStore  # noqa: E402
-from kvlens.kv.quant import dequantize_q8  # noqa: E402
+from kvlens.kernels import cpu
+from kvlens.kernels.reference import reference_attention
+from kvlens.kv.cache import RowStore
+from kvlens.kv.quant import dequantize_q8
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -36,8 +32,8 @@ LENGTHS = [1, 31, 32, 33, 1000]
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Tiny problems: thread-pool wake-ups (numba's and torch's) cost more than the work, and on a
-    shared 2-core box they can stall for a scheduler slice (~40 ms) per call."""
+    """Tiny problems: thread-pool wake-ups cost more than the work, and torch's and numba's two OpenMP
+    pools spin against each other on a busy 2-core box (~40 ms stalls per call)."""
     n, nt = numba.get_num_threads(), torch.get_num_threads()
     numba.set_num_threads(1)
     torch.set_num_threads(1)
@@ -227,6 +223,19 @@ def test_random_shapes(n_kv, group, hd, length, extra, n_splits, kinds, seed):
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 
 
+@pytest.fixture
+def triton_interpret(monkeypatch):
+    """Without a GPU, run Triton's interpreter. kvlens.kernels.gpu decorates its kernel on first use,
+    so the variable only has to be set by then; it is unset again after each test."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def on_triton_device(*stores: RowStore) -> list[RowStore]:
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return [RowStore(s.kind, s.data.to(dev), None if s.scale is None else s.scale.to(dev)) for s in stores]
+
+
 @needs_triton
 @pytest.mark.parametrize(
     "kind_k,kind_v,n_heads,n_kv,hd,length,n_splits",
@@ -241,27 +250,28 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installe
         ("q8", "f32", 8, 2, 64, 50, 2),
     ],
 )
-def test_triton_matches_reference(kind_k, kind_v, n_heads, n_kv, hd, length, n_splits):
+def test_triton_matches_reference(triton_interpret, kind_k, kind_v, n_heads, n_kv, hd, length, n_splits):
     from kvlens.kernels.gpu import decode_attention_triton
 
     q, ks, vs = case(kind_k, kind_v, n_heads, n_kv, hd, length, seed=6)
-    out = decode_attention_triton(q, ks, vs, length, n_splits=n_splits, block_n=16)
-    assert_matches(out, reference(q, ks, vs, length))
+    out = decode_attention_triton(q, *on_triton_device(ks, vs), length, n_splits=n_splits, block_n=16)
+    assert_matches(out.cpu(), reference(q, ks, vs, length))
 
 
 @needs_triton
-def test_triton_zero_rows_and_errors():
+def test_triton_zero_rows_and_errors(triton_interpret):
     from kvlens.kernels.gpu import decode_attention_triton
 
     q, ks, vs = case("q8", "q8", 4, 2, 64, 20, zero_rows=(0, 5, 19), seed=7)
-    assert_matches(decode_attention_triton(q, ks, vs, 20, n_splits=3, block_n=16), reference(q, ks, vs, 20))
+    out = decode_attention_triton(q, *on_triton_device(ks, vs), 20, n_splits=3, block_n=16)
+    assert_matches(out.cpu(), reference(q, ks, vs, 20))
     with pytest.raises(ValueError, match="length"):
         decode_attention_triton(q, ks, vs, 0)
     with pytest.raises(ValueError, match="block_n"):
         decode_attention_triton(q, ks, vs, 5, block_n=24)
 
 
-def test_triton_missing_gives_a_clear_error(monkeypatch):
+def test_triton_missing_gives_a_clear_error(triton_interpret, monkeypatch):
     from kvlens.kernels import gpu
 
     gpu._kernels.cache_clear()
@@ -279,3 +289,7 @@ def test_sanity_of_reference_helper():
     ref = reference(q, ks, vs, 1)
     assert torch.allclose(ref, vs.data[:, 0].double().repeat_interleave(2, 0))
     assert math.isclose(float(ref.abs().max()), float(vs.data[:, 0].abs().max()), rel_tol=1e-6)
+    # ... and the garbage beyond ``length`` is loud: one row too many changes everything.
+    q, ks, vs = case("q8", "q8", 4, 2, 64, 10)
+    q = q.abs()  # positive scores against the all-127 garbage keys
+    assert (cpu.decode_attention(q, ks, vs, 11) - reference(q, ks, vs, 10)).abs().max() > 1.0

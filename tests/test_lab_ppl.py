@@ -12,8 +12,17 @@ import pytest
 import torch
 
 from kvlens.kv.cache import MODES
-from kvlens.lab.ppl import MIRROR_NOTE, make_chunks, run_ppl, scored_logits, scored_span
+from kvlens.lab.ppl import (
+    MIRROR_NOTE,
+    BaseLogProbs,
+    chunk_metrics,
+    make_chunks,
+    run_ppl,
+    scored_logits,
+    scored_span,
+)
 from kvlens.lab.report import parse_modes
+from kvlens.lab.stats import token_metrics
 
 EXCERPT = Path(__file__).parent / "data" / "excerpt.txt"
 
@@ -51,6 +60,19 @@ def test_modes_come_from_the_cache_module() -> None:
     assert parse_modes("q8, f16,q8") == ["q8", "f16"]
     with pytest.raises(ValueError, match="unknown KV cache mode"):
         parse_modes("q3")
+
+
+def test_chunk_metrics_equal_stats_token_metrics() -> None:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 50, generator=g) * 8
+    base[0, 3] = 900.0  # a near-one-hot row: most base probabilities underflow to 0
+    q = base + torch.randn(6, 50, generator=g) * 0.3
+    t = torch.randint(0, 50, (6,), generator=g)
+    ours, ref = chunk_metrics(BaseLogProbs(base), q, t), token_metrics(base, q, t)
+    for k in ref:
+        assert torch.allclose(ours[k].double(), ref[k].double(), rtol=1e-12, atol=1e-15), k
+    same = chunk_metrics(BaseLogProbs(base), base.clone(), t)
+    assert torch.all(same["kld"] == 0)  # identical logits: exactly 0, as llama.cpp's "base vs base"
 
 
 class _FakeLLM:

@@ -225,6 +225,7 @@ def summary_rows(r: LayersResult) -> tuple[list[str], list[list[str]]]:
         "stores",
         "median rel err",
         "max rel err (layer.head)",
+        "max/median",
         "flagged",
         "max|Δout|",
         "mean|Δout|",

@@ -41,8 +41,11 @@ attended keys), and ``E out_c² ≈ sum_j w_j²``, so the V part of the *relativ
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+
+TOLERANCE = 0.05  # amplitude verdict: "unchanged" means within 5% of the first amplitude
 
 
 def attention64(
@@ -139,3 +142,36 @@ def pooled_t(deltas: list[torch.Tensor]) -> tuple[float, float]:
     if d.numel() < 2 or float(d.std()) == 0.0:
         return float(d.mean()), 0.0
     return float(d.mean()), float(d.mean()) / (float(d.std()) / math.sqrt(d.numel()))
+
+
+def amplitude_verdicts(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Does the seed's "relative error unchanged" hold when V (resp. K) is scaled? Why, in numbers."""
+    out = {}
+    for which, name in (("v", "V"), ("k", "K")):
+        rs = [r for r in rows if r["scaled"] == which]
+        base = rs[0]
+        ratios = [r["rel_l2"] / base["rel_l2"] for r in rs]
+        holds = all(abs(x - 1) <= TOLERANCE for x in ratios)
+        parts = ", ".join(f"x{r['amplitude']:g}: {x:.3f}" for r, x in zip(rs, ratios, strict=True))
+        top = rs[-1]
+        grow = f"mean|Δ| x{top['mean_abs_diff'] / base['mean_abs_diff']:.2f}, rms(out) x{top['out_rms'] / base['out_rms']:.2f}"
+        if which == "v":
+            why = (
+                "V's per-row scales grow with V, so V-hat scales by the same factor (exactly for a power of "
+                f"two) and the weights do not change: Δout and out scale together ({grow})"
+            )
+        else:
+            why = (
+                f"K×a multiplies every logit by a (softmax temperature 1/a): effective keys "
+                f"{base['eff_keys']:.1f} -> {top['eff_keys']:.1f}; "
+            )
+            if "k" in base["quantize"]:
+                why += (
+                    f"K's step grows by a too, so the logit errors grow a-fold: KL(w||w-hat) "
+                    f"{base['kl_weights']:.2e} -> {top['kl_weights']:.2e}, {grow}"
+                )
+            else:
+                why += f"K is exact here, and the V error relative to |out| hardly depends on the weights ({grow})"
+        verdict = "holds" if holds else "does NOT hold"
+        out[which] = f"{name} scaled: rel L2 ratio vs x{base['amplitude']:g} = {parts} -> {verdict} ({why})."
+    return out

@@ -26,7 +26,7 @@ import torch
 
 from ..kv.cache import parse_mode
 from .report import MIRROR_MODE, md_table, mode_label, model_name, parse_modes
-from .stats import format_kld_report, summarize, token_metrics
+from .stats import format_kld_report, summarize
 
 MIRROR_NOTE = (
     "measures nothing about prefill: every prefill sub-chunk reads the exact f32 mirror, never the "
@@ -81,6 +81,31 @@ def scored_logits(
 
     llm.prefill(chunk, cache, prefill_chunk, on_hidden=keep)
     return llm.model.logits(torch.cat(kept))
+
+
+class BaseLogProbs:
+    """A chunk's base log-probabilities in float64, computed once and shared by every mode."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+        self.p = self.logp.exp()
+        self.top = logits.argmax(dim=-1)
+
+
+def chunk_metrics(
+    base: BaseLogProbs, logits_q: torch.Tensor, targets: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Per-token nll_q, nll_base, kld, top_q, top_base (as ``stats.token_metrics``, ~5x faster: the base
+    log-softmax is shared and KL(base || q) is one fused product-sum; finite logits never give 0 * inf)."""
+    lq = torch.log_softmax(logits_q.to(torch.float64), dim=-1)
+    idx = targets.to(torch.long).reshape(-1, 1)
+    return {
+        "nll_q": -lq.gather(-1, idx).squeeze(-1),
+        "nll_base": -base.logp.gather(-1, idx).squeeze(-1),
+        "kld": torch.einsum("ij,ij->i", base.p, base.logp - lq),
+        "top_q": logits_q.argmax(dim=-1),
+        "top_base": base.top,
+    }
 
 
 @dataclass
@@ -194,8 +219,9 @@ def run_ppl(
     for chunk in chunks:
         targets = torch.tensor(chunk[first + 1 :], dtype=torch.long)
         t0 = time.perf_counter()
-        lb = scored_logits(llm, chunk, base, base_pc, first)
+        base_logits = scored_logits(llm, chunk, base, base_pc, first)
         base_secs += time.perf_counter() - t0
+        lb = BaseLogProbs(base_logits)
         if on_step:
             on_step(base)
         for m in modes:
@@ -203,7 +229,7 @@ def run_ppl(
             t0 = time.perf_counter()
             lq = scored_logits(llm, chunk, m, pc, first, **opts)
             secs[m] += time.perf_counter() - t0
-            for k, v in token_metrics(lb, lq, targets).items():
+            for k, v in chunk_metrics(lb, lq, targets).items():
                 acc[m][k].append(v.cpu().numpy())
             if on_step:
                 on_step(m)
@@ -279,8 +305,8 @@ def summary_rows(r: PplResult) -> tuple[list[str], list[list[str]]]:
                 f"{s['ppl_q']:.4f}",
                 f"{s['ppl_diff']:+.5f} ± {s['ppl_diff_err']:.5f}",
                 f"{s['ppl_ratio']:.5f}",
-                f"{s['kld_mean']:.6f} ± {s['kld_mean_err']:.6f}",
-                f"{s['kld_p99']:.5f}",
+                f"{s['kld_mean']:.3e} ± {s['kld_mean_err']:.1e}",
+                f"{s['kld_p99']:.3e}",
                 f"{s['same_top_p']:.2f}%",
                 f"{m.tokens_per_s:.0f}",
             ]

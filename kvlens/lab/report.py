@@ -39,13 +39,17 @@ def mode_label(mode: str) -> str:
 
 
 def load_lab(model: str, corpus: str | None, base: str):
-    """(llm, corpus text, corpus label): one model load for every mode; the torch (reference) backend."""
+    """(llm, corpus text, corpus label): one model load for every mode; the torch (reference) backend.
+
+    Weights are dequantized to f32 (what HF transformers runs): the lab isolates the KV cache, and the
+    f32 GEMMs are the fastest CPU path for the batched prefills it runs.
+    """
     import kvlens
 
     from .corpus import load_corpus
 
     parse_mode(base)
-    llm = kvlens.load(model, kv=base, attn_backend="torch")
+    llm = kvlens.load(model, kv=base, attn_backend="torch", weights="f32")
     text, label = load_corpus(corpus)
     return llm, text, label
 
@@ -87,7 +91,8 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
 
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out = ["| " + " | ".join(str(h).replace("|", "\\|") for h in headers) + " |"]
+    out.append("|" + "|".join("---" for _ in headers) + "|")
     out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
     return "\n".join(out) + "\n"
 

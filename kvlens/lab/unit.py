@@ -27,11 +27,10 @@ import numpy as np
 import torch
 
 from ..kv.schemes import get_scheme
-from .metrics import compare, pooled_t
+from .metrics import amplitude_verdicts, compare, pooled_t
 
 SYNTH_DEFAULTS = {"head_dim": 128, "heads": 1, "kv_heads": 1}
 DISTS = ("normal", "uniform", "student-t:NU", "outlier-channels[:F]", "real")
-TOLERANCE = 0.05  # amplitude verdict: "unchanged" means within 5% of the first amplitude
 _LLMS: dict[str, Any] = {}
 
 
@@ -256,39 +255,6 @@ def run(cfg: UnitConfig, llm: Any = None) -> UnitResult:
     )
 
 
-def amplitude_verdicts(rows: list[dict[str, Any]]) -> dict[str, str]:
-    """Does the seed's "relative error unchanged" hold when V (resp. K) is scaled? Why, in numbers."""
-    out = {}
-    for which, name in (("v", "V"), ("k", "K")):
-        rs = [r for r in rows if r["scaled"] == which]
-        base = rs[0]
-        ratios = [r["rel_l2"] / base["rel_l2"] for r in rs]
-        holds = all(abs(x - 1) <= TOLERANCE for x in ratios)
-        parts = ", ".join(f"x{r['amplitude']:g}: {x:.3f}" for r, x in zip(rs, ratios, strict=True))
-        top = rs[-1]
-        grow = f"mean|Δ| x{top['mean_abs_diff'] / base['mean_abs_diff']:.2f}, rms(out) x{top['out_rms'] / base['out_rms']:.2f}"
-        if which == "v":
-            why = (
-                "V's per-row scales grow with V, so V-hat scales by the same factor (exactly for a power of "
-                f"two) and the weights do not change: Δout and out scale together ({grow})"
-            )
-        else:
-            why = (
-                f"K×a multiplies every logit by a (softmax temperature 1/a): effective keys "
-                f"{base['eff_keys']:.1f} -> {top['eff_keys']:.1f}; "
-            )
-            if "k" in base["quantize"]:
-                why += (
-                    f"K's step grows by a too, so the logit errors grow a-fold: KL(w||w-hat) "
-                    f"{base['kl_weights']:.2e} -> {top['kl_weights']:.2e}, {grow}"
-                )
-            else:
-                why += f"K is exact here, and the V error relative to |out| hardly depends on the weights ({grow})"
-        verdict = "holds" if holds else "does NOT hold"
-        out[which] = f"{name} scaled: rel L2 ratio vs x{base['amplitude']:g} = {parts} -> {verdict} ({why})."
-    return out
-
-
 # -- output ----------------------------------------------------------------------------------
 def seed_line(p: dict[str, Any]) -> str:
     """The seed's printout, on one line."""
@@ -328,6 +294,12 @@ def render(result: UnitResult, console: Any = None) -> None:
         con.print(seed_line(p), markup=False, highlight=False, soft_wrap=True)
     c = result.config
     title = f"lab unit: {c.scheme} on {c.quantize.upper()}, dist {c.dist}, trials {c.trials} (mean ± std), seed {c.seed}"
+    src = (result.points or result.amplitude or [{}])[0]
+    if "layer" in src:
+        head = "all heads" if src["head"] is None else f"head {src['head']}"
+        title += (
+            f"\n{src['model']} layer {src['layer']} {head}, text {src['text']}, last query of each window"
+        )
     if len(pts) == 1:
         p = pts[0]
         t = Table(title=title)

@@ -8,6 +8,7 @@ that here so the transformer uses one RoPE convention for every source.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -138,12 +139,17 @@ def dequantize_tensor(t: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
 
 
-def load_gguf_tensors(reader: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every known tensor, dequantized to float32, under its HF name, q/k permutation undone."""
+def load_gguf_tensors(reader: Any, cfg: ModelConfig, skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """Every known tensor, dequantized to float32, under its HF name, q/k permutation undone.
+
+    ``skip``: HF names not to dequantize (the caller repacked their quantized blocks).
+    """
     out: dict[str, torch.Tensor] = {}
+    names = set()
     for t in reader.tensors:
         name = hf_name(t.name)
-        if name is None:
+        names.add(name)
+        if name is None or name in skip:
             continue
         w = dequantize_tensor(t)
         if not bool(torch.isfinite(w).all()):
@@ -153,5 +159,5 @@ def load_gguf_tensors(reader: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         elif cfg.arch in PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute(w, cfg.n_kv_heads)
         out[name] = w
-    cfg.tied_embeddings = "lm_head.weight" not in out
+    cfg.tied_embeddings = "lm_head.weight" not in names
     return out

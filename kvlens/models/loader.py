@@ -11,6 +11,8 @@ import torch
 
 from .config import ModelConfig, ModelLoadError, config_from_hf
 from .gguf_loader import config_from_gguf, load_gguf_tensors, open_gguf
+from .gguf_repack import gguf_codes, gguf_modes
+from .qlinear import WEIGHT_MODES
 from .tokenizer import Tokenizer
 from .weights import Weights, build_weights
 
@@ -26,6 +28,7 @@ class LoadedModel:
     weights: Weights
     tokenizer: Tokenizer
     source: Path
+    weights_mode: str = "f32"  # f32, bf16, int8, int4 or auto (per tensor, see load_model)
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
@@ -53,19 +56,40 @@ def resolve_model(name_or_path: str | Path) -> Path:
     return path
 
 
+def check_weights_mode(weights: str) -> str:
+    if weights not in ("auto", *WEIGHT_MODES):
+        raise ValueError(f"unknown weights mode {weights!r}; expected auto, {', '.join(WEIGHT_MODES)}")
+    return weights
+
+
 def load_model(
-    name_or_path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    name_or_path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    weights: str = "f32",
 ) -> LoadedModel:
+    """Load a model; ``weights``: f32, bf16, int8, int4 (kept quantized, :mod:`.qlinear`) or auto.
+
+    ``auto`` = per tensor, the mode closest to the file's own precision for a GGUF (its Q8_0/Q4
+    blocks repacked, not re-quantized: :mod:`.gguf_repack`), f32 for safetensors.
+    """
     path = resolve_model(name_or_path)
     device = torch.device(device)
+    check_weights_mode(weights)
     if path.is_dir():
-        return _load_hf_dir(path, device, dtype)
+        return _load_hf_dir(path, device, dtype, "f32" if weights == "auto" else weights)
     reader, meta = open_gguf(path)
     cfg = config_from_gguf(meta)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
-    tensors = load_gguf_tensors(reader, cfg)
-    weights = build_weights(cfg, tensors.get, dtype, device)
-    return LoadedModel(cfg, weights, tokenizer, path)
+    if weights == "f32":
+        tensors = load_gguf_tensors(reader, cfg)
+        built = build_weights(cfg, tensors.get, dtype, device)
+    else:
+        codes = gguf_codes(reader, cfg)  # only moves bits; skips the float dequantization too
+        tensors = load_gguf_tensors(reader, cfg, skip=codes)
+        modes = gguf_modes(reader) if weights == "auto" else {}
+        built = build_weights(cfg, tensors.get, dtype, device, lambda n: modes.get(n, weights), codes.get)
+    return LoadedModel(cfg, built, tokenizer, path, weights)
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -86,7 +110,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype, weights: str) -> LoadedModel:
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -113,5 +137,6 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype) -> Loaded
 
     if not cfg.tied_embeddings and "lm_head.weight" not in where:
         cfg.tied_embeddings = True
-    weights = build_weights(cfg, get, dtype, device)
-    return LoadedModel(cfg, weights, Tokenizer.from_hf_dir(path), path)
+    mode_for = None if weights == "f32" else (lambda _name: weights)
+    built = build_weights(cfg, get, dtype, device, mode_for)
+    return LoadedModel(cfg, built, Tokenizer.from_hf_dir(path), path, weights)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .qlinear import embedding, linear
 from .weights import LayerWeights, Weights
 
 # attend(layer, q [H, n, d], k [KV, n, d], v [KV, n, d], start) -> out [H, n, d]
@@ -71,7 +72,7 @@ class Transformer:
         return self._cos[start : start + n], self._sin[start : start + n]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.w.embed[ids]
+        return embedding(self.w.embed, ids)
 
     def layer(
         self, i: int, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
@@ -79,7 +80,7 @@ class Transformer:
         cfg, L = self.cfg, self.w.layers[i]
         n, d = x.shape[0], cfg.head_dim
         h = rms_norm(x, L.attn_norm, cfg.rms_eps)
-        qkv = F.linear(h, L.wqkv, L.bqkv)
+        qkv = linear(h, L.wqkv, L.bqkv)
         q, k, v = qkv.split((cfg.n_heads * d, cfg.n_kv_heads * d, cfg.n_kv_heads * d), dim=-1)
         q = q.view(n, cfg.n_heads, d).transpose(0, 1)
         k = k.view(n, cfg.n_kv_heads, d).transpose(0, 1)
@@ -89,12 +90,12 @@ class Transformer:
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         o = attend(i, q, k, v.contiguous(), start)
-        x = x + F.linear(o.transpose(0, 1).reshape(n, cfg.n_heads * d), L.wo)
+        x = x + linear(o.transpose(0, 1).reshape(n, cfg.n_heads * d), L.wo)
         return x + self.mlp(L, rms_norm(x, L.ffn_norm, cfg.rms_eps))
 
     def mlp(self, L: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, L.w_down)
+        gate, up = linear(h, L.w_gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, L.w_down)
 
     def forward(self, ids: torch.Tensor, start: int, attend: AttendFn) -> torch.Tensor:
         """Final-normed hidden states [n, hidden] for tokens at positions start..start+n-1."""
@@ -105,4 +106,4 @@ class Transformer:
         return rms_norm(x, self.w.norm, self.cfg.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.w.lm_head)
+        return linear(hidden, self.w.lm_head)

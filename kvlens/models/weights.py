@@ -3,45 +3,57 @@
 Both loaders produce a flat ``{hf_name: float tensor}`` dict (HF transformers' names, GGUF
 names are translated), and :func:`build_weights` turns it into :class:`Weights`. Q, K and V
 projections are fused into one matrix and gate/up into another, so a layer runs two matmuls
-where a naive port runs five.
+where a naive port runs five. A matrix is an f32 tensor or, with kept-quantized weights, a
+:class:`~kvlens.models.qlinear.QLinear` (bf16/int8/int4); the transformer calls both alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .config import ModelConfig, ModelLoadError
+from .qlinear import Matrix, QCodes, convert, make_matrix
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor  # [(n_heads + 2 n_kv) * head_dim, hidden]
+    wqkv: Matrix  # [(n_heads + 2 n_kv) * head_dim, hidden]; Matrix: f32 tensor or a QLinear
     bqkv: torch.Tensor | None
-    wo: torch.Tensor
+    wo: Matrix
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 * ffn, hidden]
-    w_down: torch.Tensor
+    w_gate_up: Matrix  # [2 * ffn, hidden]
+    w_down: Matrix
 
 
 @dataclass
 class Weights:
-    embed: torch.Tensor
+    embed: Matrix
     norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: Matrix  # the same object as embed when tied
     layers: list[LayerWeights]
     rope_freq_factors: torch.Tensor | None = None  # GGUF's llama3 `rope_freqs`: inv_freq is divided by it
 
 
 def build_weights(
-    cfg: ModelConfig, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig,
+    get: Callable[[str], torch.Tensor | None],
+    dtype: torch.dtype,
+    device: torch.device,
+    mode_for: Callable[[str], str] | None = None,
+    get_codes: Callable[[str], QCodes | None] | None = None,
 ) -> Weights:
-    """Assemble :class:`Weights`; ``get(name)`` returns an HF-named tensor or None if absent."""
+    """Assemble :class:`Weights`; ``get(name)`` returns an HF-named tensor or None if absent.
+
+    Weight matrices are f32 tensors unless ``mode_for(name)`` picks a kept-quantized mode
+    (bf16/int8/int4, :mod:`.qlinear`); ``get_codes(name)`` may hand over already-quantized codes
+    (repacked GGUF blocks), which ``get`` then need not return.
+    """
 
     def need(name: str) -> torch.Tensor:
         t = get(name)
@@ -53,43 +65,51 @@ def build_weights(
         t = get(name)
         return None if t is None else t.to(device=device, dtype=dtype)
 
+    codes = get_codes or (lambda _name: None)
+    if mode_for is None:
+
+        def matrix(names: list[str]) -> Matrix:
+            return torch.cat([need(n) for n in names]).contiguous() if len(names) > 1 else need(names[0])
+
+    else:
+        matrix = make_matrix(mode_for, need, codes, device)
+
+    def checked(what: str, names: list[str], shape: tuple[int, int]) -> Matrix:
+        w = matrix(names)
+        if tuple(w.shape) != shape:
+            raise ModelLoadError(f"{what} has shape {tuple(w.shape)}, config implies {shape}")
+        return w
+
     layers = []
+    d = cfg.head_dim
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        q, k, v = (need(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-        expect = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
-        for t, rows, n in zip((q, k, v), expect, "qkv", strict=True):
-            if tuple(t.shape) != (rows, cfg.hidden):
-                raise ModelLoadError(
-                    f"layer {i} {n}_proj has shape {tuple(t.shape)}, config implies {(rows, cfg.hidden)}"
-                )
         biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
         bqkv = torch.cat(biases) if cfg.qkv_bias and all(b is not None for b in biases) else None
         if cfg.qkv_bias and bqkv is None:
             raise ModelLoadError(f"layer {i}: {cfg.arch} needs q/k/v biases, the checkpoint lacks them")
+        qkv_rows = (cfg.n_heads + 2 * cfg.n_kv_heads) * d
         layers.append(
             LayerWeights(
                 attn_norm=need(p + "input_layernorm.weight"),
-                wqkv=torch.cat([q, k, v]).contiguous(),
+                wqkv=checked(
+                    f"layer {i} q/k/v_proj (fused)",
+                    [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                    (qkv_rows, cfg.hidden),
+                ),
                 bqkv=bqkv,
-                wo=need(p + "self_attn.o_proj.weight"),
+                wo=matrix([p + "self_attn.o_proj.weight"]),
                 q_norm=need(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
                 k_norm=need(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
                 ffn_norm=need(p + "post_attention_layernorm.weight"),
-                w_gate_up=torch.cat(
-                    [need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")]
-                ).contiguous(),
-                w_down=need(p + "mlp.down_proj.weight"),
+                w_gate_up=matrix([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                w_down=matrix([p + "mlp.down_proj.weight"]),
             )
         )
-    embed = need("model.embed_tokens.weight")
-    if tuple(embed.shape) != (cfg.vocab, cfg.hidden):
-        raise ModelLoadError(
-            f"embedding has shape {tuple(embed.shape)}, config implies {(cfg.vocab, cfg.hidden)}"
-        )
-    lm_head = embed if cfg.tied_embeddings else opt("lm_head.weight")
-    if lm_head is None:  # some checkpoints tie without saying so
-        lm_head = embed
+    embed = checked("embedding", ["model.embed_tokens.weight"], (cfg.vocab, cfg.hidden))
+    lm_head = embed  # tied (some checkpoints tie without saying so)
+    if not cfg.tied_embeddings and (get("lm_head.weight") is not None or codes("lm_head.weight") is not None):
+        lm_head = matrix(["lm_head.weight"])
     factors = get("rope_freqs")
     return Weights(
         embed=embed,
@@ -98,3 +118,14 @@ def build_weights(
         layers=layers,
         rope_freq_factors=None if factors is None else factors.to(device=device, dtype=torch.float32),
     )
+
+
+def convert_weights(w: Weights, mode: str) -> Weights:
+    """The same model with every weight matrix in ``mode`` (f32/bf16/int8/int4); a tied head stays tied."""
+    layers = [
+        replace(L, **{f: convert(getattr(L, f), mode) for f in ("wqkv", "wo", "w_gate_up", "w_down")})
+        for L in w.layers
+    ]
+    embed = convert(w.embed, mode)
+    lm_head = embed if w.lm_head is w.embed else convert(w.lm_head, mode)
+    return replace(w, embed=embed, lm_head=lm_head, layers=layers)

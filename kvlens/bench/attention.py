@@ -1,0 +1,382 @@
+"""``kvlens bench attention``: one layer's decode attention (one query token) per call, side by side.
+
+For each head shape, context and cache mode, every backend is timed over a working set larger than
+the last-level cache: ``n_layers`` distinct copies of the layer's K/V are allocated (about 4x the
+LLC, capped by ``mem_gib``) and each timed sweep calls the kernel once per layer in turn, so every
+call streams its K/V from DRAM as a real decode step over many layers does.
+
+Backends:
+    numba          the fused kernel (kvlens.kernels.cpu.decode_attention), every mode
+    numba-intdot   its int8-query variant (q8 K only)
+    torch-sdpa     torch scaled_dot_product_attention over the f32 cache (the baseline)
+    dequant-sdpa   read the whole cache as f32 (dequantize int8 / widen f16), then SDPA: the engine's
+                   torch path and what HF's quantized cache does; non-f32 modes only (for f32 it *is*
+                   torch-sdpa)
+    triton         the Triton kernel (CUDA, or TRITON_INTERPRET=1 on CPU for tests)
+
+GB/s counts the bytes the cache holds for ``ctx`` positions (K and V rows, plus int8 row scales):
+the least any implementation must read, so rows of one mode compare like with like. The physical
+limit is measured in the same run: ``copy`` = torch ``dst.copy_(src)`` of a big buffer, 2 x bytes /
+time (read + write), and ``read`` = a numba parallel sum (read only). ``frac_of_copy_bw`` uses copy,
+the issue's yardstick; ``frac_of_read_bw`` is the stricter one for a kernel that only reads.
+Timings are the min over ``reps`` interleaved rounds (on a shared box the min is the run least
+disturbed by neighbours); the median is reported beside it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from ..kernels.cpu import decode_attention
+from ..kernels.gpu import decode_attention_triton  # imports triton only when called
+from ..kernels.reference import sdpa_attention
+from ..kv.cache import MODES, RowStore, parse_mode, row_bytes
+
+SHAPES: dict[str, tuple[int, int, int]] = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}  # heads, kv, hd
+CPU_BACKENDS = ("numba", "numba-intdot", "torch-sdpa", "dequant-sdpa")
+ALL_BACKENDS = (*CPU_BACKENDS, "triton")
+DEFAULT_LLC = 32 * 2**20
+MiB = 2**20
+
+
+@dataclass
+class AttnRow:
+    shape: str
+    ctx: int
+    mode: str
+    backend: str
+    us_per_call: float  # min over rounds
+    us_median: float
+    bytes_read: int  # cache bytes for ctx positions (K + V rows + int8 scales)
+    gb_per_s: float
+    frac_of_copy_bw: float
+    frac_of_read_bw: float
+    x_vs_sdpa_f32: float | None  # t(torch-sdpa over f32) / t(this row)
+    x_vs_dequant_sdpa: float | None  # t(dequant-sdpa of this mode, or torch-sdpa for f32) / t(this row)
+    n_layers: int  # distinct layer caches rotated through
+    threads: int
+    device: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Bandwidth:
+    copy_gb_per_s: float
+    read_gb_per_s: float
+    device: str
+
+
+def llc_bytes() -> int:
+    """Last-level cache size from sysfs (index3 = L3), else 32 MiB."""
+    try:
+        s = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip().upper()
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1], 1)
+        return int(s.rstrip("KMG")) * mult
+    except (OSError, ValueError, IndexError):
+        return DEFAULT_LLC
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _parallel_sum(a, n_chunks):  # pragma: no cover - compiled
+    """Sum of a flat f32 array in ``n_chunks`` contiguous pieces (one per thread): a pure read stream."""
+    part = np.zeros(n_chunks, np.float64)
+    step = (a.size + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        s = np.float32(0.0)
+        for i in range(c * step, min(a.size, (c + 1) * step)):
+            s += a[i]
+        part[c] = s
+    return part.sum()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(n_bytes: int = 512 * MiB, reps: int = 5, device: str = "cpu") -> Bandwidth:
+    """Copy bandwidth (2 x bytes / time of ``dst.copy_(src)``) and, on CPU, read-only bandwidth."""
+    dev = torch.device(device)
+    src = torch.ones(n_bytes // 4, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in before timing
+    t_copy, t_read = [], []
+    a = src.numpy() if dev.type == "cpu" else None
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(dev)
+        t_copy.append(time.perf_counter() - t0)
+        if a is not None:
+            t0 = time.perf_counter()
+            _parallel_sum(a, numba.get_num_threads())
+            t_read.append(time.perf_counter() - t0)
+    copy = 2 * src.numel() * 4 / min(t_copy) / 1e9
+    read = src.numel() * 4 / min(t_read) / 1e9 if t_read else copy / 2  # GPU: no read-only probe
+    return Bandwidth(copy, read, device)
+
+
+def layer_bytes(mode: str, n_kv: int, ctx: int, hd: int) -> int:
+    k_kind, v_kind, _ = parse_mode(mode)
+    return n_kv * ctx * (row_bytes(k_kind, hd) + row_bytes(v_kind, hd))
+
+
+def plan_layers(modes: list[str], n_kv: int, ctx: int, hd: int, llc: int, mem_gib: float) -> dict[str, int]:
+    """Layers per mode: working set ~ max(4 x LLC, one layer), all modes together within ``mem_gib``."""
+    want = {m: max(1, math.ceil(4 * llc / layer_bytes(m, n_kv, ctx, hd))) for m in modes}
+    total = sum(want[m] * layer_bytes(m, n_kv, ctx, hd) for m in modes)
+    budget = mem_gib * 2**30
+    if total > budget:  # shrink every mode alike, never below one layer
+        want = {m: max(1, int(n * budget / total)) for m, n in want.items()}
+    return want
+
+
+def build_layers(mode: str, n_layers: int, n_kv: int, ctx: int, hd: int, device: torch.device, seed: int = 0):
+    """``n_layers`` distinct (K, V) RowStore pairs holding ``ctx`` positions of random rows.
+
+    One layer is written (so int8 rows are really quantized), the others are copies: the cost of a
+    call depends on where the bytes are, not on their values."""
+    gen = torch.Generator().manual_seed(seed)
+    k_kind, v_kind, _ = parse_mode(mode)
+    kf, vf = (torch.randn(n_kv, ctx, hd, generator=gen).to(device) for _ in range(2))
+    k0, v0 = RowStore.empty(k_kind, n_kv, ctx, hd, device), RowStore.empty(v_kind, n_kv, ctx, hd, device)
+    k0.write(0, kf)
+    v0.write(0, vf)
+    del kf, vf
+
+    def clone(s: RowStore) -> RowStore:
+        return RowStore(s.kind, s.data.clone(), None if s.scale is None else s.scale.clone())
+
+    return [(k0, v0)] + [(clone(k0), clone(v0)) for _ in range(n_layers - 1)]
+
+
+def make_call(backend: str, layers, q: torch.Tensor, ctx: int) -> Callable[[int], object] | None:
+    """A ``call(i)`` running ``backend`` over layer ``i``, or None where it does not apply."""
+    kinds, q3 = (layers[0][0].kind, layers[0][1].kind), q[:, None, :]
+    calls = {
+        "numba": lambda i: decode_attention(q, *layers[i], ctx),
+        "numba-intdot": lambda i: decode_attention(q, *layers[i], ctx, int_dot=True),
+        "torch-sdpa": lambda i: sdpa_attention(q3, layers[i][0].data, layers[i][1].data),
+        "dequant-sdpa": lambda i: sdpa_attention(q3, layers[i][0].read(0, ctx), layers[i][1].read(0, ctx)),
+        "triton": lambda i: decode_attention_triton(q, *layers[i], ctx),
+    }
+    applies = {"numba-intdot": kinds[0] == "q8", "torch-sdpa": kinds == ("f32", "f32"),
+               "dequant-sdpa": kinds != ("f32", "f32")}  # fmt: skip
+    return calls[backend] if applies.get(backend, True) else None
+
+
+def triton_device() -> torch.device | None:
+    """Where the triton backend runs: CUDA, or the CPU under TRITON_INTERPRET=1; None if nowhere."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu") if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+def time_cells(cells: dict, n_layers: dict, reps: int, device_of: dict, min_round_s: float) -> dict:
+    """Seconds per call of every cell: ``reps`` rounds, cells interleaved within each round, each
+    cell timing whole sweeps over its layers (repeated to last ``min_round_s``)."""
+    sweeps = {}
+    for key, call in cells.items():  # warm up (numba compile, page faults) and size the sweeps
+        dev = device_of[key]
+        call(0)
+        _sync(dev)
+        t0 = time.perf_counter()
+        for i in range(n_layers[key]):
+            call(i)
+        _sync(dev)
+        sweeps[key] = max(1, math.ceil(min_round_s / max(time.perf_counter() - t0, 1e-9)))
+    times: dict = {key: [] for key in cells}
+    for _ in range(reps):
+        for key, call in cells.items():
+            dev, n = device_of[key], n_layers[key]
+            _sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(sweeps[key]):
+                for i in range(n):
+                    call(i)
+            _sync(dev)
+            times[key].append((time.perf_counter() - t0) / (sweeps[key] * n))
+    return times
+
+
+def run_attention_bench(
+    contexts: list[int],
+    shapes: list[str],
+    modes: list[str],
+    backends: list[str] | None = None,
+    reps: int = 5,
+    mem_gib: float = 3.0,
+    bw_bytes: int = 512 * MiB,
+    min_round_s: float = 0.02,
+    bandwidth: dict[str, Bandwidth] | None = None,
+    llc: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[AttnRow], dict[str, Bandwidth]]:
+    """Time every (shape, ctx, mode, backend) cell; returns the rows and the bandwidths per device.
+
+    ``llc`` overrides the last-level cache size the working set is sized from (tests: 1 = one layer)."""
+    for m in modes:
+        if parse_mode(m)[2] or m not in MODES:
+            raise ValueError(f"mode {m!r}: bench attention takes f32, f16, bf16, q8, q8-k, q8-v")
+    for s in shapes:
+        if s not in SHAPES:
+            raise ValueError(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    tdev = triton_device()
+    if backends is None:
+        backends = list(CPU_BACKENDS) + (["triton"] if tdev is not None and tdev.type == "cuda" else [])
+    for b in backends:
+        if b not in ALL_BACKENDS:
+            raise ValueError(f"unknown backend {b!r}; choose from {', '.join(ALL_BACKENDS)}")
+    if "triton" in backends and tdev is None:
+        raise ValueError("the triton backend needs triton and a CUDA device (or TRITON_INTERPRET=1)")
+    cpu = torch.device("cpu")
+    devices = {cpu} | ({tdev} if "triton" in backends else set())
+    bandwidth = dict(bandwidth or {})
+    for dev in devices:
+        if dev.type not in bandwidth:
+            bandwidth[dev.type] = measure_bandwidth(bw_bytes, device=dev.type)
+    threads = numba.get_num_threads()
+    rows: list[AttnRow] = []
+    for shape in shapes:
+        n_heads, n_kv, hd = SHAPES[shape]
+        for ctx in contexts:
+            # torch-sdpa is the baseline of every row: it needs the f32 cache even if f32 is not listed
+            store_modes = modes + (["f32"] if "torch-sdpa" in backends and "f32" not in modes else [])
+            cells, n_layers, device_of, stores = {}, {}, {}, {}
+            for dev in devices:
+                dev_llc = llc or (
+                    torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else llc_bytes()
+                )
+                dev_modes = store_modes if dev.type == "cpu" else modes
+                plan = plan_layers(dev_modes, n_kv, ctx, hd, dev_llc, mem_gib)
+                for m in dev_modes:
+                    stores[dev.type, m] = build_layers(m, plan[m], n_kv, ctx, hd, dev)
+            q = torch.randn(n_heads, hd, generator=torch.Generator().manual_seed(1))
+            for m in store_modes:
+                for b in backends:
+                    if m not in modes and b != "torch-sdpa":
+                        continue
+                    dev = tdev if b == "triton" else cpu
+                    call = make_call(b, stores[dev.type, m], q.to(dev), ctx)
+                    if call is not None:
+                        cells[m, b] = call
+                        n_layers[m, b] = len(stores[dev.type, m])
+                        device_of[m, b] = dev
+            times = time_cells(cells, n_layers, reps, device_of, min_round_s)
+            del cells, stores
+            best = {key: min(ts) for key, ts in times.items()}
+            sdpa = best.get(("f32", "torch-sdpa"))
+            for (m, b), ts in times.items():
+                if m not in modes:
+                    continue
+                t = best[m, b]
+                nbytes = layer_bytes(m, n_kv, ctx, hd)
+                bw = bandwidth[device_of[m, b].type]
+                base = best.get((m, "dequant-sdpa")) if m != "f32" else sdpa
+                gbs = nbytes / t / 1e9
+                rows.append(
+                    AttnRow(
+                        shape, ctx, m, b, 1e6 * t, 1e6 * float(np.median(ts)), nbytes, gbs,
+                        gbs / bw.copy_gb_per_s, gbs / bw.read_gb_per_s,
+                        sdpa / t if sdpa else None, base / t if base else None,
+                        n_layers[m, b], threads, device_of[m, b].type,
+                    )
+                )  # fmt: skip
+            if progress:
+                progress(f"{shape} ctx {ctx} done")
+    return rows, bandwidth
+
+
+def time_prefill_read(shape: str = "smollm2", history: int = 4096, chunk: int = 32, reps: int = 20):
+    """The engine's prefill over a cache: per layer and ``chunk``-token sub-chunk, ms to read the whole
+    history as f32 (``KVCache.read``: dequantize int8 / widen f16) vs ms of the SDPA that follows.
+
+    Returns ``{mode: (read_ms, sdpa_ms)}`` for f32, f16 and q8 (min over ``reps``)."""
+    n_heads, n_kv, hd = SHAPES[shape]
+    end = history + chunk
+    q = torch.randn(n_heads, chunk, hd)
+    q_pos = torch.arange(history, end)
+    out = {}
+    for m in ("f32", "f16", "q8"):
+        ks, vs = build_layers(m, 1, n_kv, end, hd, torch.device("cpu"))[0]
+        t_read, t_sdpa = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            k, v = ks.read(0, end), vs.read(0, end)
+            t1 = time.perf_counter()
+            sdpa_attention(q, k, v, q_pos)
+            t_sdpa.append(time.perf_counter() - t1)
+            t_read.append(t1 - t0)
+        out[m] = (1e3 * min(t_read), 1e3 * min(t_sdpa))
+    return out
+
+
+def _layer() -> str:
+    try:
+        return numba.threading_layer()
+    except ValueError:  # no parallel numba function has run yet
+        return numba.config.THREADING_LAYER
+
+
+def machine_line(bw: dict[str, Bandwidth]) -> str:
+    """One line of context for the table: CPU, LLC, threads, bandwidths, OpenMP settings."""
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(
+            ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    c = bw["cpu"]
+    return (
+        f"{model}, {os.cpu_count()} CPUs, LLC {llc_bytes() // MiB} MiB; threads numba {numba.get_num_threads()} "
+        f"({_layer()}), torch {torch.get_num_threads()}; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}\n"
+        f"bandwidth: copy {c.copy_gb_per_s:.1f} GB/s (torch copy_, 2 x bytes), read {c.read_gb_per_s:.1f} GB/s "
+        "(numba sum); '% copy' = GB/s over the copy bandwidth"
+        + "".join(f"; {d} copy {b.copy_gb_per_s:.0f} GB/s" for d, b in bw.items() if d != "cpu")
+    )
+
+
+def render(rows: list[AttnRow], bw: dict[str, Bandwidth]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="decode attention, one layer per call (min over rounds)", caption=machine_line(bw))
+    cols = ("shape", "ctx", "mode", "backend", "layers", "µs/call", "median", "GB/s", "% copy", "% read",
+            "× sdpa f32", "× dequant+sdpa")  # fmt: skip
+    for col in cols:
+        t.add_column(col, justify="right")
+
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    for r in rows:
+        t.add_row(r.shape, str(r.ctx), r.mode, r.backend, str(r.n_layers), f"{r.us_per_call:.0f}",
+                  f"{r.us_median:.0f}", f"{r.gb_per_s:.2f}", f"{100 * r.frac_of_copy_bw:.0f}",
+                  f"{100 * r.frac_of_read_bw:.0f}", x(r.x_vs_sdpa_f32), x(r.x_vs_dequant_sdpa))  # fmt: skip
+    Console(width=max(Console().width, 130)).print(t)
+
+
+def render_prefill(shape: str, history: int, chunk: int, res: dict[str, tuple[float, float]]) -> None:
+    print(f"\nprefill over a cache ({shape}, one layer, {chunk}-token sub-chunk after {history} positions):")
+    print("| mode | read history as f32 (ms) | SDPA (ms) | read / SDPA |\n|---|---|---|---|")
+    for m, (rd, sd) in res.items():
+        print(f"| {m} | {rd:.3f} | {sd:.3f} | {rd / sd:.2f} |")

@@ -1,0 +1,460 @@
+"""Weights kept quantized: bf16, int8 and int4 linear layers with JIT (numba) CPU kernels.
+
+Formats (``G`` = 32 inputs per group, the GGUF block size, so Q8_0/Q4_0/Q4_1 repack losslessly):
+
+* ``int8``: ``w = code * scale``, symmetric, one f32 scale per (output row, group) — Q8_0's rule;
+* ``int4``: ``w = code * scale + min``, codes 0..15, one f32 scale and min per (row, group) — Q4_1's
+  rule (Q4_0 is the case ``min = -8 scale``);
+* ``bf16``: the top half of each f32.
+
+Scales and mins are f32 (GGUF's fp16 ones widen exactly): 9 bits per weight for int8 (Q8_0: 8.5),
+6 for int4 (Q4_1: 5), 16 for bf16.
+
+Why not torch's own weight-only ops (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)? On
+this AVX2 CPU they measured ~10-20x *slower* than f32 ``F.linear`` at decode and ~40-80x at prefill
+(``scripts/bench_qlinear.py``). The kernels here store each tile of TILE output rows as one
+contiguous ``[in, TILE]`` block, so the inner loop runs over output columns: convert one row of
+codes to f32 and ``axpy`` it into the accumulators — contiguous and branch-free, which LLVM
+vectorizes (a row-dot layout leaves a 32-long reduction per group that it would not), and one
+sequential stream per thread. Scales are applied once per group. Up to SMALL_M input rows (decode)
+run this kernel; more rows (prefill) dequantize a few MiB of tiles at a time to f32 and call
+torch's GEMM, which is compute-bound there anyway (the crossover measured at ~8 rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+from numba import njit, prange
+
+G = 32  # inputs per quantization group
+WEIGHT_MODES = ("f32", "bf16", "int8", "int4")
+PRECISION = {"int4": 0, "int8": 1, "bf16": 2, "f32": 3}  # fusing mixed parts keeps the finest
+SMALL_M = 8  # up to this many input rows run the JIT kernel; more dequantize tiles for torch's GEMM
+TILE = 64  # output rows per kernel tile (the unit of storage and of parallel work)
+TILE_ELEMS = 1 << 20  # f32 elements per dequantized tile on the GEMM path (4 MiB)
+# Multiply-adds below which the kernel runs on one thread: on the shared 2-core test box a parallel
+# region for a ~0.1 ms layer measured 10-30 ms (threads waiting for a descheduled peer).
+PARALLEL_MIN_WORK = 1 << 23
+_FM = {"reassoc", "contract", "nsz"}  # reassoc/contract: vectorized FMA accumulation
+
+
+# -- kernels: x [m, k] f32, out [m, n] f32; weights blocked [n_tiles, rows, TILE] -------------------------
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _mm_int8(x, q, s, out):  # pragma: no cover - compiled
+    m, k = x.shape
+    n_tiles, _, T = q.shape
+    for t in prange(n_tiles):
+        acc = np.zeros((m, T), np.float32)
+        part = np.empty((m, T), np.float32)
+        wt = np.empty(T, np.float32)
+        qt, st = q[t], s[t]
+        for g in range(st.shape[0]):
+            part[:] = 0
+            for j in range(g * G, min(k, g * G + G)):
+                qj = qt[j]
+                if m == 1:  # decode: convert and accumulate in one pass
+                    xj, p0 = x[0, j], part[0]
+                    for c in range(T):
+                        p0[c] += np.float32(qj[c]) * xj
+                else:
+                    for c in range(T):
+                        wt[c] = np.float32(qj[c])
+                    for i in range(m):
+                        xij, pi = x[i, j], part[i]
+                        for c in range(T):
+                            pi[c] += wt[c] * xij
+            sg = st[g]
+            for i in range(m):
+                ai, pi = acc[i], part[i]
+                for c in range(T):
+                    ai[c] += pi[c] * sg[c]
+        _store(acc, out, t * T)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _mm_int4(x, q, s, mn, out):  # pragma: no cover - compiled
+    # q rows = input pairs: low nibble = input 2*j2, high nibble = input 2*j2 + 1; x has even k.
+    # Nibbles go to f32 through int32: numba widens uint8 arithmetic to uint64, whose conversion
+    # to f32 does not vectorize on AVX2.
+    m, k = x.shape
+    n_tiles, _, T = q.shape
+    ng = s.shape[1]
+    xs = np.zeros((m, ng), np.float32)  # per-group input sums carry the min term: Σ min·x = min·Σx
+    for i in range(m):
+        for j in range(k):
+            xs[i, j // G] += x[i, j]
+    for t in prange(n_tiles):
+        acc = np.zeros((m, T), np.float32)
+        part = np.empty((m, T), np.float32)
+        lo = np.empty(T, np.float32)
+        hi = np.empty(T, np.float32)
+        qt, st, mt = q[t], s[t], mn[t]
+        for g in range(ng):
+            part[:] = 0
+            for j2 in range(g * (G // 2), min(k // 2, (g + 1) * (G // 2))):
+                qj = qt[j2]
+                if m == 1:
+                    x0, x1, p0 = x[0, 2 * j2], x[0, 2 * j2 + 1], part[0]
+                    for c in range(T):
+                        p0[c] += np.float32(np.int32(qj[c] & 15)) * x0 + np.float32(np.int32(qj[c] >> 4)) * x1
+                else:
+                    for c in range(T):
+                        lo[c] = np.float32(np.int32(qj[c] & 15))
+                        hi[c] = np.float32(np.int32(qj[c] >> 4))
+                    for i in range(m):
+                        x0, x1, pi = x[i, 2 * j2], x[i, 2 * j2 + 1], part[i]
+                        for c in range(T):
+                            pi[c] += lo[c] * x0 + hi[c] * x1
+            sg, mg = st[g], mt[g]
+            for i in range(m):
+                ai, pi, xg = acc[i], part[i], xs[i, g]
+                for c in range(T):
+                    ai[c] += pi[c] * sg[c] + mg[c] * xg
+        _store(acc, out, t * T)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _mm_bf16(x, q, out):  # pragma: no cover - compiled
+    m, k = x.shape
+    n_tiles, _, T = q.shape
+    for t in prange(n_tiles):
+        acc = np.zeros((m, T), np.float32)
+        wu = np.empty(T, np.uint32)
+        wt = wu.view(np.float32)  # bf16 bits << 16 are the f32 bits (numba has no bf16 type)
+        qt = q[t]
+        for j in range(k):
+            qj = qt[j]
+            for c in range(T):
+                wu[c] = np.uint32(qj[c]) << np.uint32(16)
+            for i in range(m):
+                xij, ai = x[i, j], acc[i]
+                for c in range(T):
+                    ai[c] += wt[c] * xij
+        _store(acc, out, t * T)
+
+
+@njit(fastmath=_FM, cache=True)
+def _store(acc, out, c0):  # pragma: no cover - compiled
+    w = min(acc.shape[1], out.shape[1] - c0)  # the last tile is padded past n
+    for i in range(acc.shape[0]):
+        o, a = out[i, c0 : c0 + w], acc[i]
+        for c in range(w):
+            o[c] = a[c]
+
+
+# dequantize tiles t0.. into out [k, n_sel * TILE] (f32) for the GEMM path
+@njit(parallel=True, cache=True)
+def _deq_int8(q, s, t0, out):  # pragma: no cover - compiled
+    k, T = out.shape[0], q.shape[2]
+    for tt in prange(out.shape[1] // T):
+        qt, st = q[t0 + tt], s[t0 + tt]
+        for j in range(k):
+            qj, sg, o = qt[j], st[j // G], out[j, tt * T : (tt + 1) * T]
+            for c in range(T):
+                o[c] = np.float32(qj[c]) * sg[c]
+
+
+@njit(parallel=True, cache=True)
+def _deq_int4(q, s, mn, t0, out):  # pragma: no cover - compiled
+    k, T = out.shape[0], q.shape[2]
+    for tt in prange(out.shape[1] // T):
+        qt, st, mt = q[t0 + tt], s[t0 + tt], mn[t0 + tt]
+        for j in range(k):
+            qj, sg, mg, o = qt[j // 2], st[j // G], mt[j // G], out[j, tt * T : (tt + 1) * T]
+            sh = 4 * (j % 2)
+            for c in range(T):
+                o[c] = np.float32(np.int32((qj[c] >> sh) & 15)) * sg[c] + mg[c]
+
+
+@njit(parallel=True, cache=True)
+def _deq_bf16(q, t0, out):  # pragma: no cover - compiled
+    k, T = out.shape[0], q.shape[2]
+    ou = out.view(np.uint32)
+    for tt in prange(out.shape[1] // T):
+        qt = q[t0 + tt]
+        for j in range(k):
+            qj, o = qt[j], ou[j, tt * T : (tt + 1) * T]
+            for c in range(T):
+                o[c] = np.uint32(qj[c]) << np.uint32(16)
+
+
+# -- codes in row-major form: quantizers, GGUF repacking and concatenation meet here --------------------
+@dataclass
+class QCodes:
+    """Quantized matrix ``[n, k]`` row-major: int8 codes, or int4 codes 0..15 (one per uint8)."""
+
+    kind: str  # "int8" | "int4"
+    codes: torch.Tensor  # [n, k] int8 (int8) or uint8 (int4)
+    scales: torch.Tensor  # [n, ceil(k/G)] f32
+    mins: torch.Tensor | None = None  # [n, ceil(k/G)] f32, int4 only
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @staticmethod
+    def quantize(w: torch.Tensor, kind: str) -> QCodes:
+        """Group-wise quantization of a float matrix ``[n, k]`` (round to nearest)."""
+        n, k = w.shape
+        ng = -(-k // G)
+        # pad the last group: zeros for int8 (no effect on max |w|), a repeated value for int4
+        # (no effect on its min/max)
+        pad = "constant" if kind == "int8" or ng * G == k else "replicate"
+        wg = F.pad(w.float(), (0, ng * G - k), mode=pad).view(n, ng, G)
+        if kind == "int8":
+            scale = wg.abs().amax(-1) / 127  # Q8_0's rule
+            inv = torch.where(scale > 0, 1 / scale, 0)
+            q = torch.round(wg * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+            return QCodes(kind, q.view(n, -1)[:, :k].contiguous(), scale)
+        if kind != "int4":
+            raise ValueError(f"cannot quantize to {kind!r}")
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = (hi - lo) / 15
+        inv = torch.where(scale > 0, 1 / scale, 0)
+        q = torch.round((wg - lo[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
+        return QCodes(kind, q.view(n, -1)[:, :k].contiguous(), scale, lo)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float matrix these codes stand for (f32, unfused ``code * scale + min``)."""
+        k = self.codes.shape[1]
+        s = self.scales.repeat_interleave(G, 1)[:, :k]
+        w = self.codes.float() * s
+        return w + self.mins.repeat_interleave(G, 1)[:, :k] if self.mins is not None else w
+
+    @staticmethod
+    def cat(parts: list[QCodes]) -> QCodes:
+        """Stack along output rows (groups run along inputs, so rows are independent)."""
+        if len(parts) == 1:
+            return parts[0]
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+        return QCodes(
+            parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins
+        )
+
+
+# -- the linear layers ---------------------------------------------------------------------------------
+def _block(a: torch.Tensor) -> torch.Tensor:
+    """Per-row data [n, r] → [n_tiles, r, TILE]: each tile of TILE output rows is one contiguous
+    stream, read front to back by one thread (a plain [r, n] transpose strides through memory)."""
+    n = a.shape[0]
+    nt = -(-n // TILE)
+    a = torch.cat([a, a.new_zeros(nt * TILE - n, *a.shape[1:])]) if nt * TILE > n else a
+    return a.view(nt, TILE, -1).transpose(1, 2).contiguous()
+
+
+def _unblock(b: torch.Tensor, n: int) -> torch.Tensor:
+    return b.transpose(1, 2).reshape(-1, b.shape[1])[:n]
+
+
+class QLinear:
+    """A weight ``[n, k]`` kept quantized; ``layer(x, bias)`` = ``F.linear(x, W, bias)`` in f32."""
+
+    kind = ""
+
+    def __init__(self, n: int, k: int, per_row: list[torch.Tensor]) -> None:
+        self.shape = (n, k)
+        self.device = per_row[0].device
+        self._t = [_block(a) for a in per_row]  # torch-owned storage
+        self._np = [a.numpy() for a in self._t] if self.device.type == "cpu" else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() for a in self._t)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.shape[0]}x{self.shape[1]}, {self.nbytes / 2**20:.1f} MiB)"
+
+    def _unpack(self, per_row: list[torch.Tensor]) -> torch.Tensor:
+        """Per-row arrays of some rows → those rows of the float weight [rows, k] (f32)."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight ``[n, k]`` (f32) this layer multiplies by."""
+        return self._unpack([_unblock(a, self.shape[0]) for a in self._t])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup ``W[ids]`` (f32), dequantizing only those rows."""
+        flat = ids.reshape(-1)
+        rows = self._unpack([a[flat // TILE, :, flat % TILE] for a in self._t])
+        return rows.view(*ids.shape, self.shape[1])
+
+    def _kernel(self, x: np.ndarray, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _deq_tiles(self, t0: int, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n, k = self.shape
+        if self._np is None:  # no JIT kernel off the CPU: dequantize per call (correct, not fast)
+            return F.linear(x, self.dequantize().to(x.dtype), bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k).float().contiguous()
+        m = x2.shape[0]
+        out = torch.empty(m, n, dtype=torch.float32)
+        if m <= SMALL_M:
+            threads = numba.get_num_threads()
+            if threads > 1 and m * n * k < PARALLEL_MIN_WORK:
+                numba.set_num_threads(
+                    1
+                )  # a parallel region costs more than this work (far more on a busy box)
+                try:
+                    self._kernel(x2.numpy(), out.numpy())
+                finally:
+                    numba.set_num_threads(threads)
+            else:
+                self._kernel(x2.numpy(), out.numpy())
+        else:  # dequantize a few MiB of tiles at a time and let torch's GEMM do the flops
+            step = max(1, TILE_ELEMS // (k * TILE))
+            n_tiles = self._t[0].shape[0]
+            for t0 in range(0, n_tiles, step):
+                tile = torch.empty(k, min(step, n_tiles - t0) * TILE)
+                self._deq_tiles(t0, tile.numpy())
+                c0 = t0 * TILE
+                w = min(tile.shape[1], n - c0)
+                if w == n and tile.shape[1] == n:
+                    torch.mm(x2, tile, out=out)
+                else:
+                    out[:, c0 : c0 + w] = x2 @ tile[:, :w]
+        if bias is not None:
+            out += bias
+        return out.view(*lead, n)
+
+
+class Int8Linear(QLinear):
+    kind = "int8"
+
+    def __init__(self, c: QCodes) -> None:
+        super().__init__(*c.shape, [c.codes, c.scales])
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> Int8Linear:
+        return cls(QCodes.quantize(w, "int8"))
+
+    def _unpack(self, per_row):
+        return QCodes("int8", *per_row).dequantize()
+
+    def _kernel(self, x, out):
+        _mm_int8(x, *self._np, out)
+
+    def _deq_tiles(self, t0, out):
+        _deq_int8(*self._np, t0, out)
+
+
+class Int4Linear(QLinear):
+    kind = "int4"
+
+    def __init__(self, c: QCodes) -> None:
+        n, k = c.shape
+        q = F.pad(c.codes, (0, k % 2))  # pair the last input with a zero code
+        super().__init__(n, k, [q[:, 0::2] | (q[:, 1::2] << 4), c.scales, c.mins])
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> Int4Linear:
+        return cls(QCodes.quantize(w, "int4"))
+
+    def _unpack(self, per_row):
+        packed, s, mn = per_row
+        q = torch.stack([packed & 15, packed >> 4], -1).view(packed.shape[0], -1)[:, : self.shape[1]]
+        return QCodes("int4", q, s, mn).dequantize()
+
+    def _kernel(self, x, out):
+        if x.shape[1] % 2:  # the kernel reads inputs in pairs: give the padding code a zero input
+            x = np.pad(x, ((0, 0), (0, 1)))
+        _mm_int4(x, *self._np, out)
+
+    def _deq_tiles(self, t0, out):
+        _deq_int4(*self._np, t0, out)
+
+
+class BF16Linear(QLinear):
+    kind = "bf16"
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__(*w.shape, [w.to(torch.bfloat16).view(torch.int16)])
+        if self._np is not None:
+            self._np = [self._np[0].view(np.uint16)]
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> BF16Linear:
+        return cls(w)
+
+    def _unpack(self, per_row):
+        return per_row[0].view(torch.bfloat16).float()
+
+    def _kernel(self, x, out):
+        _mm_bf16(x, self._np[0], out)
+
+    def _deq_tiles(self, t0, out):
+        _deq_bf16(self._np[0], t0, out)
+
+
+Matrix = torch.Tensor | QLinear
+
+
+def linear(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a float weight, the layer's own kernel for a quantized one."""
+    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w(x, bias)
+
+
+def embedding(w: Matrix, ids: torch.Tensor) -> torch.Tensor:
+    return w[ids] if isinstance(w, torch.Tensor) else w.rows(ids)
+
+
+def convert(w: Matrix, mode: str) -> Matrix:
+    """A matrix in another weight mode (from its float values; no-op if already there)."""
+    if mode not in PRECISION:
+        raise ValueError(f"unknown weight mode {mode!r}; expected one of {', '.join(WEIGHT_MODES)}")
+    cur = "f32" if isinstance(w, torch.Tensor) else w.kind
+    if cur == mode:
+        return w
+    f = w.float() if isinstance(w, torch.Tensor) else w.dequantize()
+    return (
+        f
+        if mode == "f32"
+        else {"bf16": BF16Linear, "int8": Int8Linear, "int4": Int4Linear}[mode].from_float(f)
+    )
+
+
+def make_matrix(
+    mode_for: Callable[[str], str],
+    get_float: Callable[[str], torch.Tensor],
+    get_codes: Callable[[str], QCodes | None],
+    device: torch.device,
+) -> Callable[[list[str]], Matrix]:
+    """A ``matrix(names)`` builder for :func:`~kvlens.models.weights.build_weights`.
+
+    Row-stacks the named tensors into one layer in the finest of their modes. Parts whose codes are
+    already in that format (GGUF blocks repacked without a float round trip) are used as they are;
+    the others are quantized from floats.
+    """
+
+    def matrix(names: list[str]) -> Matrix:
+        mode = max((mode_for(n) for n in names), key=PRECISION.__getitem__)
+        if mode not in PRECISION:
+            raise ValueError(f"unknown weight mode {mode!r}; expected one of {', '.join(WEIGHT_MODES)}")
+
+        def as_float(name: str) -> torch.Tensor:
+            c = get_codes(name)
+            return c.dequantize() if c is not None else get_float(name)
+
+        if mode in ("f32", "bf16"):
+            w = torch.cat([as_float(n) for n in names]).to(device=device, dtype=torch.float32)
+            return w.contiguous() if mode == "f32" else BF16Linear(w)
+        parts = []
+        for name in names:
+            c = get_codes(name)
+            parts.append(c if c is not None and c.kind == mode else QCodes.quantize(as_float(name), mode))
+        c = QCodes.cat(parts)
+        c = QCodes(
+            c.kind, c.codes.to(device), c.scales.to(device), None if c.mins is None else c.mins.to(device)
+        )
+        return Int8Linear(c) if mode == "int8" else Int4Linear(c)
+
+    return matrix

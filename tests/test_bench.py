@@ -1,0 +1,68 @@
+"""``kvlens bench attention`` at toy sizes: the rows are complete and sane (no timing assertions)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvlens.bench import attention as ba
+
+KEYS = {"shape", "ctx", "mode", "backend", "us_per_call", "gb_per_s", "frac_of_copy_bw"}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return ba.run_attention_bench(
+        [64], ["smollm2", "8b"], ["f32", "f16", "q8"], reps=1, bw_bytes=2**20, min_round_s=0.0, llc=1
+    )
+
+
+def test_rows(bench):
+    rows, bw = bench
+    assert bw["cpu"].copy_gb_per_s > 0 and bw["cpu"].read_gb_per_s > 0
+    cells = {(r.shape, r.mode, r.backend) for r in rows}
+    for shape in ("smollm2", "8b"):
+        assert {(shape, m, "numba") for m in ("f32", "f16", "q8")} <= cells
+        assert {
+            (shape, "f32", "torch-sdpa"),
+            (shape, "q8", "dequant-sdpa"),
+            (shape, "q8", "numba-intdot"),
+        } <= cells
+        assert (shape, "f32", "dequant-sdpa") not in cells and (shape, "f16", "numba-intdot") not in cells
+    for r in rows:
+        d = r.as_dict()
+        assert KEYS <= d.keys()
+        assert d["ctx"] == 64 and d["n_layers"] >= 1 and d["threads"] >= 1
+        assert math.isfinite(d["us_per_call"]) and 0 < d["us_per_call"] <= d["us_median"]
+        assert d["gb_per_s"] > 0 and d["frac_of_copy_bw"] > 0
+        assert d["x_vs_sdpa_f32"] > 0 and d["x_vs_dequant_sdpa"] > 0
+        n_heads, n_kv, hd = ba.SHAPES[r.shape]
+        per_row = {"f32": 2 * 4 * hd, "f16": 2 * 2 * hd, "q8": 2 * (hd + 4)}[r.mode]
+        assert d["bytes_read"] == n_kv * 64 * per_row
+    sdpa = next(r for r in rows if r.backend == "torch-sdpa")
+    assert sdpa.x_vs_sdpa_f32 == pytest.approx(1.0)
+
+
+def test_plan_layers():
+    llc = 32 * 2**20
+    plan = ba.plan_layers(["f32", "q8"], 8, 1024, 128, llc, mem_gib=3)
+    assert plan["f32"] * ba.layer_bytes("f32", 8, 1024, 128) >= 4 * llc  # working set beyond the LLC
+    assert plan["q8"] > plan["f32"]
+    big = ba.plan_layers(["f32", "f16", "q8"], 8, 65536, 128, llc, mem_gib=3)
+    assert big == {"f32": 1, "f16": 1, "q8": 1}  # one 64K layer is already 512 MiB
+    assert ba.llc_bytes() > 0
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="unknown shape"):
+        ba.run_attention_bench([64], ["70b"], ["q8"])
+    with pytest.raises(ValueError, match="unknown backend"):
+        ba.run_attention_bench([64], ["smollm2"], ["q8"], ["cuda-magic"])
+    with pytest.raises(ValueError, match="q8\\+mirror"):
+        ba.run_attention_bench([64], ["smollm2"], ["q8+mirror"])
+
+
+def test_prefill_read():
+    res = ba.time_prefill_read("smollm2", history=64, chunk=8, reps=1)
+    assert set(res) == {"f32", "f16", "q8"} and all(r > 0 and s > 0 for r, s in res.values())
