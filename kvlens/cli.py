@@ -127,14 +127,18 @@ def lab_unit(
     head_dim: int | None = typer.Option(None, "--head-dim", help="Default 128 (real: the model's)."),
     heads: int | None = typer.Option(None, "--heads", help="Query heads (default 1; real: the model's)."),
     kv_heads: int | None = typer.Option(None, "--kv-heads", help="KV heads, GQA (default 1)."),
-    dist: str = typer.Option("normal", help="K/V: normal, uniform, student-t:NU, outlier-channels[:F], real."),
+    dist: str = typer.Option(
+        "normal", help="K/V: normal, uniform, student-t:NU, outlier-channels[:F], real."
+    ),
     k_amp: float = typer.Option(1.0, "--k-amp", help="Multiply K by this."),
     v_amp: float = typer.Option(1.0, "--v-amp", help="Multiply V by this."),
     quantize: str = typer.Option("kv", help="Which tensors go through the quantizer: k, v or kv."),
     scheme: str = typer.Option("q8", help="q8 (seed), q8_0, q4, fp8, kivi (2-bit), kivi4."),
     trials: int = typer.Option(1, help="Seeds seed..seed+N-1 (real: N text windows); mean ± std."),
     seed: int = typer.Option(0, help="Seed of the synthetic data (real: first text window)."),
-    amplitude: str | None = typer.Option(None, help="Exercise A: factors, e.g. 1,3 (V×a and K×a separately)."),
+    amplitude: str | None = typer.Option(
+        None, help="Exercise A: factors, e.g. 1,3 (V×a and K×a separately)."
+    ),
     model: str = typer.Option("smollm2", help=MODEL_HELP + " (--dist real)."),
     layer: int | None = typer.Option(None, help="--dist real: layer (default: the middle one)."),
     head: int | None = typer.Option(None, help="--dist real: one query head (default: all)."),
@@ -158,7 +162,6 @@ def lab_unit(
         unit.render(result)
     if plot:
         typer.echo(f"wrote {unit.write_plot(result, plot)}", err=True)
-
 
 
 # == lab ppl / greedy / layers (kvlens.lab.ppl, .greedy, .layers) ==

@@ -1,0 +1,78 @@
+"""``kvlens bench attention --sparse``: dense q8 decode attention vs sparse q8, side by side.
+
+One layer's q8 cache (with block bounds) per context; each call is one decode query. The sparse
+time includes the block selection (scores + top-k), not only the kernel: that is what a decode step
+pays. Variants are interleaved and repeated; the median of each is reported.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..engine.attention import select_blocks
+from ..kernels.cpu import decode_attention
+from ..kv.blocks import SparseConfig
+from ..kv.cache import KVCache
+
+SHAPES = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}
+
+
+@dataclass
+class SparseRow:
+    shape: str
+    ctx: int
+    variant: str
+    budget: int
+    us_per_call: float
+    speedup_vs_dense: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cache(shape: str, ctx: int, seed: int = 0) -> KVCache:
+    _, n_kv, d = SHAPES[shape]
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(1, n_kv, d, ctx, "q8", track_blocks=True)
+    for s in range(0, ctx, 4096):  # write in slices: bounded temporary memory
+        n = min(4096, ctx - s)
+        cache.write(0, s, torch.randn(n_kv, n, d, generator=g), torch.randn(n_kv, n, d, generator=g))
+    return cache
+
+
+def run_sparse_bench(contexts: list[int], shapes: list[str], budgets: list[int], methods: list[str],
+                     reps: int = 20) -> list[SparseRow]:
+    rows: list[SparseRow] = []
+    for shape in shapes:
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+        n_heads, _, d = SHAPES[shape]
+        for ctx in contexts:
+            cache = _cache(shape, ctx)
+            q = torch.randn(n_heads, d)
+            variants: dict[str, tuple[SparseConfig | None, int]] = {"dense q8": (None, ctx)}
+            for m in methods:
+                for b in budgets:
+                    if b < ctx:
+                        variants[f"{m} {b}"] = (SparseConfig(m, b, dense_layers=0, min_ctx=0), b)
+
+            def call(cfg: SparseConfig | None) -> None:
+                blocks = None if cfg is None else select_blocks(q, cache, 0, ctx, cfg)
+                decode_attention(q, cache.k[0], cache.v[0], ctx, blocks=blocks)
+
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for name, (cfg, _) in variants.items():
+                call(cfg)  # warm-up (numba compile, caches)
+            for _ in range(reps):
+                for name, (cfg, _) in variants.items():
+                    t0 = time.perf_counter()
+                    call(cfg)
+                    times[name].append(time.perf_counter() - t0)
+            med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+            for name, (_, budget) in variants.items():
+                rows.append(SparseRow(shape, ctx, name, budget, 1e6 * med[name], med["dense q8"] / med[name]))
+            del cache
+    return rows
