@@ -179,8 +179,8 @@ def test_q8_is_read_and_sub_chunk_size_changes_q8_not_f32(smol_f32, text) -> Non
     # rows at any sub-chunk size; the size changes q8 only through float rounding of K/V (~1e-6) that
     # flips int8 rounding decisions, which then cascade through the layers. 16/32/64 happen to be
     # bitwise identical on CPU (same GEMM blocking), 8 is not.
-    a = run_ppl(smol_f32, text, 64, ["q8", "q8+mirror"], n_chunks=2, prefill_chunk=8)
-    b = run_ppl(smol_f32, text, 64, ["q8"], n_chunks=2, prefill_chunk=32)
+    a = run_ppl(smol_f32, text, 32, ["q8", "q8+mirror"], n_chunks=2, prefill_chunk=8)
+    b = run_ppl(smol_f32, text, 32, ["q8"], n_chunks=2, prefill_chunk=32)
     q8, mirror = a.modes
     assert q8.stats["ppl_q"] != q8.stats["ppl_base"]  # the int8 rows were read
     assert q8.stats["kld_mean"] > 1e-5 and b.modes[0].stats["kld_mean"] > 1e-5
@@ -189,8 +189,8 @@ def test_q8_is_read_and_sub_chunk_size_changes_q8_not_f32(smol_f32, text) -> Non
     # the seed's mirror: prefill reads the exact copy, so nothing of q8 shows
     assert mirror.stats["kld_mean"] < 1e-9 and mirror.note == MIRROR_NOTE
     # f32 as a test mode (base q8) is chunk-invariant: sub-chunk 8 vs 32 gives the same PPL
-    c = run_ppl(smol_f32, text, 64, ["f32"], base="q8", n_chunks=1, prefill_chunk=8)
-    d = run_ppl(smol_f32, text, 64, ["f32"], base="q8", n_chunks=1, prefill_chunk=32)
+    c = run_ppl(smol_f32, text, 32, ["f32"], base="q8", n_chunks=1, prefill_chunk=8)
+    d = run_ppl(smol_f32, text, 32, ["f32"], base="q8", n_chunks=1, prefill_chunk=32)
     assert c.modes[0].stats["ppl_q"] == pytest.approx(d.modes[0].stats["ppl_q"], rel=1e-6)
     assert c.modes[0].stats["ppl_base"] != d.modes[0].stats["ppl_base"]
 

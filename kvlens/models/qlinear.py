@@ -38,8 +38,8 @@ PRECISION = {"int4": 0, "int8": 1, "bf16": 2, "f32": 3}  # fusing mixed parts ke
 SMALL_M = 8  # up to this many input rows run the JIT kernel; more dequantize tiles for torch's GEMM
 TILE = 64  # output rows per kernel tile (the unit of storage and of parallel work)
 TILE_ELEMS = 1 << 20  # f32 elements per dequantized tile on the GEMM path (4 MiB)
-# Multiply-adds below which the kernel runs on one thread: on the shared 2-core test box a parallel
-# region for a ~0.1 ms layer measured 10-30 ms (threads waiting for a descheduled peer).
+# Multiply-adds (or dequantized weights) below which a kernel runs on one thread: on the shared 2-core
+# test box a parallel region for a ~0.1 ms layer measured 10-30 ms (threads wait for a descheduled peer).
 PARALLEL_MIN_WORK = 1 << 23
 _FM = {"reassoc", "contract", "nsz"}  # reassoc/contract: vectorized FMA accumulation
 
@@ -238,6 +238,18 @@ class QCodes:
         )
 
 
+def _run(fn: Callable[..., None], work: int, *args) -> None:
+    """``fn(*args)``, on one thread when the work is too small to pay for a parallel region."""
+    threads = numba.get_num_threads()
+    if threads == 1 or work >= PARALLEL_MIN_WORK:
+        return fn(*args)
+    numba.set_num_threads(1)
+    try:
+        fn(*args)
+    finally:
+        numba.set_num_threads(threads)
+
+
 # -- the linear layers ---------------------------------------------------------------------------------
 def _block(a: torch.Tensor) -> torch.Tensor:
     """Per-row data [n, r] → [n_tiles, r, TILE]: each tile of TILE output rows is one contiguous
@@ -299,23 +311,13 @@ class QLinear:
         m = x2.shape[0]
         out = torch.empty(m, n, dtype=torch.float32)
         if m <= SMALL_M:
-            threads = numba.get_num_threads()
-            if threads > 1 and m * n * k < PARALLEL_MIN_WORK:
-                numba.set_num_threads(
-                    1
-                )  # a parallel region costs more than this work (far more on a busy box)
-                try:
-                    self._kernel(x2.numpy(), out.numpy())
-                finally:
-                    numba.set_num_threads(threads)
-            else:
-                self._kernel(x2.numpy(), out.numpy())
+            _run(self._kernel, m * n * k, x2.numpy(), out.numpy())
         else:  # dequantize a few MiB of tiles at a time and let torch's GEMM do the flops
             step = max(1, TILE_ELEMS // (k * TILE))
             n_tiles = self._t[0].shape[0]
             for t0 in range(0, n_tiles, step):
                 tile = torch.empty(k, min(step, n_tiles - t0) * TILE)
-                self._deq_tiles(t0, tile.numpy())
+                _run(self._deq_tiles, tile.numel(), t0, tile.numpy())
                 c0 = t0 * TILE
                 w = min(tile.shape[1], n - c0)
                 if w == n and tile.shape[1] == n:
