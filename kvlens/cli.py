@@ -166,6 +166,17 @@ def lab_unit(
 LAB_KV_HELP = "Comma list of KV modes to test (or 'all'): " + KV_HELP.split(": ", 1)[1]
 LAB_CORPUS_HELP = "Built-in corpus name or a UTF-8 file (default: britannica)."
 LAB_REPORT_HELP = "Write Markdown + PNG plots into this directory."
+SPARSE_HELP = "Sparse decode for the test modes: quest or probe (default: dense)."
+BUDGET_HELP = "Sparse budget: tokens (≥ 1) or a fraction of the context (< 1)."
+
+
+def _sparse(method: str | None, budget: float, dense_layers: int):
+    """The sparse-decode policy of the lab options (None: dense)."""
+    if method is None:
+        return None
+    from .kv.blocks import SparseConfig
+
+    return SparseConfig(method, budget, dense_layers, min_ctx=0)
 
 
 @lab_app.command("ppl")
@@ -183,11 +194,27 @@ def lab_ppl(
     keep_recent: int = typer.Option(0, min=0, help="Keep the last R positions exact."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     report: str | None = typer.Option(None, help=LAB_REPORT_HELP),
+    sparse: str | None = typer.Option(None, help=SPARSE_HELP),
+    sparse_budget: float = typer.Option(0.25, help=BUDGET_HELP),
+    sparse_dense_layers: int = typer.Option(2, min=0, help="First layers kept dense under --sparse."),
 ) -> None:
     """Perplexity and llama-perplexity's KL-divergence report, per KV mode, against a baseline."""
     from .lab import ppl
 
-    ppl.cli(model, corpus, ctx, kv, base, chunks, prefill_chunk, keep_sink, keep_recent, json_out, report)
+    ppl.cli(
+        model,
+        corpus,
+        ctx,
+        kv,
+        base,
+        chunks,
+        prefill_chunk,
+        keep_sink,
+        keep_recent,
+        json_out,
+        report,
+        _sparse(sparse, sparse_budget, sparse_dense_layers),
+    )
 
 
 @lab_app.command("greedy")
@@ -205,6 +232,9 @@ def lab_greedy(
     show: int = typer.Option(3, min=0, help="Diverging continuations shown per mode."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     report: str | None = typer.Option(None, help=LAB_REPORT_HELP),
+    sparse: str | None = typer.Option(None, help=SPARSE_HELP),
+    sparse_budget: float = typer.Option(0.25, help=BUDGET_HELP),
+    sparse_dense_layers: int = typer.Option(2, min=0, help="First layers kept dense under --sparse."),
 ) -> None:
     """Greedy continuations under the baseline and each KV mode: agreement and first divergence."""
     from .lab import greedy
@@ -223,6 +253,7 @@ def lab_greedy(
         show,
         json_out,
         report,
+        _sparse(sparse, sparse_budget, sparse_dense_layers),
     )
 
 
@@ -253,7 +284,9 @@ def lab_needle(
     depth: str = typer.Option("0.1,0.5,0.9", help="Needle depths in [0, 1] (comma list)."),
     kv: str = typer.Option("q8", help="Quantized cache mode compared with f32."),
     sparse: str = typer.Option("quest", help="Sparse selection: quest or probe."),
-    sparse_budget: str = typer.Option("0.125,0.25", help="Budgets: tokens (≥ 1) or fractions of the context (< 1)."),
+    sparse_budget: str = typer.Option(
+        "0.125,0.25", help="Budgets: tokens (≥ 1) or fractions of the context (< 1)."
+    ),
     dense_layers: int = typer.Option(2, min=0, help="First layers kept dense."),
     seed: int = typer.Option(0, help="Seed of the secret numbers."),
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
@@ -263,6 +296,7 @@ def lab_needle(
     import json
 
     import kvlens
+
     from .lab.corpus import load_corpus
     from .lab.needle import plot_heatmap, recall_table, run_needle
 
@@ -270,8 +304,18 @@ def lab_needle(
     depths = [float(d) for d in depth.split(",") if d]
     llm = kvlens.load(model, kv=kv)
     text, label = load_corpus(corpus)
-    rows = run_needle(llm, text, _csv_ints(ctx), depths, budgets, sparse, kv, seed, dense_layers,
-                      progress=None if json_out else lambda c, d: typer.echo(f"  ctx {c} depth {d:g} done", err=True))
+    rows = run_needle(
+        llm,
+        text,
+        _csv_ints(ctx),
+        depths,
+        budgets,
+        sparse,
+        kv,
+        seed,
+        dense_layers,
+        progress=None if json_out else lambda c, d: typer.echo(f"  ctx {c} depth {d:g} done", err=True),
+    )
     if plot:
         plot_heatmap(rows, plot)
         typer.echo(f"wrote {plot}", err=True)
@@ -333,7 +377,11 @@ def bench_attention(
 
 def _csv_ints(s: str) -> list[int]:
     try:
-        return [int(x.lower().replace("k", "")) * (1024 if x.lower().endswith("k") else 1) for x in s.split(",") if x]
+        return [
+            int(x.lower().replace("k", "")) * (1024 if x.lower().endswith("k") else 1)
+            for x in s.split(",")
+            if x
+        ]
     except ValueError as e:
         raise ValueError(f"expected a comma-separated list of integers (e.g. 512,2k,4k), got {s!r}") from e
 
@@ -353,6 +401,7 @@ def bench_decode(
     import json
 
     import kvlens
+
     from .bench.decode import run_decode_bench
     from .kv.cache import parse_mode
 
@@ -362,21 +411,38 @@ def bench_decode(
     llm = kvlens.load(model, kv=modes[0], attn_backend=attn_backend)
     rows = []
     for c in _csv_ints(ctx):
-        rows += run_decode_bench(llm, [c], modes, steps, with_hf=hf and c <= hf_max_ctx,
-                                 progress=None if json_out else lambda c: typer.echo(f"  ctx {c} done", err=True))
+        rows += run_decode_bench(
+            llm,
+            [c],
+            modes,
+            steps,
+            with_hf=hf and c <= hf_max_ctx,
+            progress=None if json_out else lambda c: typer.echo(f"  ctx {c} done", err=True),
+        )
     if json_out:
         typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
         return
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"decode, {llm.source.name}, {llm.config.n_layers} layers, torch threads {__import__('torch').get_num_threads()}")
+    t = Table(
+        title=f"decode, {llm.source.name}, {llm.config.n_layers} layers, torch threads {__import__('torch').get_num_threads()}"
+    )
     for col in ("engine", "mode", "ctx", "tok/s", "ms/tok", f"× {modes[0]}", "KV MiB", "RSS MiB", "backend"):
         t.add_column(col, justify="right")
     first = {r.ctx: r.tok_per_s for r in rows if r.mode == modes[0] and r.engine == "kvlens"}
     for r in rows:
-        t.add_row(r.engine, r.mode, str(r.ctx), f"{r.tok_per_s:.1f}", f"{r.ms_per_tok:.2f}",
-                  f"{r.tok_per_s / first[r.ctx]:.2f}", f"{r.kv_bytes / 2**20:.1f}", f"{r.rss_bytes / 2**20:.0f}", r.backend)
+        t.add_row(
+            r.engine,
+            r.mode,
+            str(r.ctx),
+            f"{r.tok_per_s:.1f}",
+            f"{r.ms_per_tok:.2f}",
+            f"{r.tok_per_s / first[r.ctx]:.2f}",
+            f"{r.kv_bytes / 2**20:.1f}",
+            f"{r.rss_bytes / 2**20:.0f}",
+            r.backend,
+        )
     Console(width=max(Console().width, 110)).print(t)
 
 

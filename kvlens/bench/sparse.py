@@ -43,8 +43,9 @@ def _cache(shape: str, ctx: int, seed: int = 0) -> KVCache:
     return cache
 
 
-def run_sparse_bench(contexts: list[int], shapes: list[str], budgets: list[int], methods: list[str],
-                     reps: int = 20) -> list[SparseRow]:
+def run_sparse_bench(
+    contexts: list[int], shapes: list[str], budgets: list[int], methods: list[str], reps: int = 20
+) -> list[SparseRow]:
     rows: list[SparseRow] = []
     for shape in shapes:
         if shape not in SHAPES:

@@ -289,7 +289,9 @@ def _raw(a: np.ndarray) -> tuple[np.ndarray, int]:
 def _tile_table(n_kv: int, length: int, blocks: np.ndarray | None) -> np.ndarray:
     """Tiles each KV head attends: all ``ceil(length / TILE)`` of them, or the given sparse blocks."""
     if blocks is None:
-        return np.ascontiguousarray(np.broadcast_to(np.arange(-(-length // TILE), dtype=np.int32), (n_kv, -(-length // TILE))))
+        return np.ascontiguousarray(
+            np.broadcast_to(np.arange(-(-length // TILE), dtype=np.int32), (n_kv, -(-length // TILE)))
+        )
     blocks = np.ascontiguousarray(blocks, np.int32)
     if blocks.ndim != 2 or blocks.shape[0] != n_kv or blocks.shape[1] == 0:
         raise ValueError(f"blocks must be [n_kv={n_kv}, n_selected>0], got {blocks.shape}")

@@ -161,7 +161,9 @@ class KVCache:
         )
         self.length = 0  # positions written in every layer
         # per-block key min/max for sparse decode's block selection (kv.blocks)
-        self.bounds = BlockBounds(n_layers, n_kv_heads, head_dim, BLOCK, self.device) if track_blocks else None
+        self.bounds = (
+            BlockBounds(n_layers, n_kv_heads, head_dim, BLOCK, self.device) if track_blocks else None
+        )
 
     @property
     def capacity(self) -> int:
@@ -203,7 +205,9 @@ class KVCache:
             self.v_exact[layer].write(start, v)
         if self.bounds is not None:
             first = start - start % BLOCK
-            self.bounds.update(layer, self.k[layer].read(first, start + k.shape[1]), first, start + k.shape[1])
+            self.bounds.update(
+                layer, self.k[layer].read(first, start + k.shape[1]), first, start + k.shape[1]
+            )
         if layer == self.n_layers - 1:
             self.length = max(self.length, start + k.shape[1])
 

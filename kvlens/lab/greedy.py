@@ -124,6 +124,7 @@ def run_greedy(
     keep_recent: int = 0,
     corpus_label: str = "",
     on_step: Any = None,
+    sparse: Any = None,
 ) -> GreedyResult:
     modes = parse_modes(modes) if isinstance(modes, str) else list(modes)
     for m in (base, *modes):
@@ -141,13 +142,15 @@ def run_greedy(
         if on_step:
             on_step(base)
     base_s = time.perf_counter() - t0
+    # test modes with sparse decode (kvlens.kv.blocks.SparseConfig); the base stays dense
+    test_llm = llm if sparse is None else llm.variant(sparse=sparse)
     results = []
     for m in modes:
         opts = {} if m == base and not keep else {"mirror_prefill": "exact", **keep}
         t0 = time.perf_counter()
         toks = []
         for p in prompts:
-            toks.append(greedy_continuation(llm, p, n_tokens, m, prefill_chunk, **opts))
+            toks.append(greedy_continuation(test_llm, p, n_tokens, m, prefill_chunk, **opts))
             if on_step:
                 on_step(m)
         secs = time.perf_counter() - t0
@@ -246,6 +249,7 @@ def cli(
     show: int,
     json_out: bool,
     report: str | Path | None,
+    sparse: Any = None,
 ) -> None:
     """The body of ``kvlens lab greedy``."""
     import sys
@@ -257,12 +261,17 @@ def cli(
     with progress(n_prompts * (1 + len(modes)), "lab greedy") as step:
         r = run_greedy(
             llm, text, modes, base, n_prompts, prompt_len, n_tokens, prefill_chunk, keep_sink, keep_recent,
-            label, step,
+            label, step, sparse,
         )  # fmt: skip
     if json_out:
         print(dump_json(r.to_json()))
     else:
         print("\n".join(describe(r)))
+        if sparse is not None:
+            print(
+                f"test modes decode with sparse attention: {sparse.method}, budget {sparse.budget:g}, "
+                f"first {sparse.dense_layers} layers dense; base {r.base} dense"
+            )
         headers, rows = summary_rows(r)
         print_table(f"Greedy agreement with {r.base}", headers, rows)
         print("\n".join(divergences(r, llm.tokenizer, show)))

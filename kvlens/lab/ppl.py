@@ -69,10 +69,24 @@ def scored_logits(
     llm: Any, chunk: list[int], kv: str, prefill_chunk: int, first: int, **cache_options: Any
 ) -> torch.Tensor:
     """Logits [len(chunk)-1-first, vocab] of the scored positions, the chunk prefilled through a fresh
-    ``kv`` cache in sub-chunks of ``prefill_chunk``; the LM head runs on the scored rows only."""
+    ``kv`` cache in sub-chunks of ``prefill_chunk``; the LM head runs on the scored rows only.
+
+    With sparse decode (``llm.sparse``), only the prefix up to ``first`` is prefilled; the scored
+    positions are then run one decode step each (teacher-forced), since sparse attention is a decode
+    path: that is what a sparse engine would compute for them."""
     cache = llm.new_cache(len(chunk), kv, **cache_options)
     end = len(chunk) - 1
     kept: list[torch.Tensor] = []
+    if getattr(llm, "sparse", None) is not None:
+        llm.prefill(
+            chunk[: first + 1],
+            cache,
+            prefill_chunk,
+            on_hidden=lambda s, h: kept.append(h[first - s :]) if s + h.shape[0] > first else None,
+        )
+        for pos in range(first + 1, end):
+            kept.append(llm.forward([chunk[pos]], cache, pos, prefill=False))
+        return llm.model.logits(torch.cat(kept))
 
     def keep(start: int, hidden: torch.Tensor) -> None:
         lo, hi = max(first - start, 0), min(end - start, hidden.shape[0])
@@ -187,6 +201,7 @@ def run_ppl(
     keep_recent: int = 0,
     corpus_label: str = "",
     on_step: Any = None,
+    sparse: Any = None,
 ) -> PplResult:
     """Score ``text`` under ``base`` and every mode of ``modes`` (one model, chunk-outer loop so each
     chunk's base logits are computed once). ``on_step(label)`` is called after every forward."""
@@ -213,6 +228,8 @@ def run_ppl(
             return base_pc, {}
         return prefill_chunk, {"mirror_prefill": "exact", **keep}
 
+    # test modes with sparse decode (kvlens.kv.blocks.SparseConfig); the base stays dense
+    test_llm = llm if sparse is None else llm.variant(sparse=sparse)
     acc = {m: {k: [] for k in _METRIC_KEYS} for m in modes}
     secs = dict.fromkeys(modes, 0.0)
     base_secs = 0.0
@@ -227,7 +244,7 @@ def run_ppl(
         for m in modes:
             pc, opts = plan(m)
             t0 = time.perf_counter()
-            lq = scored_logits(llm, chunk, m, pc, first, **opts)
+            lq = scored_logits(test_llm, chunk, m, pc, first, **opts)
             secs[m] += time.perf_counter() - t0
             for k, v in chunk_metrics(lb, lq, targets).items():
                 acc[m][k].append(v.cpu().numpy())
@@ -242,6 +259,11 @@ def run_ppl(
         if m == base and not keep:
             note = "same path as the base (determinism check)"
         bpt = llm.new_cache(1, m).bytes_per_token()
+        if sparse is not None:
+            note = (
+                f"sparse decode: {sparse.method}, budget {sparse.budget:g}, first {sparse.dense_layers} layers "
+                f"dense, scored positions run as decode steps"
+            )
         results.append(ModeResult(m, stats, bpt, secs[m], len(chunks) * ctx, plan(m)[0], a["kld"], note))
     return PplResult(
         model=model_name(llm),
@@ -363,6 +385,7 @@ def cli(
     keep_recent: int,
     json_out: bool,
     report: str | Path | None,
+    sparse: Any = None,
 ) -> None:
     """The body of ``kvlens lab ppl``."""
     import sys
@@ -374,7 +397,9 @@ def cli(
     ids_est = len(llm.tokenizer.encode(text)) // max(ctx, 1)
     n = min(chunks or ids_est, ids_est) or 1
     with progress(n * (1 + len(modes)), "lab ppl") as step:
-        r = run_ppl(llm, text, ctx, modes, base, chunks, prefill_chunk, keep_sink, keep_recent, label, step)
+        r = run_ppl(
+            llm, text, ctx, modes, base, chunks, prefill_chunk, keep_sink, keep_recent, label, step, sparse
+        )
     if json_out:
         print(dump_json(r.to_json()))
     else:
