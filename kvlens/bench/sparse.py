@@ -43,6 +43,12 @@ def _cache(shape: str, ctx: int, seed: int = 0) -> KVCache:
     return cache
 
 
+def _sparse_call(q: torch.Tensor, cache: KVCache, ctx: int, cfg: SparseConfig | None) -> None:
+    """One decode attention call: block selection (if sparse) plus the kernel."""
+    blocks = None if cfg is None else select_blocks(q, cache, 0, ctx, cfg)
+    decode_attention(q, cache.k[0], cache.v[0], ctx, blocks=blocks)
+
+
 def run_sparse_bench(
     contexts: list[int], shapes: list[str], budgets: list[int], methods: list[str], reps: int = 20
 ) -> list[SparseRow]:
@@ -60,20 +66,15 @@ def run_sparse_bench(
                     if b < ctx:
                         variants[f"{m} {b}"] = (SparseConfig(m, b, dense_layers=0, min_ctx=0), b)
 
-            def call(cfg: SparseConfig | None) -> None:
-                blocks = None if cfg is None else select_blocks(q, cache, 0, ctx, cfg)
-                decode_attention(q, cache.k[0], cache.v[0], ctx, blocks=blocks)
-
             times: dict[str, list[float]] = {name: [] for name in variants}
-            for name, (cfg, _) in variants.items():
-                call(cfg)  # warm-up (numba compile, caches)
+            for cfg, _ in variants.values():
+                _sparse_call(q, cache, ctx, cfg)  # warm-up (numba compile, caches)
             for _ in range(reps):
                 for name, (cfg, _) in variants.items():
                     t0 = time.perf_counter()
-                    call(cfg)
+                    _sparse_call(q, cache, ctx, cfg)
                     times[name].append(time.perf_counter() - t0)
             med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
             for name, (_, budget) in variants.items():
                 rows.append(SparseRow(shape, ctx, name, budget, 1e6 * med[name], med["dense q8"] / med[name]))
-            del cache
     return rows
