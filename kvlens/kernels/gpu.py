@@ -25,7 +25,6 @@ from ..kv.cache import BLOCK
 
 LOG2E = 1.4426950408889634
 tl = None  # triton.language, bound by _kernels(); the jit functions resolve it from module globals
-attend_tile = None  # the shared online-softmax step, bound by _kernels() for the same reason
 
 
 class TritonUnavailableError(ImportError):
@@ -35,7 +34,7 @@ class TritonUnavailableError(ImportError):
 @functools.cache
 def _kernels():
     """Import triton and define the kernel (decorated now, so TRITON_INTERPRET is read at first use)."""
-    global tl, attend_tile  # jit functions resolve names (tl, helpers) from module globals
+    global tl
     try:
         import triton
         import triton.language as tl_mod
@@ -45,38 +44,6 @@ def _kernels():
             "use kvlens.kernels.cpu.decode_attention on CPU"
         ) from e
     tl = tl_mod
-
-    @triton.jit
-    def attend_tile(
-        q, m_i, l_i, acc, K, KS, V, VS, h, n, nmask, d, dmask,
-        stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh,
-        K_Q8: tl.constexpr, V_Q8: tl.constexpr,
-    ):  # fmt: skip
-        """One online-softmax step over the positions ``n`` (masked by ``nmask``)."""
-        kt = tl.load(
-            K + h * stride_kh + n[None, :] * stride_kt + d[:, None],
-            mask=nmask[None, :] & dmask[:, None],
-            other=0,
-        )
-        sc = tl.dot(q, kt.to(tl.float32), input_precision="ieee")  # [G_PAD, BLOCK_N]
-        if K_Q8:  # K row scale folded into the score
-            ks = tl.load(KS + h * stride_ksh + n, mask=nmask, other=0.0)
-            sc = sc * (ks * (1.0 / 127.0))[None, :]
-        sc = tl.where(nmask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if V_Q8:  # V row scale folded into the weight
-            vs = tl.load(VS + h * stride_vsh + n, mask=nmask, other=0.0)
-            p = p * (vs * (1.0 / 127.0))[None, :]
-        vt = tl.load(
-            V + h * stride_vh + n[:, None] * stride_vt + d[None, :],
-            mask=nmask[:, None] & dmask[None, :],
-            other=0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        return m_new, l_i, acc
 
     @triton.jit
     def split_kernel(
@@ -100,24 +67,46 @@ def _kernels():
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-        if SPARSE:  # splits divide this head's list of selected blocks (BLOCK_N = the cache block)
-            lo = s * split_len
+        # Splits divide the positions (dense) or this head's list of selected blocks (sparse, where
+        # BLOCK_N is the cache block); one loop serves both so the tile body exists once.
+        lo = s * split_len
+        if SPARSE:
             hi = tl.minimum(lo + split_len, n_sel)
-            for i in range(lo, hi):
-                n = tl.load(Blocks + h * n_sel + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-                m_i, l_i, acc = attend_tile(
-                    q, m_i, l_i, acc, K, KS, V, VS, h, n, n < length, d, dmask,
-                    stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh, K_Q8, V_Q8,
-                )  # fmt: skip
+            n_iter = hi - lo
         else:
-            lo = s * split_len
             hi = tl.minimum(lo + split_len, length)
-            for start in range(lo, hi, BLOCK_N):
-                n = start + tl.arange(0, BLOCK_N)
-                m_i, l_i, acc = attend_tile(
-                    q, m_i, l_i, acc, K, KS, V, VS, h, n, n < hi, d, dmask,
-                    stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh, K_Q8, V_Q8,
-                )  # fmt: skip
+            n_iter = tl.cdiv(hi - lo, BLOCK_N)
+        for i in range(0, n_iter):
+            if SPARSE:
+                n = tl.load(Blocks + h * n_sel + lo + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+                nmask = n < length
+            else:
+                n = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
+                nmask = n < hi
+            kt = tl.load(
+                K + h * stride_kh + n[None, :] * stride_kt + d[:, None],
+                mask=nmask[None, :] & dmask[:, None],
+                other=0,
+            )
+            sc = tl.dot(q, kt.to(tl.float32), input_precision="ieee")  # [G_PAD, BLOCK_N]
+            if K_Q8:  # K row scale folded into the score
+                ks = tl.load(KS + h * stride_ksh + n, mask=nmask, other=0.0)
+                sc = sc * (ks * (1.0 / 127.0))[None, :]
+            sc = tl.where(nmask[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if V_Q8:  # V row scale folded into the weight
+                vs = tl.load(VS + h * stride_vsh + n, mask=nmask, other=0.0)
+                p = p * (vs * (1.0 / 127.0))[None, :]
+            vt = tl.load(
+                V + h * stride_vh + n[:, None] * stride_vt + d[None, :],
+                mask=nmask[:, None] & dmask[None, :],
+                other=0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+            m_i = m_new
         item = h * n_splits + s
         tl.store(M + item * G_PAD + g, m_i)
         tl.store(L + item * G_PAD + g, l_i)
