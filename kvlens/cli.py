@@ -349,12 +349,28 @@ def bench_attention(
     reps: int = typer.Option(5, min=1, help="Interleaved timing rounds (min and median reported)."),
     mem_gib: float = typer.Option(3.0, help="Memory cap for the rotated layer caches, GiB."),
     prefill: bool = typer.Option(False, help="Also time the prefill path's whole-history read at 4K."),
+    sparse: str | None = typer.Option(
+        None, help="Compare dense q8 with sparse q8: quest,probe (comma list)."
+    ),
+    sparse_budget: str = typer.Option("1024,2048", help="--sparse: budgets in tokens (comma list)."),
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """One layer's decode attention per call: µs, GB/s vs the measured copy bandwidth, × torch SDPA."""
     import json
 
     from .bench import attention as ba
+
+    if sparse:
+        _bench_sparse(
+            ctx if ctx != "1k,4k,16k,64k" else "4k,16k,64k",
+            shape,
+            sparse,
+            sparse_budget,
+            reps,
+            threads,
+            json_out,
+        )
+        return
 
     if threads:
         import numba
@@ -373,6 +389,43 @@ def bench_attention(
     ba.render(rows, bw)
     if prefill:
         ba.render_prefill("smollm2", 4096, 32, ba.time_prefill_read("smollm2", 4096, 32))
+
+
+def _bench_sparse(
+    ctx: str, shape: str, methods: str, budgets: str, reps: int, threads: int | None, json_out: bool
+) -> None:
+    """``bench attention --sparse``: dense q8 vs sparse q8 decode attention (selection included)."""
+    import json
+
+    from .bench.sparse import run_sparse_bench
+
+    if threads:
+        import numba
+        import torch
+
+        numba.set_num_threads(threads)
+        torch.set_num_threads(threads)
+    rows = run_sparse_bench(
+        _csv_ints(ctx),
+        [s for s in shape.split(",") if s],
+        _csv_ints(budgets),
+        [m for m in methods.split(",") if m],
+        reps=max(reps, 5),
+    )
+    if json_out:
+        typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="decode attention, one layer, q8 cache: dense vs sparse (selection + kernel), median µs")
+    for col in ("shape", "ctx", "variant", "budget", "µs/call", "× dense"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(
+            r.shape, str(r.ctx), r.variant, str(r.budget), f"{r.us_per_call:.0f}", f"{r.speedup_vs_dense:.2f}"
+        )
+    Console().print(t)
 
 
 def _csv_ints(s: str) -> list[int]:
