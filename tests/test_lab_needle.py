@@ -31,8 +31,8 @@ def test_prompt_errors(smol_f32):
 
 def test_short_needle_run(smol_f32):
     filler = open(__file__.replace("test_lab_needle.py", "data/excerpt.txt"), encoding="utf-8").read()
-    rows = run_needle(smol_f32, filler, [320], [0.3], [64], kv="q8")
+    rows = run_needle(smol_f32, filler, [328], [0.3], [64], kv="q8")
     assert [r.mode for r in rows] == ["f32 dense", "q8 dense", "q8 quest 64"]
     assert rows[0].recalled  # the model finds a fact 200 tokens back
     table = recall_table(rows)
-    assert set(table) == {"f32 dense", "q8 dense", "q8 quest 64"} and table["f32 dense"][320] == 1.0
+    assert set(table) == {"f32 dense", "q8 dense", "q8 quest 64"} and table["f32 dense"][328] == 1.0
