@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a GPU the Triton kernels run under Triton's interpreter. The variable must be set before
+# anything imports triton (transformers and torch may import it during other tests), so it is set here.
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

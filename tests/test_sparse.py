@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import numpy as np
 import pytest
@@ -111,22 +110,18 @@ def test_sparse_kernel_equals_masked_float64_reference(mode):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_sparse_triton_kernel_interpreted():
-    # set before triton is first imported: it reads the variable then (no GPU in CI)
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from kvlens.kernels.gpu import decode_attention_triton
+    # conftest sets TRITON_INTERPRET=1 before triton is imported (no GPU in CI)
+    from kvlens.kernels.gpu import decode_attention_triton
 
-        c = filled_cache(n_kv=2, d=32, length=200)
-        q = torch.randn(6, 32)
-        blocks = torch.tensor([[0, 2, 6], [0, 5, 6]], dtype=torch.int32)
-        kd, vd = c.read(0, 200)
-        ref = reference_attention(
-            q[:, None].double(), kd.double(), vd.double(), kv_mask=blocks_to_mask(blocks, 200, BLOCK)
-        )[:, 0]
-        out = decode_attention_triton(q, c.k[0], c.v[0], 200, blocks=blocks)
-        np.testing.assert_allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
-    finally:
-        del os.environ["TRITON_INTERPRET"]
+    c = filled_cache(n_kv=2, d=32, length=200)
+    q = torch.randn(6, 32)
+    blocks = torch.tensor([[0, 2, 6], [0, 5, 6]], dtype=torch.int32)
+    kd, vd = c.read(0, 200)
+    ref = reference_attention(
+        q[:, None].double(), kd.double(), vd.double(), kv_mask=blocks_to_mask(blocks, 200, BLOCK)
+    )[:, 0]
+    out = decode_attention_triton(q, c.k[0], c.v[0], 200, blocks=blocks)
+    np.testing.assert_allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_sparse_options():

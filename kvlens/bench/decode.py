@@ -100,23 +100,24 @@ class _AttendClock:
 
 @torch.inference_mode()
 def time_decode(
-    llm: LLM, cache: KVCache, ctx: int, steps: int, backend: str, warmup: int = 2
+    llm: LLM, cache: KVCache, pos: int, steps: int, backend: str, warmup: int = 2
 ) -> tuple[float, float, float]:
-    """Median seconds per decode step at context ``ctx``, and of its time in attention and in KV
-    writes (all layers); the cache is rewound after every step."""
+    """Median seconds per decode step at position ``pos`` (the cache holds ``pos`` rows, the step
+    attends ``pos + 1``), and of its time in attention and in KV writes (all layers); the cache is
+    rewound after every step."""
     tok = 198  # any id: the cost of a step does not depend on it
     times, attn, write = [], [], []
     with _AttendClock(llm, cache) as clock:
         for i in range(warmup + steps):
             clock.reset()
             t0 = time.perf_counter()
-            h = llm.forward([tok], cache, ctx, prefill=False, backend=backend)
+            h = llm.forward([tok], cache, pos, prefill=False, backend=backend)
             llm.model.logits(h)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
                 attn.append(clock.attend_s)
                 write.append(clock.write_s)
-            cache.truncate(ctx)
+            cache.truncate(pos)
     med = len(times) // 2  # median: robust to the odd descheduled step
     return sorted(times)[med], sorted(attn)[med], sorted(write)[med]
 
@@ -173,17 +174,19 @@ def run_decode_bench(
     backend = backend or llm.attn_backend
     rows: list[DecodeRow] = []
     for ctx in contexts:
-        llm.check_fits(ctx + 1)
-        ids = corpus_ids(llm, ctx)
-        source = llm.new_cache(ctx, "f32")
+        # the timed step attends exactly ctx positions (ctx - 1 cached + itself): ctx may be the
+        # model's whole window (SmolLM2: 8192)
+        llm.check_fits(ctx)
+        ids = corpus_ids(llm, ctx - 1)
+        source = llm.new_cache(ctx - 1, "f32")
         llm.prefill(ids, source, chunk=512)
-        caches = {m: fill_cache(llm, source, m, ctx, ctx + 1) for m in modes}
+        caches = {m: fill_cache(llm, source, m, ctx - 1, ctx) for m in modes}
         del source
         gc.collect()
         per_mode: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
         for _ in range(3):  # interleave the modes so drift hits them alike
             for m in modes:
-                per_mode[m].append(time_decode(llm, caches[m], ctx, max(steps // 3, 2), backend))
+                per_mode[m].append(time_decode(llm, caches[m], ctx - 1, max(steps // 3, 2), backend))
         rss = psutil.Process().memory_info().rss
         for m in modes:
             t, attn, write = (sorted(x)[1] for x in zip(*per_mode[m], strict=True))  # medians of 3 rounds
