@@ -29,6 +29,15 @@ MODEL_HELP = "'smollm2' (the embedded default), a .gguf file, or an HF model dir
 KV_HELP = "KV cache mode: f32, f16, bf16, q8, q8-k, q8-v, q8+mirror"
 
 
+def _sparse_policy(method: str | None, budget: float, dense_layers: int, min_ctx: int = 0):
+    """The sparse-decode policy of the command-line options (None: dense)."""
+    if method is None:
+        return None
+    from .kv.blocks import SparseConfig
+
+    return SparseConfig(method, budget, dense_layers, min_ctx)
+
+
 def _err(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
 
@@ -53,6 +62,12 @@ def generate(
     weights: str = typer.Option(
         "auto", help="Weights: f32, bf16, int8, int4 (kept quantized), or auto = the file's own precision."
     ),
+    sparse: str | None = typer.Option(None, help="Sparse decode: quest or probe (default: dense)."),
+    sparse_budget: float = typer.Option(
+        2048, help="Sparse budget: tokens (≥ 1) or a fraction of the context (< 1)."
+    ),
+    sparse_dense_layers: int = typer.Option(2, min=0, help="First layers kept dense under --sparse."),
+    sparse_min_ctx: int = typer.Option(1024, min=0, help="Below this context decode stays dense."),
 ) -> None:
     """Generate text, streaming it as it is produced."""
     import kvlens
@@ -65,6 +80,7 @@ def generate(
         mirror_prefill=mirror_prefill,
         prefill_chunk=prefill_chunk,
         weights=weights,
+        sparse=_sparse_policy(sparse, sparse_budget, sparse_dense_layers, sparse_min_ctx),
     )
     params = kvlens.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if not chat:
@@ -171,12 +187,8 @@ BUDGET_HELP = "Sparse budget: tokens (≥ 1) or a fraction of the context (< 1).
 
 
 def _sparse(method: str | None, budget: float, dense_layers: int):
-    """The sparse-decode policy of the lab options (None: dense)."""
-    if method is None:
-        return None
-    from .kv.blocks import SparseConfig
-
-    return SparseConfig(method, budget, dense_layers, min_ctx=0)
+    """Lab runs: sparse from the first decode step (no minimum context)."""
+    return _sparse_policy(method, budget, dense_layers, 0)
 
 
 @lab_app.command("ppl")
