@@ -14,13 +14,11 @@ Backends:
                    torch-sdpa)
     triton         the Triton kernel (CUDA, or TRITON_INTERPRET=1 on CPU for tests)
 
-GB/s counts the bytes the cache holds for ``ctx`` positions (K and V rows, plus int8 row scales):
-the least any implementation must read, so rows of one mode compare like with like. The physical
-limit is measured in the same run: ``copy`` = torch ``dst.copy_(src)`` of a big buffer, 2 x bytes /
-time (read + write), and ``read`` = a numba parallel sum (read only). ``frac_of_copy_bw`` uses copy,
-the issue's yardstick; ``frac_of_read_bw`` is the stricter one for a kernel that only reads.
-Timings are the min over ``reps`` interleaved rounds (on a shared box the min is the run least
-disturbed by neighbours); the median is reported beside it.
+GB/s counts the cache's bytes for ``ctx`` positions (K, V rows and int8 row scales), the least any
+implementation must read. The limit is measured in the same run: copy = torch ``dst.copy_(src)``,
+2 x bytes / time (the issue's yardstick, ``frac_of_copy_bw``), and read = a numba parallel sum
+(``frac_of_read_bw``, the real limit of a read-only kernel). Times: min over ``reps`` interleaved
+rounds (the run least disturbed by neighbours), median beside it. Results: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -194,27 +192,25 @@ def triton_device() -> torch.device | None:
 def time_cells(cells: dict, n_layers: dict, reps: int, device_of: dict, min_round_s: float) -> dict:
     """Seconds per call of every cell: ``reps`` rounds, cells interleaved within each round, each
     cell timing whole sweeps over its layers (repeated to last ``min_round_s``)."""
-    sweeps = {}
-    for key, call in cells.items():  # warm up (numba compile, page faults) and size the sweeps
-        dev = device_of[key]
-        call(0)
+
+    def sweep(key, times: int) -> float:
+        call, dev, n = cells[key], device_of[key], n_layers[key]
         _sync(dev)
         t0 = time.perf_counter()
-        for i in range(n_layers[key]):
-            call(i)
+        for _ in range(times):
+            for i in range(n):
+                call(i)
         _sync(dev)
-        sweeps[key] = max(1, math.ceil(min_round_s / max(time.perf_counter() - t0, 1e-9)))
+        return (time.perf_counter() - t0) / (times * n)
+
+    sweeps = {}
+    for key in cells:  # warm up (numba compile, page faults), then size the sweeps
+        cells[key](0)
+        sweeps[key] = max(1, math.ceil(min_round_s / max(sweep(key, 1) * n_layers[key], 1e-9)))
     times: dict = {key: [] for key in cells}
     for _ in range(reps):
-        for key, call in cells.items():
-            dev, n = device_of[key], n_layers[key]
-            _sync(dev)
-            t0 = time.perf_counter()
-            for _ in range(sweeps[key]):
-                for i in range(n):
-                    call(i)
-            _sync(dev)
-            times[key].append((time.perf_counter() - t0) / (sweeps[key] * n))
+        for key in cells:
+            times[key].append(sweep(key, sweeps[key]))
     return times
 
 
@@ -234,18 +230,16 @@ def run_attention_bench(
     """Time every (shape, ctx, mode, backend) cell; returns the rows and the bandwidths per device.
 
     ``llc`` overrides the last-level cache size the working set is sized from (tests: 1 = one layer)."""
-    for m in modes:
-        if parse_mode(m)[2] or m not in MODES:
-            raise ValueError(f"mode {m!r}: bench attention takes f32, f16, bf16, q8, q8-k, q8-v")
-    for s in shapes:
-        if s not in SHAPES:
-            raise ValueError(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    bad_mode = next((m for m in modes if m not in MODES or parse_mode(m)[2]), None)
+    if bad_mode:
+        raise ValueError(f"mode {bad_mode!r}: bench attention takes f32, f16, bf16, q8, q8-k, q8-v")
+    if any(s not in SHAPES for s in shapes):
+        raise ValueError(f"unknown shape in {shapes}; choose from {', '.join(SHAPES)}")
     tdev = triton_device()
     if backends is None:
         backends = list(CPU_BACKENDS) + (["triton"] if tdev is not None and tdev.type == "cuda" else [])
-    for b in backends:
-        if b not in ALL_BACKENDS:
-            raise ValueError(f"unknown backend {b!r}; choose from {', '.join(ALL_BACKENDS)}")
+    if any(b not in ALL_BACKENDS for b in backends):
+        raise ValueError(f"unknown backend in {backends}; choose from {', '.join(ALL_BACKENDS)}")
     if "triton" in backends and tdev is None:
         raise ValueError("the triton backend needs triton and a CUDA device (or TRITON_INTERPRET=1)")
     cpu = torch.device("cpu")
@@ -339,13 +333,10 @@ def _layer() -> str:
 
 def machine_line(bw: dict[str, Bandwidth]) -> str:
     """One line of context for the table: CPU, LLC, threads, bandwidths, OpenMP settings."""
-    model = platform.processor() or platform.machine()
-    try:
+    with open("/proc/cpuinfo") as f:
         model = next(
-            ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")
+            (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.machine()
         )
-    except (OSError, StopIteration):
-        pass
     c = bw["cpu"]
     return (
         f"{model}, {os.cpu_count()} CPUs, LLC {llc_bytes() // MiB} MiB; threads numba {numba.get_num_threads()} "

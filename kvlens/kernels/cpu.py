@@ -17,7 +17,7 @@ float16 arrays). So f32, f16, bf16, q8 and the mixed modes (q8-k, q8-v) all run 
 
 Threads: torch and numba's omp layer each run their own libgomp pool; with default spin-waiting the
 idle pool starves the busy one on a small box (2 cores: 0.5 ms calls took ~45 ms). Set
-``OMP_WAIT_POLICY=PASSIVE`` before importing torch (see scripts/bench_kernels_quick.py).
+``OMP_WAIT_POLICY=PASSIVE`` before importing torch (see kvlens bench attention).
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def decode_attention_q8(q, k_q8, k_max_abs, v_q8, v_max_abs, length: int, out, n
     with ``max_abs [n_kv, cap]``; f32 math. Writes and returns ``out [n_heads, hd]`` (f32 numpy).
 
     The default q8 kernel. It beat :func:`decode_attention_q8_intdot` 2.5-3x in
-    ``scripts/bench_kernels_quick.py`` (numba types int8*int8 products as int64, so integer dots barely
+    ``kvlens bench attention`` (numba types int8*int8 products as int64, so integer dots barely
     vectorize, while int8 -> f32 converts + FMAs vectorize fully on AVX2; this CPU has no VNNI) and,
     unlike it, it is exact up to f32 rounding.
     """
