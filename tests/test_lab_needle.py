@@ -36,3 +36,10 @@ def test_short_needle_run(smol_f32):
     assert rows[0].recalled  # the model finds a fact 200 tokens back
     table = recall_table(rows)
     assert set(table) == {"f32 dense", "q8 dense", "q8 quest 64"} and table["f32 dense"][328] == 1.0
+
+
+def test_bad_depth_and_empty_lists_are_refused():
+    with pytest.raises(ValueError, match="must lie in"):
+        run_needle(None, "text", [512], [1.5], [0.25])
+    with pytest.raises(ValueError, match="at least one context"):
+        run_needle(None, "text", [], [0.5], [0.25])
