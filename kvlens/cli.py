@@ -456,59 +456,68 @@ def bench_decode(
     model: str = typer.Option("smollm2", help=MODEL_HELP),
     ctx: str = typer.Option("512,2048,4096", help="Contexts (comma list; 4k = 4096)."),
     kv: str = typer.Option("f32,f16,q8", help="Cache modes to compare (comma list)."),
+    weights: str = typer.Option(
+        "auto", help="Weight modes to compare (comma list of auto, f32, bf16, int8, int4)."
+    ),
     steps: int = typer.Option(12, min=3, help="Timed decode steps per mode and context."),
     attn_backend: str = typer.Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
-    hf: bool = typer.Option(True, help="Also time HF transformers' generate (contexts ≤ --hf-max-ctx)."),
+    hf: bool = typer.Option(
+        True, help="Also time HF transformers' generate (f32 weights; contexts ≤ --hf-max-ctx)."
+    ),
     hf_max_ctx: int = typer.Option(2048, help="Largest context at which to run HF transformers."),
+    vs_llama_cpp: str = typer.Option(
+        None,
+        "--vs-llama-cpp",
+        metavar="BIN",
+        help="Also run this llama-bench on the same GGUF, threads, KV types.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
-    """Full-model decode tokens/s per cache mode and context, HF transformers beside it."""
+    """Full-model decode tokens/s per weights, cache mode and context; the step's time split; HF
+    transformers (and llama.cpp's llama-bench with --vs-llama-cpp) beside it."""
     import json
 
     import kvlens
 
     from .bench.decode import run_decode_bench
+    from .bench.llama_cpp import find_binary
     from .kv.cache import parse_mode
+    from .models.loader import check_weights_mode
 
     modes = [m for m in kv.split(",") if m]
+    weight_modes = [w for w in weights.split(",") if w]
     for m in modes:
         parse_mode(m)
-    llm = kvlens.load(model, kv=modes[0], attn_backend=attn_backend)
+    for w in weight_modes:
+        check_weights_mode(w)
+    if vs_llama_cpp:
+        find_binary(vs_llama_cpp)  # fail before the long run
+    llms = [kvlens.load(model, kv=modes[0], attn_backend=attn_backend, weights=w) for w in weight_modes]
+    if vs_llama_cpp and llms[0].source.suffix != ".gguf":
+        raise ValueError("--vs-llama-cpp needs a GGUF model")
     rows = []
     for c in _csv_ints(ctx):
         rows += run_decode_bench(
-            llm,
+            llms,
             [c],
             modes,
             steps,
             with_hf=hf and c <= hf_max_ctx,
+            llama_bench=vs_llama_cpp,
             progress=None if json_out else lambda c: typer.echo(f"  ctx {c} done", err=True),
         )
     if json_out:
         typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
         return
-    from rich.console import Console
-    from rich.table import Table
+    import torch
 
-    t = Table(
-        title=f"decode, {llm.source.name}, {llm.config.n_layers} layers, torch threads {__import__('torch').get_num_threads()}"
+    from .bench.decode import TABLE_HEADERS, table_rows
+    from .lab.report import print_table
+
+    title = (
+        f"decode, {llms[0].source.name}, {llms[0].config.n_layers} layers, {torch.get_num_threads()} threads"
     )
-    for col in ("engine", "mode", "ctx", "tok/s", "ms/tok", f"× {modes[0]}", "KV MiB", "RSS MiB", "backend"):
-        t.add_column(col, justify="right")
-    first = {r.ctx: r.tok_per_s for r in rows if r.mode == modes[0] and r.engine == "kvlens"}
-    for r in rows:
-        t.add_row(
-            r.engine,
-            r.mode,
-            str(r.ctx),
-            f"{r.tok_per_s:.1f}",
-            f"{r.ms_per_tok:.2f}",
-            f"{r.tok_per_s / first[r.ctx]:.2f}",
-            f"{r.kv_bytes / 2**20:.1f}",
-            f"{r.rss_bytes / 2**20:.0f}",
-            r.backend,
-        )
-    Console(width=max(Console().width, 110)).print(t)
+    print_table(title, TABLE_HEADERS, table_rows(rows, modes[0]))
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ from kvlens.kv import (
     dequantize_q8,
     quantize_q8,
 )
+from kvlens.kv.quant import first_nonfinite, store_q8
 
 
 def rule(row: list[float]) -> tuple[list[int], float]:
@@ -86,6 +87,39 @@ def test_error_at_most_half_a_step(row):
     q, m = quantize_q8(x)
     err = (dequantize_q8(q, m) - x).abs().max().item()
     assert err <= m.item() / 127 / 2 * (1 + 1e-5) + 1e-6
+
+
+_ROW_VALUES = st.one_of(
+    st.floats(-1e4, 1e4, width=32),
+    st.sampled_from([0.0, 0.5, -0.5, 1.5, -1.5, 126.5, -126.5, 127.0, 1e-7, -3e-7]),  # ties, tiny rows
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    arrays(
+        np.float32, st.tuples(st.integers(1, 3), st.integers(1, 5), st.integers(1, 80)), elements=_ROW_VALUES
+    )
+)
+def test_jit_store_is_bit_identical_to_quantize_q8(x):
+    """The engine's per-token write path (one JIT pass) stores exactly quantize_q8's codes and max_abs."""
+    rows = torch.from_numpy(x)
+    n_kv, n, d = rows.shape
+    data = torch.zeros(n_kv, n + 7, d, dtype=torch.int8)
+    scale = torch.zeros(n_kv, n + 7)
+    store_q8(rows.transpose(0, 1).contiguous().transpose(0, 1), data, scale, 3)  # non-contiguous input
+    q, m = quantize_q8(rows)
+    assert torch.equal(data[:, 3 : 3 + n], q) and torch.equal(scale[:, 3 : 3 + n], m)
+    assert not data[:, :3].any() and not data[:, 3 + n :].any()
+
+
+def test_first_nonfinite_flat_index():
+    x = torch.zeros(2, 3, 4)
+    assert first_nonfinite(x) is None
+    x[1, 2, 1] = float("-inf")
+    x[1, 2, 3] = float("nan")
+    assert first_nonfinite(x) == 1 * 12 + 2 * 4 + 1
+    assert first_nonfinite(x.to(torch.float16)) == 1 * 12 + 2 * 4 + 1  # the torch path agrees
 
 
 def test_non_finite_raises():

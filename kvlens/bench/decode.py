@@ -23,6 +23,7 @@ from ..kv.cache import KVCache
 @dataclass
 class DecodeRow:
     engine: str
+    weights: str
     mode: str
     ctx: int
     tok_per_s: float
@@ -30,8 +31,11 @@ class DecodeRow:
     kv_bytes: int
     rss_bytes: int
     backend: str
-    attn_ms: float | None = None  # per step, all layers: time inside attend (KV write + attention)
+    # the step's time split (kvlens rows), ms per step over all layers:
+    attn_ms: float | None = None  # inside attend: KV write + attention
     kv_write_ms: float | None = None  # the KV-write part of attn_ms (finite check, quantize, store)
+    weights_ms: float | None = None  # inside the weight matmuls (QKV, O, gate/up, down, LM head)
+    other_ms: float | None = None  # everything else: norms, RoPE, residuals, Python
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -57,19 +61,27 @@ def fill_cache(llm: LLM, source: KVCache, mode: str, length: int, capacity: int)
     return cache
 
 
-class _AttendClock:
-    """Sums the seconds spent inside ``attend`` and inside ``cache.write`` while installed.
+class _StepClock:
+    """Sums the seconds spent inside ``attend``, ``cache.write`` and the weight matmuls while installed.
 
     It wraps the ``attend`` callback that ``llm.forward`` hands to ``model.forward`` (the documented
-    AttendFn contract) and the cache's ``write``, on these two instances only, so the timed step is
-    the engine's own forward; a few perf_counter calls per layer cost ~1 µs each."""
+    AttendFn contract), the cache's ``write`` and the model's ``linear``, on these instances only, so
+    the timed step is the engine's own forward; a few perf_counter calls per layer cost ~1 µs each."""
 
     def __init__(self, llm: LLM, cache: KVCache) -> None:
         self.model, self.cache = llm.model, cache
-        self.attend_s = self.write_s = 0.0
+        self.attend_s = self.write_s = self.linear_s = 0.0
 
-    def __enter__(self) -> _AttendClock:
-        forward, write = self.model.forward, self.cache.write
+    def __enter__(self) -> _StepClock:
+        forward, write, linear = self.model.forward, self.cache.write, self.model.linear
+        self._linear = linear
+
+        def timed_linear(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return linear(*args, **kwargs)
+            finally:
+                self.linear_s += time.perf_counter() - t0
 
         def timed_write(*args, **kwargs):
             t0 = time.perf_counter()
@@ -89,25 +101,27 @@ class _AttendClock:
             return forward(ids, start, timed_attend)
 
         self.model.forward, self.cache.write = timed_forward, timed_write  # instance attributes
+        self.model.linear = timed_linear
         return self
 
     def __exit__(self, *exc) -> None:
         del self.model.forward, self.cache.write  # back to the class methods
+        self.model.linear = self._linear
 
     def reset(self) -> None:
-        self.attend_s = self.write_s = 0.0
+        self.attend_s = self.write_s = self.linear_s = 0.0
 
 
 @torch.inference_mode()
 def time_decode(
     llm: LLM, cache: KVCache, pos: int, steps: int, backend: str, warmup: int = 2
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float]:
     """Median seconds per decode step at position ``pos`` (the cache holds ``pos`` rows, the step
-    attends ``pos + 1``), and of its time in attention and in KV writes (all layers); the cache is
-    rewound after every step."""
+    attends ``pos + 1``), and of its time in attention, in KV writes and in weight matmuls (all
+    layers); the cache is rewound after every step."""
     tok = 198  # any id: the cost of a step does not depend on it
-    times, attn, write = [], [], []
-    with _AttendClock(llm, cache) as clock:
+    times, attn, write, lin = [], [], [], []
+    with _StepClock(llm, cache) as clock:
         for i in range(warmup + steps):
             clock.reset()
             t0 = time.perf_counter()
@@ -117,9 +131,10 @@ def time_decode(
                 times.append(time.perf_counter() - t0)
                 attn.append(clock.attend_s)
                 write.append(clock.write_s)
+                lin.append(clock.linear_s)
             cache.truncate(pos)
     med = len(times) // 2  # median: robust to the odd descheduled step
-    return sorted(times)[med], sorted(attn)[med], sorted(write)[med]
+    return sorted(times)[med], sorted(attn)[med], sorted(write)[med], sorted(lin)[med]
 
 
 class _TokenClock:
@@ -163,64 +178,143 @@ def hf_decode_time(llm: LLM, ids: list[int], steps: int) -> float | None:
 
 
 def run_decode_bench(
-    llm: LLM,
+    llms: list[LLM],
     contexts: list[int],
     modes: list[str],
     steps: int = 16,
     backend: str | None = None,
     with_hf: bool = True,
+    llama_bench: str | None = None,
     progress=None,
 ) -> list[DecodeRow]:
-    backend = backend or llm.attn_backend
+    """Rows for every (weights, KV mode) at every context: ``llms`` are the weight modes (one loaded
+    model each); at one context all of them run interleaved, then HF and llama-bench if asked."""
     rows: list[DecodeRow] = []
+    first = llms[0]
     for ctx in contexts:
         # the timed step attends exactly ctx positions (ctx - 1 cached + itself): ctx may be the
         # model's whole window (SmolLM2: 8192)
-        llm.check_fits(ctx)
-        ids = corpus_ids(llm, ctx - 1)
-        source = llm.new_cache(ctx - 1, "f32")
-        llm.prefill(ids, source, chunk=512)
-        caches = {m: fill_cache(llm, source, m, ctx - 1, ctx) for m in modes}
+        first.check_fits(ctx)
+        ids = corpus_ids(first, ctx - 1)
+        source = first.new_cache(ctx - 1, "f32")
+        first.prefill(ids, source, chunk=512)
+        caches = {m: fill_cache(first, source, m, ctx - 1, ctx) for m in modes}
         del source
         gc.collect()
-        per_mode: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
-        for _ in range(3):  # interleave the modes so drift hits them alike
-            for m in modes:
-                per_mode[m].append(time_decode(llm, caches[m], ctx - 1, max(steps // 3, 2), backend))
+        runs = [(llm, m) for llm in llms for m in modes]
+        per_run: list[list[tuple[float, ...]]] = [[] for _ in runs]
+        for _ in range(3):  # interleave every run so drift hits them alike
+            for i, (llm, m) in enumerate(runs):
+                per_run[i].append(
+                    time_decode(llm, caches[m], ctx - 1, max(steps // 3, 2), backend or llm.attn_backend)
+                )
         rss = psutil.Process().memory_info().rss
-        for m in modes:
-            t, attn, write = (sorted(x)[1] for x in zip(*per_mode[m], strict=True))  # medians of 3 rounds
+        for (llm, m), timed in zip(runs, per_run, strict=True):
+            t, attn, write, lin = (sorted(x)[1] for x in zip(*timed, strict=True))  # medians of 3 rounds
             rows.append(
                 DecodeRow(
                     "kvlens",
+                    llm.weights_mode,
                     m,
                     ctx,
                     1 / t,
                     1e3 * t,
                     caches[m].bytes_per_token() * ctx,
                     rss,
-                    backend,
+                    backend or llm.attn_backend,
                     1e3 * attn,
                     1e3 * write,
-                )
+                    1e3 * lin,
+                    1e3 * (t - attn - lin),
+                )  # fmt: skip
             )
         del caches
         gc.collect()
         if with_hf:
-            t = hf_decode_time(llm, ids, steps)
+            t = hf_decode_time(first, ids, steps)
             if t is not None:
+                cfg = first.config
+                kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4 * ctx
+                rss = psutil.Process().memory_info().rss
                 rows.append(
                     DecodeRow(
                         "transformers",
+                        "f32",
                         "f32 (DynamicCache)",
                         ctx,
                         1 / t,
                         1e3 * t,
-                        2 * llm.config.n_layers * llm.config.n_kv_heads * llm.config.head_dim * 4 * ctx,
-                        psutil.Process().memory_info().rss,
+                        kv_bytes,
+                        rss,
                         "sdpa",
                     )
                 )
+        if llama_bench:
+            rows += llama_cpp_rows(first, llama_bench, modes, ctx, steps)
         if progress:
             progress(ctx)
     return rows
+
+
+def llama_cpp_rows(llm: LLM, binary: str, modes: list[str], ctx: int, steps: int) -> list[DecodeRow]:
+    """llama-bench on the same GGUF, threads and KV types (see :mod:`.llama_cpp`); weights: the file's."""
+    from .llama_cpp import kv_bytes, run_llama_bench
+
+    cfg, out = llm.config, []
+    for m in modes:
+        r = run_llama_bench(binary, llm.source, m, ctx, steps, torch.get_num_threads())
+        if r is not None:
+            size = kv_bytes(r.kv_type, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, ctx)
+            out.append(
+                DecodeRow(
+                    "llama.cpp",
+                    "file",
+                    m,
+                    ctx,
+                    r.tok_per_s,
+                    1e3 / r.tok_per_s,
+                    size,
+                    r.peak_rss,
+                    f"{r.kv_type} fa",
+                )
+            )
+    return out
+
+
+TABLE_HEADERS = (
+    "engine", "weights", "KV", "ctx", "tok/s", "ms/tok", "× base KV", "× llama.cpp",
+    "weights ms", "attn ms", "(KV write)", "other ms", "KV MiB", "RSS MiB",
+)  # fmt: skip
+
+
+def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
+    """Printable rows: ``× base KV`` = tok/s over the ``base_mode`` row with the same engine, weights
+    and context; ``× llama.cpp`` = over llama-bench's row with the same KV mode and context."""
+    base = {(r.engine, r.weights, r.ctx): r.tok_per_s for r in rows if r.mode == base_mode}
+    lcpp = {(r.mode, r.ctx): r.tok_per_s for r in rows if r.engine == "llama.cpp"}
+
+    def ms(x: float | None) -> str:
+        return "" if x is None else f"{x:.2f}"
+
+    out = []
+    for r in rows:
+        b, ref = base.get((r.engine, r.weights, r.ctx)), lcpp.get((r.mode, r.ctx))
+        out.append(
+            [
+                r.engine,
+                r.weights,
+                r.mode,
+                str(r.ctx),
+                f"{r.tok_per_s:.1f}",
+                f"{r.ms_per_tok:.2f}",
+                f"{r.tok_per_s / b:.2f}" if b else "",
+                f"{r.tok_per_s / ref:.2f}" if ref else "",
+                ms(r.weights_ms),
+                ms(r.attn_ms),
+                ms(r.kv_write_ms),
+                ms(r.other_ms),
+                f"{r.kv_bytes / 2**20:.1f}",
+                f"{r.rss_bytes / 2**20:.0f}" if r.rss_bytes else "",
+            ]  # fmt: skip
+        )
+    return out

@@ -37,6 +37,7 @@ class LLM:
         parse_mode(kv)  # fail early on an unknown mode
         self.sparse = sparse  # sparse decode policy (None: dense); caches then track block bounds
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
+        self.weights_mode = loaded.weights_mode
         self.model = Transformer(loaded.config, loaded.weights)
         self.device = self.model.device
         self.kv, self.mirror_prefill, self.prefill_chunk = kv, mirror_prefill, prefill_chunk

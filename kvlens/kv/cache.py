@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import BlockBounds
-from .quant import dequantize_q8, quantize_q8
+from .quant import dequantize_q8, first_nonfinite, store_q8
 
 BLOCK = 32
 FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -101,13 +101,10 @@ class RowStore:
             self.scale = scale
 
     def write(self, start: int, rows: torch.Tensor) -> None:
-        end = start + rows.shape[1]
         if self.kind == "q8":
-            q, max_abs = quantize_q8(rows, check=False)
-            self.data[:, start:end] = q
-            self.scale[:, start:end] = max_abs
+            store_q8(rows, self.data, self.scale, start)
         else:
-            self.data[:, start:end] = rows.to(self.data.dtype)
+            self.data[:, start : start + rows.shape[1]] = rows
 
     def read_index(self, pos: torch.Tensor) -> torch.Tensor:
         """Rows at positions ``pos`` as float32 [n_kv, len(pos), head_dim]."""
@@ -191,8 +188,9 @@ class KVCache:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows ``[n_kv, n, head_dim]`` for positions ``start .. start+n-1`` of ``layer``."""
         for name, rows in (("K", k), ("V", v)):
-            if not bool(torch.isfinite(rows).all()):
-                pos = int((~torch.isfinite(rows)).nonzero()[0, 1]) + start
+            bad = first_nonfinite(rows)
+            if bad is not None:
+                pos = start + bad // rows.shape[2] % rows.shape[1]  # rows are [n_kv, n, head_dim]
                 raise NonFiniteKVError(
                     f"non-finite {name} value at layer {layer}, position {pos}; "
                     "refusing to store it in the KV cache"

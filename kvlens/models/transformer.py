@@ -60,6 +60,7 @@ class Transformer:
         s = cfg.rope_scaling or {}
         self.pos_scale = 1.0 / float(s["factor"]) if s.get("rope_type", s.get("type")) == "linear" else 1.0
         self._cos = self._sin = torch.empty(0, cfg.head_dim)
+        self.linear = linear  # every weight matmul goes through here (benchmarks time it)
 
     def rope_tables(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] for positions start..start+n-1 (tables grown on demand)."""
@@ -80,7 +81,7 @@ class Transformer:
         cfg, L = self.cfg, self.w.layers[i]
         n, d = x.shape[0], cfg.head_dim
         h = rms_norm(x, L.attn_norm, cfg.rms_eps)
-        qkv = linear(h, L.wqkv, L.bqkv)
+        qkv = self.linear(h, L.wqkv, L.bqkv)
         q, k, v = qkv.split((cfg.n_heads * d, cfg.n_kv_heads * d, cfg.n_kv_heads * d), dim=-1)
         q = q.view(n, cfg.n_heads, d).transpose(0, 1)
         k = k.view(n, cfg.n_kv_heads, d).transpose(0, 1)
@@ -90,12 +91,12 @@ class Transformer:
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         o = attend(i, q, k, v.contiguous(), start)
-        x = x + linear(o.transpose(0, 1).reshape(n, cfg.n_heads * d), L.wo)
+        x = x + self.linear(o.transpose(0, 1).reshape(n, cfg.n_heads * d), L.wo)
         return x + self.mlp(L, rms_norm(x, L.ffn_norm, cfg.rms_eps))
 
     def mlp(self, L: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(h, L.w_gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, L.w_down)
+        gate, up = self.linear(h, L.w_gate_up).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, L.w_down)
 
     def forward(self, ids: torch.Tensor, start: int, attend: AttendFn) -> torch.Tensor:
         """Final-normed hidden states [n, hidden] for tokens at positions start..start+n-1."""
@@ -106,4 +107,4 @@ class Transformer:
         return rms_norm(x, self.w.norm, self.cfg.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.w.lm_head)
+        return self.linear(hidden, self.w.lm_head)
