@@ -107,3 +107,19 @@ def test_prompt_longer_than_context_is_refused(smol_f32):
 
     with pytest.raises(ContextOverflowError, match="context of 8192"):
         smol_f32.logits([1] * (smol_f32.config.max_ctx + 1))
+
+
+@pytest.mark.parametrize("kv", ["f32", "q8"])
+def test_single_token_jit_glue_equals_torch_layer(smol_f32, kv):
+    """Decode steps run the layer glue as JIT row ops (models.rowops); the torch layer is the reference."""
+    ids = smol_f32.tokenizer.encode(PROMPTS[0])
+    outs = []
+    for row_ops in (True, False):
+        smol_f32.model.row_ops = row_ops
+        try:
+            cache = smol_f32.new_cache(len(ids) + 1, kv)
+            smol_f32.prefill(ids, cache)
+            outs.append(smol_f32.forward([ids[-1]], cache, len(ids), prefill=False))
+        finally:
+            smol_f32.model.row_ops = True
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-4 * outs[1].abs().max().item()

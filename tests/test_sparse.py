@@ -148,5 +148,7 @@ def test_engine_sparse_decode(smol_f32):
         llm.prefill(ids, cache)
         outs[name] = llm.model.logits(llm.forward([ids[-1]], cache, len(ids), prefill=False))
     assert (outs["full"] - outs["dense"]).abs().max().item() < 1e-4  # budget ≥ context: dense
-    assert (outs["sparse"] - outs["dense"]).abs().max().item() > 1e-3  # really sparse
-    assert (outs["sparse"] - outs["sparse-torch"]).abs().max().item() < 1e-3  # kernel = masked reference
+    assert (outs["sparse"] - outs["dense"]).abs().max().item() > 0.1  # really sparse (measured 2.6)
+    # kernel = masked reference. The two backends' f32 rounding (~1e-7) flips a few int8 codes of
+    # later layers' new K/V rows, so even dense numba vs dense torch logits differ by ~3e-3 here.
+    assert (outs["sparse"] - outs["sparse-torch"]).abs().max().item() < 1e-2

@@ -210,13 +210,14 @@ def _decode_core(
 ):  # pragma: no cover
     """Flash-Decoding over (kv_head, split) items; ``int_dot`` selects the seed's int8-query scores.
 
-    ``tiles [n_kv, n_tiles]``: the TILE-position tiles each KV head attends (every tile for dense
-    decode, the selected blocks for sparse decode); splits divide this list, not the positions."""
+    ``tiles [n_kv, n_tiles]``: the TILE-position tiles each KV head attends (sparse decode: the
+    selected blocks); empty (``n_tiles = 0``) = dense, every tile. Splits divide this list."""
     n_heads, hd = qs.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
     k8 = k.view(np.int8)
-    n_tiles = tiles.shape[1]
+    dense = tiles.shape[1] == 0
+    n_tiles = (length + TILE - 1) // TILE if dense else tiles.shape[1]
     split_len = (n_tiles + n_splits - 1) // n_splits
     n_items = n_kv * n_splits
     part_acc = np.zeros((n_items, group, hd), np.float32)
@@ -234,7 +235,7 @@ def _decode_core(
         e_f = e_u.view(np.float32)
         prod = np.empty(hd, np.int32)
         for ti in range(i_lo, i_hi):
-            t0 = tiles[h, ti] * TILE
+            t0 = ti * TILE if dense else tiles[h, ti] * TILE
             nt = min(TILE, length - t0)
             if int_dot:
                 _dot_tile_int(q8, qsc, h * group, group, k8, h, t0, nt, prod, sc)
@@ -286,12 +287,13 @@ def _raw(a: np.ndarray) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(a).view(np.uint8), _NP_CODE[a.dtype]
 
 
+_DENSE = np.zeros((1, 0), np.int32)  # the core's "every tile" table
+
+
 def _tile_table(n_kv: int, length: int, blocks: np.ndarray | None) -> np.ndarray:
-    """Tiles each KV head attends: all ``ceil(length / TILE)`` of them, or the given sparse blocks."""
+    """Tiles each KV head attends: the given sparse blocks, or :data:`_DENSE` (all of them)."""
     if blocks is None:
-        return np.ascontiguousarray(
-            np.broadcast_to(np.arange(-(-length // TILE), dtype=np.int32), (n_kv, -(-length // TILE)))
-        )
+        return _DENSE
     blocks = np.ascontiguousarray(blocks, np.int32)
     if blocks.ndim != 2 or blocks.shape[0] != n_kv or blocks.shape[1] == 0:
         raise ValueError(f"blocks must be [n_kv={n_kv}, n_selected>0], got {blocks.shape}")
@@ -312,7 +314,7 @@ def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_d
     if out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError("out must be a C-contiguous float32 array")
     tiles = _tile_table(n_kv, length, blocks)
-    rows = tiles.shape[1] * TILE  # positions each KV head actually reads
+    rows = tiles.shape[1] * TILE if blocks is not None else length  # positions each KV head reads
     n_threads = numba.get_num_threads()
     serial = n_kv * rows < SERIAL_ROWS
     if n_splits is None:

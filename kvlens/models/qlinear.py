@@ -30,158 +30,30 @@ import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
-from numba import njit, prange
 
-G = 32  # inputs per quantization group
+from .qkernels import (
+    G,
+    _deq_bf16,
+    _deq_int4,
+    _deq_int8,
+    _mm_bf16,
+    _mm_int4,
+    _mm_int8,
+    _mv_bf16,
+    _mv_f32,
+    _mv_int4,
+    _mv_int8,
+)
+
 WEIGHT_MODES = ("f32", "bf16", "int8", "int4")
 PRECISION = {"int4": 0, "int8": 1, "bf16": 2, "f32": 3}  # fusing mixed parts keeps the finest
 SMALL_M = 8  # up to this many input rows run the JIT kernel; more dequantize tiles for torch's GEMM
 TILE = 64  # output rows per kernel tile (the unit of storage and of parallel work)
 TILE_ELEMS = 1 << 20  # f32 elements per dequantized tile on the GEMM path (4 MiB)
-# Multiply-adds (or dequantized weights) below which a kernel runs on one thread: on the shared 2-core
-# test box a parallel region for a ~0.1 ms layer measured 10-30 ms (threads wait for a descheduled peer).
-PARALLEL_MIN_WORK = 1 << 23
-_FM = {"reassoc", "contract", "nsz"}  # reassoc/contract: vectorized FMA accumulation
-
-
-# -- kernels: x [m, k] f32, out [m, n] f32; weights blocked [n_tiles, rows, TILE] -------------------------
-@njit(parallel=True, fastmath=_FM, cache=True)
-def _mm_int8(x, q, s, out):  # pragma: no cover - compiled
-    m, k = x.shape
-    n_tiles, _, T = q.shape
-    for t in prange(n_tiles):
-        acc = np.zeros((m, T), np.float32)
-        part = np.empty((m, T), np.float32)
-        wt = np.empty(T, np.float32)
-        qt, st = q[t], s[t]
-        for g in range(st.shape[0]):
-            part[:] = 0
-            for j in range(g * G, min(k, g * G + G)):
-                qj = qt[j]
-                if m == 1:  # decode: convert and accumulate in one pass
-                    xj, p0 = x[0, j], part[0]
-                    for c in range(T):
-                        p0[c] += np.float32(qj[c]) * xj
-                else:
-                    for c in range(T):
-                        wt[c] = np.float32(qj[c])
-                    for i in range(m):
-                        xij, pi = x[i, j], part[i]
-                        for c in range(T):
-                            pi[c] += wt[c] * xij
-            sg = st[g]
-            for i in range(m):
-                ai, pi = acc[i], part[i]
-                for c in range(T):
-                    ai[c] += pi[c] * sg[c]
-        _store(acc, out, t * T)
-
-
-@njit(parallel=True, fastmath=_FM, cache=True)
-def _mm_int4(x, q, s, mn, out):  # pragma: no cover - compiled
-    # q rows = input pairs: low nibble = input 2*j2, high nibble = input 2*j2 + 1; x has even k.
-    # Nibbles go to f32 through int32: numba widens uint8 arithmetic to uint64, whose conversion
-    # to f32 does not vectorize on AVX2.
-    m, k = x.shape
-    n_tiles, _, T = q.shape
-    ng = s.shape[1]
-    xs = np.zeros((m, ng), np.float32)  # per-group input sums carry the min term: Σ min·x = min·Σx
-    for i in range(m):
-        for j in range(k):
-            xs[i, j // G] += x[i, j]
-    for t in prange(n_tiles):
-        acc = np.zeros((m, T), np.float32)
-        part = np.empty((m, T), np.float32)
-        lo = np.empty(T, np.float32)
-        hi = np.empty(T, np.float32)
-        qt, st, mt = q[t], s[t], mn[t]
-        for g in range(ng):
-            part[:] = 0
-            for j2 in range(g * (G // 2), min(k // 2, (g + 1) * (G // 2))):
-                qj = qt[j2]
-                if m == 1:
-                    x0, x1, p0 = x[0, 2 * j2], x[0, 2 * j2 + 1], part[0]
-                    for c in range(T):
-                        p0[c] += np.float32(np.int32(qj[c] & 15)) * x0 + np.float32(np.int32(qj[c] >> 4)) * x1
-                else:
-                    for c in range(T):
-                        lo[c] = np.float32(np.int32(qj[c] & 15))
-                        hi[c] = np.float32(np.int32(qj[c] >> 4))
-                    for i in range(m):
-                        x0, x1, pi = x[i, 2 * j2], x[i, 2 * j2 + 1], part[i]
-                        for c in range(T):
-                            pi[c] += lo[c] * x0 + hi[c] * x1
-            sg, mg = st[g], mt[g]
-            for i in range(m):
-                ai, pi, xg = acc[i], part[i], xs[i, g]
-                for c in range(T):
-                    ai[c] += pi[c] * sg[c] + mg[c] * xg
-        _store(acc, out, t * T)
-
-
-@njit(parallel=True, fastmath=_FM, cache=True)
-def _mm_bf16(x, q, out):  # pragma: no cover - compiled
-    m, k = x.shape
-    n_tiles, _, T = q.shape
-    for t in prange(n_tiles):
-        acc = np.zeros((m, T), np.float32)
-        wu = np.empty(T, np.uint32)
-        wt = wu.view(np.float32)  # bf16 bits << 16 are the f32 bits (numba has no bf16 type)
-        qt = q[t]
-        for j in range(k):
-            qj = qt[j]
-            for c in range(T):
-                wu[c] = np.uint32(qj[c]) << np.uint32(16)
-            for i in range(m):
-                xij, ai = x[i, j], acc[i]
-                for c in range(T):
-                    ai[c] += wt[c] * xij
-        _store(acc, out, t * T)
-
-
-@njit(fastmath=_FM, cache=True)
-def _store(acc, out, c0):  # pragma: no cover - compiled
-    w = min(acc.shape[1], out.shape[1] - c0)  # the last tile is padded past n
-    for i in range(acc.shape[0]):
-        o, a = out[i, c0 : c0 + w], acc[i]
-        for c in range(w):
-            o[c] = a[c]
-
-
-# dequantize tiles t0.. into out [k, n_sel * TILE] (f32) for the GEMM path
-@njit(parallel=True, cache=True)
-def _deq_int8(q, s, t0, out):  # pragma: no cover - compiled
-    k, T = out.shape[0], q.shape[2]
-    for tt in prange(out.shape[1] // T):
-        qt, st = q[t0 + tt], s[t0 + tt]
-        for j in range(k):
-            qj, sg, o = qt[j], st[j // G], out[j, tt * T : (tt + 1) * T]
-            for c in range(T):
-                o[c] = np.float32(qj[c]) * sg[c]
-
-
-@njit(parallel=True, cache=True)
-def _deq_int4(q, s, mn, t0, out):  # pragma: no cover - compiled
-    k, T = out.shape[0], q.shape[2]
-    for tt in prange(out.shape[1] // T):
-        qt, st, mt = q[t0 + tt], s[t0 + tt], mn[t0 + tt]
-        for j in range(k):
-            qj, sg, mg, o = qt[j // 2], st[j // G], mt[j // G], out[j, tt * T : (tt + 1) * T]
-            sh = 4 * (j % 2)
-            for c in range(T):
-                o[c] = np.float32(np.int32((qj[c] >> sh) & 15)) * sg[c] + mg[c]
-
-
-@njit(parallel=True, cache=True)
-def _deq_bf16(q, t0, out):  # pragma: no cover - compiled
-    k, T = out.shape[0], q.shape[2]
-    ou = out.view(np.uint32)
-    for tt in prange(out.shape[1] // T):
-        qt = q[t0 + tt]
-        for j in range(k):
-            qj, o = qt[j], ou[j, tt * T : (tt + 1) * T]
-            for c in range(T):
-                o[c] = np.uint32(qj[c]) << np.uint32(16)
+# Multiply-adds (or dequantized weights) below which a kernel runs on one thread. Waking numba's
+# thread pool costs ~11 µs (OMP_WAIT_POLICY=PASSIVE); decode streams weights from DRAM, and one core
+# alone reads ~15 GB/s of the ~29 GB/s two reach, so every decode-sized layer is worth it.
+PARALLEL_MIN_WORK = 1 << 16
 
 
 # -- codes in row-major form: quantizers, GGUF repacking and concatenation meet here --------------------
@@ -343,7 +215,10 @@ class Int8Linear(QLinear):
         return QCodes("int8", *per_row).dequantize()
 
     def _kernel(self, x, out):
-        _mm_int8(x, *self._np, out)
+        if x.shape[0] == 1:
+            _mv_int8(x[0], *self._np, out[0])
+        else:
+            _mm_int8(x, *self._np, out)
 
     def _deq_tiles(self, t0, out):
         _deq_int8(*self._np, t0, out)
@@ -369,7 +244,10 @@ class Int4Linear(QLinear):
     def _kernel(self, x, out):
         if x.shape[1] % 2:  # the kernel reads inputs in pairs: give the padding code a zero input
             x = np.pad(x, ((0, 0), (0, 1)))
-        _mm_int4(x, *self._np, out)
+        if x.shape[0] == 1:
+            _mv_int4(x[0], *self._np, out[0])
+        else:
+            _mm_int4(x, *self._np, out)
 
     def _deq_tiles(self, t0, out):
         _deq_int4(*self._np, t0, out)
@@ -391,7 +269,10 @@ class BF16Linear(QLinear):
         return per_row[0].view(torch.bfloat16).float()
 
     def _kernel(self, x, out):
-        _mm_bf16(x, self._np[0], out)
+        if x.shape[0] == 1:
+            _mv_bf16(x[0], self._np[0], out[0])
+        else:
+            _mm_bf16(x, self._np[0], out)
 
     def _deq_tiles(self, t0, out):
         _deq_bf16(self._np[0], t0, out)
@@ -401,8 +282,17 @@ Matrix = torch.Tensor | QLinear
 
 
 def linear(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a float weight, the layer's own kernel for a quantized one."""
-    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w(x, bias)
+    """``F.linear`` for a float weight (one f32 row on the CPU: the JIT GEMV), the layer's own
+    kernel for a quantized one."""
+    if not isinstance(w, torch.Tensor):
+        return w(x, bias)
+    if x.numel() == x.shape[-1] and w.device.type == "cpu" and w.dtype == x.dtype == torch.float32:
+        out = torch.empty(w.shape[0])
+        _run(_mv_f32, w.numel(), w.contiguous().numpy(), x.reshape(-1).contiguous().numpy(), out.numpy())
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, bias)
 
 
 def embedding(w: Matrix, ids: torch.Tensor) -> torch.Tensor:

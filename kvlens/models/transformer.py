@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import rowops
 from .config import ModelConfig
 from .qlinear import embedding, linear
 from .weights import LayerWeights, Weights
@@ -61,6 +62,8 @@ class Transformer:
         self.pos_scale = 1.0 / float(s["factor"]) if s.get("rope_type", s.get("type")) == "linear" else 1.0
         self._cos = self._sin = torch.empty(0, cfg.head_dim)
         self.linear = linear  # every weight matmul goes through here (benchmarks time it)
+        # single-token steps run the layer glue as JIT calls (rowops); Qwen3's q/k norms stay in torch
+        self.row_ops = self.device.type == "cpu" and not cfg.qk_norm and weights.norm.dtype == torch.float32
 
     def rope_tables(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] for positions start..start+n-1 (tables grown on demand)."""
@@ -80,6 +83,8 @@ class Transformer:
     ) -> torch.Tensor:
         cfg, L = self.cfg, self.w.layers[i]
         n, d = x.shape[0], cfg.head_dim
+        if n == 1 and self.row_ops:
+            return self.layer_row(i, x, start, cos, sin, attend)
         h = rms_norm(x, L.attn_norm, cfg.rms_eps)
         qkv = self.linear(h, L.wqkv, L.bqkv)
         q, k, v = qkv.split((cfg.n_heads * d, cfg.n_kv_heads * d, cfg.n_kv_heads * d), dim=-1)
@@ -93,6 +98,27 @@ class Transformer:
         o = attend(i, q, k, v.contiguous(), start)
         x = x + self.linear(o.transpose(0, 1).reshape(n, cfg.n_heads * d), L.wo)
         return x + self.mlp(L, rms_norm(x, L.ffn_norm, cfg.rms_eps))
+
+    def layer_row(
+        self, i: int, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        """:meth:`layer` for one token on the CPU: the same math, the glue in JIT calls (rowops)."""
+        cfg, L = self.cfg, self.w.layers[i]
+        d, eps = cfg.head_dim, cfg.rms_eps
+        h = torch.empty_like(x)
+        rowops.rms_norm_row(x[0].numpy(), L.attn_norm.numpy(), eps, h[0].numpy())
+        qkv = self.linear(h, L.wqkv, L.bqkv)
+        q, k, v = (torch.empty(m, 1, d) for m in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads))
+        rowops.rope_split_row(
+            qkv[0].numpy(), cos[0].numpy(), sin[0].numpy(), q[:, 0].numpy(), k[:, 0].numpy(), v[:, 0].numpy()
+        )
+        o = attend(i, q, k, v, start)
+        x = x + self.linear(o.reshape(1, cfg.n_heads * d), L.wo)
+        rowops.rms_norm_row(x[0].numpy(), L.ffn_norm.numpy(), eps, h[0].numpy())
+        gate_up = self.linear(h, L.w_gate_up)
+        act = torch.empty(1, gate_up.shape[1] // 2)
+        rowops.silu_mul_row(gate_up[0].numpy(), act[0].numpy())
+        return x + self.linear(act, L.w_down)
 
     def mlp(self, L: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear(h, L.w_gate_up).chunk(2, dim=-1)
