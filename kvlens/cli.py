@@ -134,6 +134,28 @@ def corpus_list() -> None:
         typer.echo(f"{name}{'  (default)' if name == DEFAULT_CORPUS else ''}\t{path}")
 
 
+# == lab: options shared by the lab commands (typer copies an Option object for each command) ==
+LAB_KV_HELP = "Comma list of KV modes to test (or 'all'): " + KV_HELP.split(": ", 1)[1]
+LAB_CORPUS_HELP = "Built-in corpus name or a UTF-8 file (default: britannica)."
+LAB_WEIGHTS_HELP = (
+    "Weights for the base and all KV modes: f32, bf16, int8, int4 or auto (the file's own). Not f32: "
+    "also measured against f32 weights + f32 KV (a second model)."
+)
+OPT_MODEL = typer.Option("smollm2", help=MODEL_HELP)
+OPT_CORPUS = typer.Option(None, help=LAB_CORPUS_HELP)
+OPT_KV = typer.Option("q8,q8-k,q8-v,f16", help=LAB_KV_HELP)
+OPT_BASE = typer.Option("f32", help="Baseline KV mode, computed in the same run.")
+OPT_WEIGHTS = typer.Option("f32", help=LAB_WEIGHTS_HELP)
+OPT_PREFILL = typer.Option(32, min=1, help="Prefill sub-chunk size in tokens (see the command's output).")
+OPT_SINK = typer.Option(0, min=0, help="Keep the first S positions exact.")
+OPT_RECENT = typer.Option(0, min=0, help="Keep the last R positions exact.")
+OPT_JSON = typer.Option(False, "--json", help="Print JSON instead of tables.")
+OPT_REPORT = typer.Option(None, help="Write Markdown + PNG plots into this directory.")
+OPT_SPARSE = typer.Option(None, help="Sparse decode for the test modes: quest or probe (default: dense).")
+OPT_BUDGET = typer.Option(0.25, help="Sparse budget: tokens (≥ 1) or a fraction of the context (< 1).")
+OPT_DENSE = typer.Option(2, min=0, help="First layers kept dense under --sparse.")
+
+
 # == lab unit (kvlens.lab.unit) ==
 @lab_app.command("unit")
 def lab_unit(
@@ -157,7 +179,7 @@ def lab_unit(
     layer: int | None = typer.Option(None, help="--dist real: layer (default: the middle one)."),
     head: int | None = typer.Option(None, help="--dist real: one query head (default: all)."),
     text: str | None = typer.Option(None, help="--dist real: corpus name or UTF-8 file (default corpus)."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    json_out: bool = OPT_JSON,
     plot: str | None = typer.Option(None, help="Write a PNG: error vs L (sweep), else a histogram of Δ."),
 ) -> None:
     """The seed's unit experiment: fp32 K/V vs quantized K/V through the same attention code."""
@@ -178,14 +200,7 @@ def lab_unit(
         typer.echo(f"wrote {unit.write_plot(result, plot)}", err=True)
 
 
-# == lab ppl / greedy / layers (kvlens.lab.ppl, .greedy, .layers) ==
-LAB_KV_HELP = "Comma list of KV modes to test (or 'all'): " + KV_HELP.split(": ", 1)[1]
-LAB_CORPUS_HELP = "Built-in corpus name or a UTF-8 file (default: britannica)."
-LAB_REPORT_HELP = "Write Markdown + PNG plots into this directory."
-SPARSE_HELP = "Sparse decode for the test modes: quest or probe (default: dense)."
-BUDGET_HELP = "Sparse budget: tokens (≥ 1) or a fraction of the context (< 1)."
-
-
+# == lab ppl / greedy / layers (kvlens.lab.ppl_report, .greedy, .layers) ==
 def _sparse(method: str | None, budget: float, dense_layers: int):
     """Lab runs: sparse from the first decode step (no minimum context)."""
     return _sparse_policy(method, budget, dense_layers, 0)
@@ -193,93 +208,73 @@ def _sparse(method: str | None, budget: float, dense_layers: int):
 
 @lab_app.command("ppl")
 def lab_ppl(
-    model: str = typer.Option("smollm2", help=MODEL_HELP),
-    corpus: str | None = typer.Option(None, help=LAB_CORPUS_HELP),
+    model: str = OPT_MODEL,
+    corpus: str | None = OPT_CORPUS,
     ctx: int = typer.Option(512, min=4, help="Tokens per chunk; the second half of each is scored."),
-    kv: str = typer.Option("q8,q8-k,q8-v,f16", help=LAB_KV_HELP),
-    base: str = typer.Option("f32", help="Baseline KV mode, computed in the same run."),
+    kv: str = OPT_KV,
+    base: str = OPT_BASE,
+    weights: str = OPT_WEIGHTS,
     chunks: int | None = typer.Option(None, min=1, help="Score at most this many chunks."),
-    prefill_chunk: int = typer.Option(
-        32, min=1, help="Test modes prefill each chunk in sub-chunks of this size."
-    ),
-    keep_sink: int = typer.Option(0, min=0, help="Keep the first S positions exact."),
-    keep_recent: int = typer.Option(0, min=0, help="Keep the last R positions exact."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
-    report: str | None = typer.Option(None, help=LAB_REPORT_HELP),
-    sparse: str | None = typer.Option(None, help=SPARSE_HELP),
-    sparse_budget: float = typer.Option(0.25, help=BUDGET_HELP),
-    sparse_dense_layers: int = typer.Option(2, min=0, help="First layers kept dense under --sparse."),
+    prefill_chunk: int = OPT_PREFILL,
+    keep_sink: int = OPT_SINK,
+    keep_recent: int = OPT_RECENT,
+    json_out: bool = OPT_JSON,
+    report: str | None = OPT_REPORT,
+    sparse: str | None = OPT_SPARSE,
+    sparse_budget: float = OPT_BUDGET,
+    sparse_dense_layers: int = OPT_DENSE,
 ) -> None:
     """Perplexity and llama-perplexity's KL-divergence report, per KV mode, against a baseline."""
-    from .lab import ppl
+    from .lab import ppl_report
 
-    ppl.cli(
-        model,
-        corpus,
-        ctx,
-        kv,
-        base,
-        chunks,
-        prefill_chunk,
-        keep_sink,
-        keep_recent,
-        json_out,
-        report,
-        _sparse(sparse, sparse_budget, sparse_dense_layers),
-    )
+    sparse_cfg = _sparse(sparse, sparse_budget, sparse_dense_layers)
+    ppl_report.cli(
+        model, corpus, ctx, kv, base, chunks, prefill_chunk, keep_sink, keep_recent, json_out, report,
+        sparse_cfg, weights,
+    )  # fmt: skip
 
 
 @lab_app.command("greedy")
 def lab_greedy(
-    model: str = typer.Option("smollm2", help=MODEL_HELP),
-    corpus: str | None = typer.Option(None, help=LAB_CORPUS_HELP),
+    model: str = OPT_MODEL,
+    corpus: str | None = OPT_CORPUS,
     ctx: int = typer.Option(64, min=2, help="Prompt length in tokens."),
-    kv: str = typer.Option("q8,q8-k,q8-v,f16", help=LAB_KV_HELP),
-    base: str = typer.Option("f32", help="Baseline KV mode."),
+    kv: str = OPT_KV,
+    base: str = OPT_BASE,
+    weights: str = OPT_WEIGHTS,
     prompts: int = typer.Option(16, "--prompts", "--chunks", min=1, help="Prompts cut from the corpus."),
     tokens: int = typer.Option(32, min=1, help="Greedy tokens per prompt."),
-    prefill_chunk: int = typer.Option(32, min=1, help="Prompt prefill sub-chunk size."),
-    keep_sink: int = typer.Option(0, min=0, help="Keep the first S positions exact."),
-    keep_recent: int = typer.Option(0, min=0, help="Keep the last R positions exact."),
+    prefill_chunk: int = OPT_PREFILL,
+    keep_sink: int = OPT_SINK,
+    keep_recent: int = OPT_RECENT,
     show: int = typer.Option(3, min=0, help="Diverging continuations shown per mode."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
-    report: str | None = typer.Option(None, help=LAB_REPORT_HELP),
-    sparse: str | None = typer.Option(None, help=SPARSE_HELP),
-    sparse_budget: float = typer.Option(0.25, help=BUDGET_HELP),
-    sparse_dense_layers: int = typer.Option(2, min=0, help="First layers kept dense under --sparse."),
+    json_out: bool = OPT_JSON,
+    report: str | None = OPT_REPORT,
+    sparse: str | None = OPT_SPARSE,
+    sparse_budget: float = OPT_BUDGET,
+    sparse_dense_layers: int = OPT_DENSE,
 ) -> None:
     """Greedy continuations under the baseline and each KV mode: agreement and first divergence."""
     from .lab import greedy
 
+    sparse_cfg = _sparse(sparse, sparse_budget, sparse_dense_layers)
     greedy.cli(
-        model,
-        corpus,
-        ctx,
-        kv,
-        base,
-        prompts,
-        tokens,
-        prefill_chunk,
-        keep_sink,
-        keep_recent,
-        show,
-        json_out,
-        report,
-        _sparse(sparse, sparse_budget, sparse_dense_layers),
-    )
+        model, corpus, ctx, kv, base, prompts, tokens, prefill_chunk, keep_sink, keep_recent, show, json_out,
+        report, sparse_cfg, weights,
+    )  # fmt: skip
 
 
 @lab_app.command("layers")
 def lab_layers(
-    model: str = typer.Option("smollm2", help=MODEL_HELP),
-    corpus: str | None = typer.Option(None, help=LAB_CORPUS_HELP),
+    model: str = OPT_MODEL,
+    corpus: str | None = OPT_CORPUS,
     ctx: int = typer.Option(512, min=4, help="Corpus window length in tokens."),
-    kv: str = typer.Option("q8,q8-k,q8-v,f16", help=LAB_KV_HELP),
+    kv: str = OPT_KV,
     chunks: int = typer.Option(1, min=1, help="Windows (ppl-protocol chunks) to pool."),
-    keep_sink: int = typer.Option(0, min=0, help="Keep the first S positions exact."),
-    keep_recent: int = typer.Option(0, min=0, help="Keep the last R positions of the window exact."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
-    report: str | None = typer.Option(None, help=LAB_REPORT_HELP),
+    keep_sink: int = OPT_SINK,
+    keep_recent: int = OPT_RECENT,
+    json_out: bool = OPT_JSON,
+    report: str | None = OPT_REPORT,
 ) -> None:
     """Relative attention-output error per layer and KV head for each mode, with flagged outliers."""
     from .lab import layers
@@ -290,7 +285,7 @@ def lab_layers(
 # == lab needle (kvlens.lab.needle) ==
 @lab_app.command("needle")
 def lab_needle(
-    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    model: str = OPT_MODEL,
     corpus: str | None = typer.Option(None, help="Filler text: built-in corpus name or a UTF-8 file."),
     ctx: str = typer.Option("1024,2048,4096,8192", help="Contexts (comma list; 4k = 4096)."),
     depth: str = typer.Option("0.1,0.5,0.9", help="Needle depths in [0, 1] (comma list)."),

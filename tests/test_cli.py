@@ -46,6 +46,13 @@ def test_unknown_kv_mode():
     assert_clean_error(kvlens("generate", "--kv", "q3", "hi"), "unknown KV cache mode 'q3'")
 
 
+@pytest.mark.parametrize("command", ["ppl", "greedy"])
+def test_lab_unknown_weights_mode(command):
+    r = kvlens("lab", command, "--weights", "int3")
+    assert_clean_error(r, "unknown weights mode 'int3'; expected auto, f32, bf16, int8, int4")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_unknown_backend():
     assert_clean_error(kvlens("generate", "--attn-backend", "cuda-magic", "hi"), "unknown attention backend")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlens.lab.greedy import cut_prompts, first_divergence, greedy_continuation, run_greedy
+from kvlens.lab.greedy import compare, cut_prompts, first_divergence, greedy_continuation, run_greedy
 from kvlens.lab.layers import capture_all, channel_ratio, flag_heads, run_layers
 
 EXCERPT = Path(__file__).parent / "data" / "excerpt.txt"
@@ -24,6 +24,12 @@ def test_prompts_are_evenly_spaced_windows() -> None:
 def test_too_short_corpus_for_prompts() -> None:
     with pytest.raises(ValueError, match=r"has 10 tokens; 3 prompts of 4 tokens need at least 12"):
         cut_prompts(list(range(10)), 3, 4)
+
+
+def test_compare_agreement_and_divergence_by_hand() -> None:
+    m = compare("q8", [[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 0, 4], [5, 6, 7, 8]], 2.0)
+    assert m.agreement == 7 / 8 and m.first_div == [2, 4] and m.identical == 1
+    assert m.to_json(4)["tokens_per_s"] == 4.0 and m.to_json(4)["first_divergence_median"] == 3.0
 
 
 def test_first_divergence() -> None:
@@ -123,3 +129,63 @@ def test_cli_json_and_report(smol_f32, monkeypatch, tmp_path, command) -> None:
     assert set(out["modes"]) == {"q8", "f16"}
     png = "greedy_divergence.png" if command == "greedy" else "layers_error.png"
     assert (tmp_path / f"{command}.md").is_file() and (tmp_path / png).stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def smol_int8(smol_path):
+    import kvlens
+    from kvlens.models.loader import load_model
+
+    return kvlens.LLM(load_model(smol_path, weights="int8"), kv="f32", attn_backend="torch")
+
+
+@pytest.mark.slow
+def test_greedy_int8_weights_vs_its_own_base_and_vs_f32_weights(smol_f32, smol_int8, text) -> None:
+    r = run_greedy(
+        smol_int8, text, ["f32", "q8"], "f32", n_prompts=2, prompt_len=16, n_tokens=4, ref_llm=smol_f32
+    )
+    f32, q8 = r.modes
+    assert r.weights == "int8" and f32.agreement == 1.0  # the KV rows' base is the int8-weights run
+    # the reference is f32 weights + f32 KV, continued on its own
+    assert r.ref_tokens == [greedy_continuation(smol_f32, p, 4, "f32", 32) for p in r.prompts]
+    w, wq8 = r.vs_f32_weights
+    assert (w.mode, wq8.mode) == ("f32", "q8")
+    assert w.tokens == r.base_tokens and wq8.tokens == q8.tokens
+    assert w.first_div == [first_divergence(a, b) for a, b in zip(r.ref_tokens, r.base_tokens, strict=True)]
+    out = r.to_json()
+    assert out["weights"] == "int8" and [x["label"] for x in out["vs_f32_weights"]] == [
+        "weights int8 · KV f32 (base)",
+        "weights int8 · KV q8",
+    ]
+    assert 0.0 <= out["vs_f32_weights"][1]["agreement"] <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["f32", "int8"])
+def test_greedy_cli_weights(smol_f32, smol_int8, monkeypatch, tmp_path, weights) -> None:
+    from typer.testing import CliRunner
+
+    import kvlens
+    from kvlens.cli import app
+
+    calls: list[str] = []
+
+    def load(*a, weights="auto", **k):
+        calls.append(weights)
+        return smol_int8 if weights == "int8" else smol_f32
+
+    monkeypatch.setattr(kvlens, "load", load)
+    args = ["lab", "greedy", "--corpus", str(EXCERPT), "--kv", "q8", "--ctx", "16", "--prompts", "2"]
+    res = CliRunner().invoke(
+        app, [*args, "--tokens", "4", "--weights", weights, "--json", "--report", str(tmp_path)]
+    )
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    md = (tmp_path / "greedy.md").read_text()
+    assert out["weights"] == weights and set(out["modes"]) == {"q8"}
+    if weights == "f32":  # nothing changes: one model, no weights rows
+        assert calls == ["f32"] and out["vs_f32_weights"] == [] and "cost vs f32 weights" not in md
+    else:
+        assert calls == ["int8", "f32"]
+        assert [x["kv"] for x in out["vs_f32_weights"]] == ["f32", "q8"]
+        assert "cost vs f32 weights + f32 KV" in md

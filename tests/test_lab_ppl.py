@@ -76,12 +76,14 @@ def test_chunk_metrics_equal_stats_token_metrics() -> None:
 
 
 class _FakeLLM:
-    """Token ids are the text's integers; logits at chunk position p = [p + shift(kv), 0, 0, 0]."""
+    """Token ids are the text's integers; logits at chunk position p = [p + shift(kv) + wshift, 0, 0, 0]
+    (``wshift``: what the fake's weights add)."""
 
-    def __init__(self, add_bos: bool) -> None:
+    def __init__(self, add_bos: bool, weights: str = "f32", wshift: float = 0.0) -> None:
         self.tokenizer = SimpleNamespace(bos_id=7, add_bos=add_bos, encode=self._encode)
         self.config = SimpleNamespace(name="fake")
         self.model = SimpleNamespace(logits=self._logits)
+        self.weights_mode, self.wshift = weights, wshift
         self.seen: list[tuple[str, int, list[int]]] = []
 
     def _encode(self, text: str) -> list[int]:
@@ -96,7 +98,7 @@ class _FakeLLM:
 
     def prefill(self, ids, cache, chunk, on_hidden):
         self.seen.append((cache.kv, chunk, list(ids)))
-        shift = 0.5 if cache.kv == "q8" else 0.0
+        shift = (0.5 if cache.kv == "q8" else 0.0) + self.wshift
         for s in range(0, len(ids), chunk):
             n = len(ids[s : s + chunk])
             on_hidden(s, torch.arange(s, s + n, dtype=torch.float64)[:, None] + shift)
@@ -142,6 +144,35 @@ def test_non_f32_base_uses_the_sub_chunks_too() -> None:
     llm = _FakeLLM(add_bos=False)
     run_ppl(llm, " ".join(["0"] * 6), ctx=6, modes=["q8"], base="f16", prefill_chunk=3)
     assert {(kv, c) for kv, c, _ in llm.seen} == {("f16", 3), ("q8", 3)}
+
+
+def test_f32_weights_add_no_rows() -> None:
+    r = run_ppl(_FakeLLM(add_bos=False), " ".join(["0"] * 12), ctx=6, modes=["q8"])
+    assert r.weights == "f32" and r.vs_f32_weights == [] and r.ref_seconds == 0.0
+    assert r.to_json()["vs_f32_weights"] == [] and r.to_json()["weights"] == "f32"
+
+
+def test_weights_cost_rows_by_hand_with_a_fake_model() -> None:
+    # int8 "weights" add 0.25 to every logit of token 0; the reference (f32 weights) adds nothing
+    llm, ref = _FakeLLM(add_bos=False, weights="int8", wshift=0.25), _FakeLLM(add_bos=False)
+    r = run_ppl(llm, " ".join(["0"] * 12), ctx=6, modes=["f32", "q8"], prefill_chunk=2, ref_llm=ref)
+    assert r.weights == "int8"
+    assert ref.seen == [("f32", 6, [0] * 6)] * 2  # the reference: f32 KV, one pass, once per chunk
+    # KV rows are measured against the base with the same (int8) weights: f32 is exact, q8 costs
+    f32, q8 = r.modes
+    assert f32.stats["kld_mean"] == 0.0 and q8.stats["kld_mean"] > 0
+    assert q8.stats["ppl_base"] == pytest.approx(math.exp(np.mean([_nll0(3.25), _nll0(4.25)])), rel=1e-12)
+    # vs f32 weights + f32 KV: the base (weights alone), then q8 (combined); the f32 mode is the base's path
+    w, wq8 = r.vs_f32_weights
+    assert [m.mode for m in r.vs_f32_weights] == ["f32", "q8"]
+    assert w.stats["ppl_base"] == pytest.approx(math.exp(np.mean([_nll0(3), _nll0(4)])), rel=1e-12)
+    assert w.stats["ppl_q"] == pytest.approx(q8.stats["ppl_base"], rel=1e-12)  # the int8-weights base
+    assert wq8.stats["ppl_q"] == pytest.approx(q8.stats["ppl_q"], rel=1e-12)  # the same q8 logits
+    assert 0 < w.stats["kld_mean"] < wq8.stats["kld_mean"]  # shifts 0.25 < 0.75 from the reference
+    assert w.note == "cost of the weights alone" and wq8.note == "cost of the weights and KV q8 combined"
+    rows = r.to_json()["vs_f32_weights"]
+    assert [x["label"] for x in rows] == ["weights int8 · KV f32 (base)", "weights int8 · KV q8"]
+    assert rows[1]["kv"] == "q8" and rows[1]["weights"] == "int8" and rows[1]["kld_mean"] > 0
 
 
 # -- the real model ------------------------------------------------------------------------------------
@@ -212,14 +243,51 @@ def test_too_short_corpus_through_run_ppl(smol_f32) -> None:
         run_ppl(smol_f32, "A short text.", 512, ["q8"])
 
 
+@pytest.fixture(scope="module")
+def smol_int8(smol_path):
+    import kvlens
+    from kvlens.models.loader import load_model
+
+    return kvlens.LLM(load_model(smol_path, weights="int8"), kv="f32", attn_backend="torch")
+
+
+@pytest.fixture
+def fake_load(monkeypatch, smol_f32, smol_int8):
+    """``kvlens.load`` returns the session's models (int8 or f32 weights); the calls are recorded."""
+    import kvlens
+
+    calls: list[str] = []
+
+    def load(*a, weights="auto", **k):
+        calls.append(weights)
+        return smol_int8 if weights == "int8" else smol_f32
+
+    monkeypatch.setattr(kvlens, "load", load)
+    return calls
+
+
 @pytest.mark.slow
-def test_cli_json_and_report(smol_f32, monkeypatch, tmp_path) -> None:
+def test_int8_weights_kv_rows_use_an_int8_base_and_reference_rows_use_f32(smol_f32, smol_int8, text) -> None:
+    r = run_ppl(smol_int8, text, 32, ["f32", "q8"], n_chunks=1, ref_llm=smol_f32)
+    f32, q8 = r.modes
+    # a KV mode equal to the base, with the same int8 weights: exactly 0 (the base is the int8 run)
+    assert f32.stats["kld_mean"] == 0.0 and f32.stats["ppl_q"] == f32.stats["ppl_base"]
+    assert q8.stats["kld_mean"] > 0
+    w, wq8 = r.vs_f32_weights
+    assert (r.weights, w.mode, wq8.mode) == ("int8", "f32", "q8")
+    assert w.stats["kld_mean"] > 0 and wq8.stats["kld_mean"] >= 0  # int8 weights cost something
+    assert w.stats["ppl_q"] == f32.stats["ppl_base"] and wq8.stats["ppl_q"] == q8.stats["ppl_q"]
+    # the reference is f32 weights + f32 KV: the f32 lab's base
+    plain = run_ppl(smol_f32, text, 32, ["f32"], n_chunks=1)
+    assert w.stats["ppl_base"] == pytest.approx(plain.modes[0].stats["ppl_base"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_cli_json_and_report(fake_load, tmp_path) -> None:
     from typer.testing import CliRunner
 
-    import kvlens
     from kvlens.cli import app
 
-    monkeypatch.setattr(kvlens, "load", lambda *a, **k: smol_f32)  # reuse the session's model
     args = ["lab", "ppl", "--corpus", str(EXCERPT), "--ctx", "32", "--chunks", "1", "--kv", "q8,q8-v"]
     res = CliRunner().invoke(app, [*args, "--json", "--report", str(tmp_path)])
     assert res.exit_code == 0, res.output
@@ -227,6 +295,47 @@ def test_cli_json_and_report(smol_f32, monkeypatch, tmp_path) -> None:
     for key in ("ppl", "ppl_base", "ppl_ratio", "kld_mean", "kld_p99", "same_top_p", "tokens_scored"):
         assert key in out["modes"]["q8"] and key in out["modes"]["q8-v"]
     assert out["modes"]["q8"]["tokens_scored"] == 15
+    # default --weights f32: one model load, no weights rows
+    assert fake_load == ["f32"] and out["weights"] == "f32" and out["vs_f32_weights"] == []
     md = (tmp_path / "ppl.md").read_text()
     assert "Mean PPL(Q)/PPL(base)" in md and "prefill sub-chunk 32" in md
+    assert "cost vs f32 weights" not in md
     assert (tmp_path / "ppl_kld.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_cli_int8_weights_json_text_and_report(fake_load, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from kvlens.cli import app
+
+    args = [
+        "lab",
+        "ppl",
+        "--corpus",
+        str(EXCERPT),
+        "--ctx",
+        "32",
+        "--chunks",
+        "1",
+        "--kv",
+        "q8",
+        "--weights",
+        "int8",
+    ]
+    res = CliRunner().invoke(app, [*args, "--json", "--report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert fake_load == ["int8", "f32"]  # the lab's model, then the f32-weights reference
+    out = json.loads(res.stdout)
+    assert out["weights"] == "int8" and out["modes"]["q8"]["kld_mean"] > 0
+    rows = out["vs_f32_weights"]
+    assert [(x["label"], x["kv"]) for x in rows] == [
+        ("weights int8 · KV f32 (base)", "f32"),
+        ("weights int8 · KV q8", "q8"),
+    ]
+    assert rows[0]["kld_mean"] > 0 and rows[1]["kld_mean"] >= 0 and rows[1]["tokens_scored"] == 15
+    md = (tmp_path / "ppl.md").read_text()
+    assert "## cost vs f32 weights + f32 KV" in md and "int8 · q8" in md
+    text_out = CliRunner().invoke(app, args)
+    assert text_out.exit_code == 0, text_out.output
+    assert "cost vs f32 weights + f32 KV" in text_out.stdout and "(reference)" in text_out.stdout

@@ -120,7 +120,7 @@ def time_decode(
     attends ``pos + 1``), and of its time in attention, in KV writes and in weight matmuls (all
     layers); the cache is rewound after every step."""
     tok = 198  # any id: the cost of a step does not depend on it
-    times, attn, write, lin = [], [], [], []
+    timed: list[tuple[float, float, float, float]] = []
     with _StepClock(llm, cache) as clock:
         for i in range(warmup + steps):
             clock.reset()
@@ -128,13 +128,15 @@ def time_decode(
             h = llm.forward([tok], cache, pos, prefill=False, backend=backend)
             llm.model.logits(h)
             if i >= warmup:
-                times.append(time.perf_counter() - t0)
-                attn.append(clock.attend_s)
-                write.append(clock.write_s)
-                lin.append(clock.linear_s)
+                timed.append((time.perf_counter() - t0, clock.attend_s, clock.write_s, clock.linear_s))
             cache.truncate(pos)
-    med = len(times) // 2  # median: robust to the odd descheduled step
-    return sorted(times)[med], sorted(attn)[med], sorted(write)[med], sorted(lin)[med]
+    return median_step(timed)
+
+
+def median_step(timed: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """The step (total, then its parts) with the median total: robust to the odd descheduled step,
+    and its parts add up (a median per part would mix steps)."""
+    return sorted(timed)[len(timed) // 2]
 
 
 class _TokenClock:
@@ -210,7 +212,7 @@ def run_decode_bench(
                 )
         rss = psutil.Process().memory_info().rss
         for (llm, m), timed in zip(runs, per_run, strict=True):
-            t, attn, write, lin = (sorted(x)[1] for x in zip(*timed, strict=True))  # medians of 3 rounds
+            t, attn, write, lin = median_step(timed)  # the median of 3 rounds
             rows.append(
                 DecodeRow(
                     "kvlens",

@@ -9,12 +9,17 @@ sequential; the prompt itself goes through the chunked prefill path.
 Metrics per mode: token agreement rate (the fraction of the N×M generated positions where the mode's
 token equals the base's), the first divergence position per prompt (M = identical), and the first
 diverging continuations side by side.
+
+Weights: the base and every mode run on one model, so a mode is compared with a base with the same
+weights (the KV cost alone). With a second, f32-weights model (``ref_llm``), each prompt is also
+continued once with f32 weights and an f32 cache (the reference), and the base (the weights' cost
+alone when the base is f32) and each mode (weights and KV combined) are compared with it too.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,9 @@ import torch
 
 from ..kv.cache import parse_mode
 from .report import md_table, mode_label, model_name, parse_modes
+
+REF_KV = "f32"  # the reference's KV mode (with f32 weights)
+VS_F32_TITLE = "cost vs f32 weights + f32 KV"
 
 
 def cut_prompts(ids: list[int], n: int, length: int, bos_id: int | None = None) -> list[list[int]]:
@@ -79,6 +87,22 @@ class GreedyMode:
         n = len(self.tokens[0]) if self.tokens else 0
         return sum(d == n for d in self.first_div)
 
+    def to_json(self, n_tokens: int) -> dict[str, Any]:
+        return {
+            "agreement": self.agreement,
+            "identical_prompts": self.identical,
+            "first_divergence": self.first_div,
+            "first_divergence_median": float(np.median(self.first_div)),
+            "tokens_per_s": len(self.tokens) * n_tokens / self.seconds if self.seconds else None,
+        }
+
+
+def compare(mode: str, tokens: list[list[int]], ref: list[list[int]], seconds: float) -> GreedyMode:
+    """``tokens`` (one continuation per prompt) against ``ref``'s: agreement and first divergences."""
+    same = sum(x == y for a, b in zip(tokens, ref, strict=True) for x, y in zip(a, b, strict=True))
+    divs = [first_divergence(b, a) for a, b in zip(tokens, ref, strict=True)]
+    return GreedyMode(mode, tokens, same / sum(len(b) for b in ref), divs, seconds)
+
 
 @dataclass
 class GreedyResult:
@@ -95,20 +119,28 @@ class GreedyResult:
     base_tokens: list[list[int]]
     base_seconds: float
     modes: list[GreedyMode]
+    weights: str = "f32"  # the weights of the base and every mode (``llm.weights_mode``)
+    ref_tokens: list[list[int]] = field(default_factory=list)  # f32 weights + f32 KV ([]: no reference)
+    ref_seconds: float = 0.0
+    # vs the reference: the base first, then each mode not equal to the base
+    vs_f32_weights: list[GreedyMode] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("modes", "prompts", "base_tokens")}
-        d["modes"] = {
-            m.mode: {
-                "agreement": m.agreement,
-                "identical_prompts": m.identical,
-                "first_divergence": m.first_div,
-                "first_divergence_median": float(np.median(m.first_div)),
-                "tokens_per_s": self.n_prompts * self.n_tokens / m.seconds if m.seconds else None,
-            }
-            for m in self.modes
-        }
+        skip = ("modes", "prompts", "base_tokens", "ref_tokens", "vs_f32_weights")
+        d = {k: v for k, v in self.__dict__.items() if k not in skip}
+        d["modes"] = {m.mode: m.to_json(self.n_tokens) for m in self.modes}
+        d["vs_f32_weights"] = [
+            {"label": weights_label(self, m), "weights": self.weights, "kv": m.mode}
+            | m.to_json(self.n_tokens)
+            for m in self.vs_f32_weights
+        ]
         return d
+
+
+def weights_label(r: GreedyResult, m: GreedyMode, short: bool = False) -> str:
+    """A row of the vs-f32-weights table: ``weights int8 · KV q8`` (short: ``int8 · q8``)."""
+    label = f"{r.weights} · {m.mode}" if short else f"weights {r.weights} · KV {m.mode}"
+    return label + (" (base)" if m.mode == r.base else "")
 
 
 def run_greedy(
@@ -125,7 +157,11 @@ def run_greedy(
     corpus_label: str = "",
     on_step: Any = None,
     sparse: Any = None,
+    ref_llm: Any = None,
 ) -> GreedyResult:
+    """Greedy continuations of prompts cut from ``text`` under ``base`` and each mode; with ``ref_llm``
+    (the model with f32 weights, ``llm`` having others) also under f32 weights + f32 KV, compared with
+    the base and each mode into ``vs_f32_weights``."""
     modes = parse_modes(modes) if isinstance(modes, str) else list(modes)
     for m in (base, *modes):
         parse_mode(m)
@@ -142,9 +178,18 @@ def run_greedy(
         if on_step:
             on_step(base)
     base_s = time.perf_counter() - t0
+    ref_tokens, ref_s = [], 0.0
+    if ref_llm is not None:
+        t0 = time.perf_counter()
+        for p in prompts:
+            ref_tokens.append(greedy_continuation(ref_llm, p, n_tokens, REF_KV, prefill_chunk))
+            if on_step:
+                on_step("f32 weights")
+        ref_s = time.perf_counter() - t0
     # test modes with sparse decode (kvlens.kv.blocks.SparseConfig); the base stays dense
     test_llm = llm if sparse is None else llm.variant(sparse=sparse)
     results = []
+    vs_ref = [compare(base, base_tokens, ref_tokens, base_s)] if ref_tokens else []
     for m in modes:
         opts = {} if m == base and not keep else {"mirror_prefill": "exact", **keep}
         t0 = time.perf_counter()
@@ -154,12 +199,13 @@ def run_greedy(
             if on_step:
                 on_step(m)
         secs = time.perf_counter() - t0
-        same = sum(x == y for a, b in zip(toks, base_tokens, strict=True) for x, y in zip(a, b, strict=True))
-        divs = [first_divergence(b, a) for a, b in zip(toks, base_tokens, strict=True)]
-        results.append(GreedyMode(m, toks, same / (len(prompts) * n_tokens), divs, secs))
+        results.append(compare(m, toks, base_tokens, secs))
+        if ref_tokens and m != base:  # a mode named like the base: its combined cost is the base row's
+            vs_ref.append(compare(m, toks, ref_tokens, secs))
     return GreedyResult(
         model_name(llm), corpus_label, base, len(prompts), prompt_len, n_tokens, prefill_chunk,
         keep_sink, keep_recent, prompts, base_tokens, base_s, results,
+        getattr(llm, "weights_mode", "f32"), ref_tokens, ref_s, vs_ref,
     )  # fmt: skip
 
 
@@ -169,14 +215,17 @@ def _show(s: str, width: int = 70) -> str:
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
-def summary_rows(r: GreedyResult) -> tuple[list[str], list[list[str]]]:
-    headers = ["mode", "stores", "token agreement", "identical prompts", "first div. median", "min", "tok/s"]
+def summary_rows(r: GreedyResult, vs_f32_weights: bool = False) -> tuple[list[str], list[list[str]]]:
+    """The modes vs the base (same weights), or with ``vs_f32_weights`` the base and every mode vs the
+    reference (f32 weights + f32 KV)."""
+    first = "weights · KV" if vs_f32_weights else "mode"
+    headers = [first, "stores", "token agreement", "identical prompts", "first div. median", "min", "tok/s"]
     rows = []
-    for m in r.modes:
+    for m in r.vs_f32_weights if vs_f32_weights else r.modes:
         tps = r.n_prompts * r.n_tokens / m.seconds if m.seconds else float("nan")
         rows.append(
             [
-                m.mode,
+                weights_label(r, m, short=True) if vs_f32_weights else m.mode,
                 mode_label(m.mode),
                 f"{100 * m.agreement:.1f}%",
                 f"{m.identical}/{r.n_prompts}",
@@ -188,25 +237,30 @@ def summary_rows(r: GreedyResult) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def divergences(r: GreedyResult, tokenizer: Any, show: int = 3) -> list[str]:
-    """For each mode, the first ``show`` diverging prompts: shared text, then base vs mode from there."""
+def divergences(r: GreedyResult, tokenizer: Any, show: int = 3, vs_f32_weights: bool = False) -> list[str]:
+    """For each mode, the first ``show`` diverging prompts: shared text, then base vs mode from there
+    (with ``vs_f32_weights``: the reference vs each row of that table)."""
+    rows, ref, ref_name = r.modes, r.base_tokens, r.base
+    if vs_f32_weights:
+        rows, ref, ref_name = r.vs_f32_weights, r.ref_tokens, "f32·f32"
     lines = []
-    for m in r.modes:
+    for m in rows:
+        name = f"{r.weights}·{m.mode}" if vs_f32_weights else m.mode
         shown = 0
         for i, d in enumerate(m.first_div):
             if d == r.n_tokens or shown >= show:
                 continue
             shown += 1
-            b, q = r.base_tokens[i], m.tokens[i]
+            b, q = ref[i], m.tokens[i]
             lines += [
-                f"[{m.mode}] prompt {i}, first divergence at generated token {d}",
+                f"[{name}] prompt {i}, first divergence at generated token {d}",
                 f"  prompt …  {_show(tokenizer.decode(r.prompts[i][-16:]))}",
                 f"  shared    {_show(tokenizer.decode(b[:d]))}",
-                f"  {r.base:<9} {_show(tokenizer.decode(b[d:]))}",
-                f"  {m.mode:<9} {_show(tokenizer.decode(q[d:]))}",
+                f"  {ref_name:<9} {_show(tokenizer.decode(b[d:]))}",
+                f"  {name:<9} {_show(tokenizer.decode(q[d:]))}",
             ]
         if shown == 0:
-            lines.append(f"[{m.mode}] no prompt diverged")
+            lines.append(f"[{name}] no prompt diverged")
     return lines
 
 
@@ -218,7 +272,17 @@ def describe(r: GreedyResult) -> list[str]:
     ]
     if r.keep_sink or r.keep_recent:
         lines.append(f"kept exact in test modes: first {r.keep_sink} / last {r.keep_recent} positions")
+    if r.vs_f32_weights:
+        lines.append(
+            f"weights {r.weights} for the base and every mode (agreement is with the base with the same "
+            f"weights); reference for '{VS_F32_TITLE}': a second model with f32 weights, KV {REF_KV}"
+        )
     return lines
+
+
+def titles(r: GreedyResult) -> tuple[str, str]:
+    w = f", weights {r.weights}" if r.vs_f32_weights else ""
+    return f"Greedy agreement with {r.base}{w}", f"Greedy agreement, {VS_F32_TITLE}: weights {r.weights}"
 
 
 def write_report(r: GreedyResult, tokenizer: Any, out_dir: str | Path, command: str = "") -> Path:
@@ -230,8 +294,12 @@ def write_report(r: GreedyResult, tokenizer: Any, out_dir: str | Path, command: 
     headers, rows = summary_rows(r)
     md = ["# kvlens lab greedy", ""] + (["```", command, "```", ""] if command else [])
     md += [f"- {line}" for line in describe(r)] + [""]
+    md += [f"**{titles(r)[0]}**", ""] if r.vs_f32_weights else []
     md += [md_table(headers, rows), "![first divergence positions](greedy_divergence.png)", ""]
     md += ["## First diverging continuations", "", "```", *divergences(r, tokenizer), "```", ""]
+    if r.vs_f32_weights:
+        md += [f"## {titles(r)[1]}", "", md_table(*summary_rows(r, True))]
+        md += ["First diverging continuations:", "", "```", *divergences(r, tokenizer, 3, True), "```", ""]
     return write_markdown(d, "greedy.md", "\n".join(md))
 
 
@@ -250,18 +318,20 @@ def cli(
     json_out: bool,
     report: str | Path | None,
     sparse: Any = None,
+    weights: str = "f32",
 ) -> None:
     """The body of ``kvlens lab greedy``."""
     import sys
 
-    from .report import dump_json, load_lab, print_table, progress
+    from .report import dump_json, load_lab, load_reference, print_table, progress
 
     modes = parse_modes(kv)
-    llm, text, label = load_lab(model, corpus, base)
-    with progress(n_prompts * (1 + len(modes)), "lab greedy") as step:
+    llm, text, label = load_lab(model, corpus, base, weights)
+    ref = load_reference(model, llm)
+    with progress(n_prompts * (1 + len(modes) + (ref is not None)), "lab greedy") as step:
         r = run_greedy(
             llm, text, modes, base, n_prompts, prompt_len, n_tokens, prefill_chunk, keep_sink, keep_recent,
-            label, step, sparse,
+            label, step, sparse, ref,
         )  # fmt: skip
     if json_out:
         print(dump_json(r.to_json()))
@@ -272,10 +342,14 @@ def cli(
                 f"test modes decode with sparse attention: {sparse.method}, budget {sparse.budget:g}, "
                 f"first {sparse.dense_layers} layers dense; base {r.base} dense"
             )
-        headers, rows = summary_rows(r)
-        print_table(f"Greedy agreement with {r.base}", headers, rows)
+        print_table(titles(r)[0], *summary_rows(r))
         print("\n".join(divergences(r, llm.tokenizer, show)))
+        if r.vs_f32_weights:
+            print_table(titles(r)[1], *summary_rows(r, True))
+            print("\n".join(divergences(r, llm.tokenizer, show, True)))
         print(f"base: {r.n_prompts * r.n_tokens / r.base_seconds:.1f} tok/s")
+        if r.ref_seconds:
+            print(f"reference (f32 weights, f32 KV): {r.n_prompts * r.n_tokens / r.ref_seconds:.1f} tok/s")
     if report is not None:
         path = write_report(r, llm.tokenizer, report, "kvlens " + " ".join(sys.argv[1:]))
         print(f"report: {path}", file=sys.stderr)

@@ -12,27 +12,33 @@ mode's (quantized) cache. (kvlens's cache also writes the current sub-chunk befo
 query reads int8 for its own sub-chunk too: the sub-chunk size changes a q8 result only through float
 rounding that flips int8 rounding decisions.) An f32 base is prefilled in one pass (f32 storage is
 chunk-invariant); any other base uses the same sub-chunks as the test modes.
+
+Weights: the base and every mode run on one model (``llm``), so a mode's cost is measured against a
+base with the same weights (the KV cost alone). With a second, f32-weights model (``ref_llm``), every
+chunk is also run once through it with an f32 cache (the reference, one pass) and two more kinds of
+row are scored against it: the base (the weights' cost alone when the base is f32) and each mode
+(weights and KV combined). The terminal, JSON and Markdown output is in :mod:`.ppl_report`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..kv.cache import parse_mode
-from .report import MIRROR_MODE, md_table, mode_label, model_name, parse_modes
-from .stats import format_kld_report, summarize
+from .report import MIRROR_MODE, model_name, parse_modes
+from .stats import summarize
 
 MIRROR_NOTE = (
     "measures nothing about prefill: every prefill sub-chunk reads the exact f32 mirror, never the "
     "int8 rows (the seed engine's behaviour), so this perplexity cannot see q8"
 )
 _METRIC_KEYS = ("nll_q", "nll_base", "kld", "top_q", "top_base")
+REF_KV = "f32"  # the reference's KV mode (with f32 weights)
 
 
 def make_chunks(
@@ -175,6 +181,10 @@ class PplResult:
     base_bytes_per_token: int
     wall_seconds: float
     modes: list[ModeResult]
+    weights: str = "f32"  # the weights of the base and every mode (``llm.weights_mode``)
+    ref_seconds: float = 0.0  # forward time of the f32-weights reference (0: none)
+    # vs the reference (f32 weights + f32 KV): the base first, then each mode not equal to the base
+    vs_f32_weights: list[ModeResult] = field(default_factory=list)
 
     @property
     def tokens_scored(self) -> int:
@@ -182,11 +192,26 @@ class PplResult:
         return self.chunks * (end - first)
 
     def to_json(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "modes"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("modes", "vs_f32_weights")}
         d["tokens_scored"] = self.tokens_scored
         d["base_tokens_per_s"] = self.chunks * self.ctx / self.base_seconds if self.base_seconds else None
         d["modes"] = {m.mode: m.to_json() for m in self.modes}
+        d["vs_f32_weights"] = [
+            {"label": weights_label(self, m), "weights": self.weights, "kv": m.mode} | m.to_json()
+            for m in self.vs_f32_weights
+        ]
         return d
+
+
+def weights_label(r: PplResult, m: ModeResult, short: bool = False) -> str:
+    """A row of the vs-f32-weights table: ``weights int8 · KV q8`` (short: ``int8 · q8``)."""
+    label = f"{r.weights} · {m.mode}" if short else f"weights {r.weights} · KV {m.mode}"
+    return label + (" (base)" if m.mode == r.base else "")
+
+
+def _summarize(acc: dict[str, list[np.ndarray]]) -> tuple[dict[str, float], np.ndarray]:
+    a = {k: np.concatenate(v) for k, v in acc.items()}
+    return summarize(a["nll_q"], a["nll_base"], a["kld"], a["top_q"], a["top_base"]), a["kld"]
 
 
 def run_ppl(
@@ -202,9 +227,13 @@ def run_ppl(
     corpus_label: str = "",
     on_step: Any = None,
     sparse: Any = None,
+    ref_llm: Any = None,
 ) -> PplResult:
     """Score ``text`` under ``base`` and every mode of ``modes`` (one model, chunk-outer loop so each
-    chunk's base logits are computed once). ``on_step(label)`` is called after every forward."""
+    chunk's base logits are computed once). ``on_step(label)`` is called after every forward.
+
+    ``ref_llm``: the same model with f32 weights (``llm`` having other weights): the base and each
+    mode are also scored against it with an f32 cache, into ``vs_f32_weights``."""
     t_wall = time.perf_counter()
     modes = parse_modes(modes) if isinstance(modes, str) else list(modes)
     for m in (base, *modes):
@@ -222,17 +251,27 @@ def run_ppl(
     base_pc = ctx if base == "f32" else prefill_chunk
     keep = {"keep_sink": keep_sink, "keep_recent": keep_recent} if keep_sink or keep_recent else {}
 
-    def plan(m: str) -> tuple[int, dict[str, Any]]:
+    def same_as_base(m: str) -> bool:
         # A mode equal to the base runs the base's exact path: KLD is then exactly 0 (determinism check).
-        if m == base and not keep:
-            return base_pc, {}
-        return prefill_chunk, {"mirror_prefill": "exact", **keep}
+        return m == base and not keep
+
+    def plan(m: str) -> tuple[int, dict[str, Any]]:
+        return (base_pc, {}) if same_as_base(m) else (prefill_chunk, {"mirror_prefill": "exact", **keep})
 
     # test modes with sparse decode (kvlens.kv.blocks.SparseConfig); the base stays dense
     test_llm = llm if sparse is None else llm.variant(sparse=sparse)
+    # vs the f32-weights reference: the base, then every other mode (a mode named like the base is
+    # the base's path, or the base with --keep-*: its combined cost is the base row's)
+    ref_rows = [] if ref_llm is None else [base, *(m for m in modes if m != base)]
     acc = {m: {k: [] for k in _METRIC_KEYS} for m in modes}
+    ref_acc = {m: {k: [] for k in _METRIC_KEYS} for m in ref_rows}
+
+    def add(into: dict[str, list[np.ndarray]], metrics: dict[str, torch.Tensor]) -> None:
+        for k, v in metrics.items():
+            into[k].append(v.cpu().numpy())
+
     secs = dict.fromkeys(modes, 0.0)
-    base_secs = 0.0
+    base_secs = ref_secs = 0.0
     for chunk in chunks:
         targets = torch.tensor(chunk[first + 1 :], dtype=torch.long)
         t0 = time.perf_counter()
@@ -241,22 +280,29 @@ def run_ppl(
         lb = BaseLogProbs(base_logits)
         if on_step:
             on_step(base)
+        if ref_rows:
+            t0 = time.perf_counter()
+            lr = BaseLogProbs(scored_logits(ref_llm, chunk, REF_KV, ctx, first))  # f32: one pass
+            ref_secs += time.perf_counter() - t0
+            add(ref_acc[base], chunk_metrics(lr, base_logits, targets))
+            if on_step:
+                on_step("f32 weights")
         for m in modes:
             pc, opts = plan(m)
             t0 = time.perf_counter()
             lq = scored_logits(test_llm, chunk, m, pc, first, **opts)
             secs[m] += time.perf_counter() - t0
-            for k, v in chunk_metrics(lb, lq, targets).items():
-                acc[m][k].append(v.cpu().numpy())
+            add(acc[m], chunk_metrics(lb, lq, targets))
+            if m in ref_acc and m != base:
+                add(ref_acc[m], chunk_metrics(lr, lq, targets))
             if on_step:
                 on_step(m)
 
     results = []
     for m in modes:
-        a = {k: np.concatenate(v) for k, v in acc[m].items()}
-        stats = summarize(a["nll_q"], a["nll_base"], a["kld"], a["top_q"], a["top_base"])
+        stats, kld = _summarize(acc[m])
         note = MIRROR_NOTE if m == MIRROR_MODE else ""
-        if m == base and not keep:
+        if same_as_base(m):
             note = "same path as the base (determinism check)"
         bpt = llm.new_cache(1, m).bytes_per_token()
         if sparse is not None:
@@ -264,7 +310,14 @@ def run_ppl(
                 f"sparse decode: {sparse.method}, budget {sparse.budget:g}, first {sparse.dense_layers} layers "
                 f"dense, scored positions run as decode steps"
             )
-        results.append(ModeResult(m, stats, bpt, secs[m], len(chunks) * ctx, plan(m)[0], a["kld"], note))
+        results.append(ModeResult(m, stats, bpt, secs[m], len(chunks) * ctx, plan(m)[0], kld, note))
+    vs_ref = []
+    for m in ref_rows:
+        stats, kld = _summarize(ref_acc[m])
+        s, pc = (base_secs, base_pc) if m == base else (secs[m], plan(m)[0])
+        note = "cost of the weights alone" if m == REF_KV else f"cost of the weights and KV {m} combined"
+        bpt = llm.new_cache(1, m).bytes_per_token()
+        vs_ref.append(ModeResult(m, stats, bpt, s, len(chunks) * ctx, pc, kld, note))
     return PplResult(
         model=model_name(llm),
         corpus=corpus_label,
@@ -282,133 +335,7 @@ def run_ppl(
         base_bytes_per_token=llm.new_cache(1, base).bytes_per_token(),
         wall_seconds=time.perf_counter() - t_wall,
         modes=results,
+        weights=getattr(llm, "weights_mode", "f32"),
+        ref_seconds=ref_secs,
+        vs_f32_weights=vs_ref,
     )
-
-
-# -- output ------------------------------------------------------------------------------------------
-def describe(r: PplResult) -> list[str]:
-    """The protocol in words (for the terminal and the Markdown report)."""
-    first, end = scored_span(r.ctx)
-    bos = (
-        f"first token of every chunk replaced by BOS (id {r.bos_id})"
-        if r.bos_id is not None
-        else ("no BOS (the tokenizer adds none)")
-    )
-    base_how = (
-        "prefilled in one pass (f32 storage is chunk-invariant)"
-        if r.base_prefill_chunk == r.ctx
-        else f"prefilled in sub-chunks of {r.base_prefill_chunk} tokens, like the test modes"
-    )
-    lines = [
-        f"model {r.model}; corpus {r.corpus}: {r.corpus_tokens} tokens",
-        f"ctx {r.ctx}: {r.chunks} of {r.chunks_available} chunks, {bos}",
-        f"scored: second half of each chunk, positions {first}..{end - 1} predict tokens {first + 1}..{end} "
-        f"-> {end - first} per chunk, {r.tokens_scored} in total",
-        f"base {r.base}: {base_how}",
-        f"test modes: prefill sub-chunk {r.prefill_chunk} tokens; each sub-chunk is written to the mode's "
-        "cache, then attends every position up to its own through it (its own rows included)",
-    ]
-    if r.keep_sink or r.keep_recent:
-        lines.append(f"kept exact in test modes: first {r.keep_sink} / last {r.keep_recent} positions")
-    return lines
-
-
-def summary_rows(r: PplResult) -> tuple[list[str], list[list[str]]]:
-    headers = ["mode", "KV B/token", "PPL", "ΔPPL", "PPL ratio", "KLD mean", "KLD 99%", "same top p", "tok/s"]
-    base_tps = r.chunks * r.ctx / r.base_seconds if r.base_seconds else float("nan")
-    rows = [[f"{r.base} (base)", r.base_bytes_per_token, f"{r.modes[0].stats['ppl_base']:.4f}" if r.modes else "",
-             "", "", "", "", "", f"{base_tps:.0f}"]]  # fmt: skip
-    for m in r.modes:
-        s = m.stats
-        rows.append(
-            [
-                m.mode + (" *" if m.mode == MIRROR_MODE else ""),
-                m.bytes_per_token,
-                f"{s['ppl_q']:.4f}",
-                f"{s['ppl_diff']:+.5f} ± {s['ppl_diff_err']:.5f}",
-                f"{s['ppl_ratio']:.5f}",
-                f"{s['kld_mean']:.3e} ± {s['kld_mean_err']:.1e}",
-                f"{s['kld_p99']:.3e}",
-                f"{s['same_top_p']:.2f}%",
-                f"{m.tokens_per_s:.0f}",
-            ]
-        )
-    return headers, rows
-
-
-def mode_header(r: PplResult, m: ModeResult) -> str:
-    return (
-        f"=== {m.mode} ({mode_label(m.mode)}; {m.bytes_per_token} KV bytes/token; prefill sub-chunk "
-        f"{m.prefill_chunk}; base {r.base}) ==="
-    )
-
-
-def format_text(r: PplResult) -> str:
-    out = [*describe(r), ""]
-    for m in r.modes:
-        out.append(mode_header(r, m))
-        if m.note:
-            out.append(f"NOTE: {m.mode} {m.note}")
-        out.append(format_kld_report(m.stats))
-    return "\n".join(out)
-
-
-def write_report(r: PplResult, out_dir: str | Path, command: str = "") -> Path:
-    from .report import plot_kld, write_markdown
-
-    d = Path(out_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    plot_kld({m.mode: m.kld for m in r.modes}, d / "ppl_kld.png")
-    headers, rows = summary_rows(r)
-    md = ["# kvlens lab ppl", ""]
-    if command:
-        md += ["```", command, "```", ""]
-    md += [f"- {line}" for line in describe(r)] + [f"- wall time {r.wall_seconds:.1f} s", ""]
-    md += [md_table(headers, rows), "![KLD distribution per mode](ppl_kld.png)", ""]
-    for m in r.modes:
-        md += [f"## {m.mode}", ""]
-        if m.note:
-            md += [f"**{m.mode} {m.note}.**", ""]
-        md += ["```", mode_header(r, m), format_kld_report(m.stats), "```", ""]
-    return write_markdown(d, "ppl.md", "\n".join(md))
-
-
-def cli(
-    model: str,
-    corpus: str | None,
-    ctx: int,
-    kv: str,
-    base: str,
-    chunks: int | None,
-    prefill_chunk: int,
-    keep_sink: int,
-    keep_recent: int,
-    json_out: bool,
-    report: str | Path | None,
-    sparse: Any = None,
-) -> None:
-    """The body of ``kvlens lab ppl``."""
-    import sys
-
-    from .report import dump_json, load_lab, print_table, progress
-
-    modes = parse_modes(kv)
-    llm, text, label = load_lab(model, corpus, base)
-    ids_est = len(llm.tokenizer.encode(text)) // max(ctx, 1)
-    n = min(chunks or ids_est, ids_est) or 1
-    with progress(n * (1 + len(modes)), "lab ppl") as step:
-        r = run_ppl(
-            llm, text, ctx, modes, base, chunks, prefill_chunk, keep_sink, keep_recent, label, step, sparse
-        )
-    if json_out:
-        print(dump_json(r.to_json()))
-    else:
-        print(format_text(r))
-        headers, rows = summary_rows(r)
-        print_table(f"KV modes vs {r.base} ({r.tokens_scored} tokens scored)", headers, rows)
-        if any(m.mode == MIRROR_MODE for m in r.modes):
-            print(f"* {MIRROR_MODE} {MIRROR_NOTE}")
-        print(f"wall time {r.wall_seconds:.1f} s")
-    if report is not None:
-        path = write_report(r, report, "kvlens " + " ".join(sys.argv[1:]))
-        print(f"report: {path}", file=sys.stderr)

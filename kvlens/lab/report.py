@@ -38,20 +38,33 @@ def mode_label(mode: str) -> str:
     return f"K {k} / V {v}" + (" + exact f32 mirror" if mirror else "")
 
 
-def load_lab(model: str, corpus: str | None, base: str):
+def load_lab(model: str, corpus: str | None, base: str, weights: str = "f32"):
     """(llm, corpus text, corpus label): one model load for every mode; the torch (reference) backend.
 
-    Weights are dequantized to f32 (what HF transformers runs): the lab isolates the KV cache, and the
-    f32 GEMMs are the fastest CPU path for the batched prefills it runs.
+    By default weights are dequantized to f32 (what HF transformers runs): the lab isolates the KV
+    cache, and the f32 GEMMs are the fastest CPU path for the batched prefills it runs. ``weights``
+    (auto, bf16, int8, int4) keeps them quantized instead, for the base and every mode alike.
     """
     import kvlens
 
+    from ..models.loader import check_weights_mode
     from .corpus import load_corpus
 
     parse_mode(base)
-    llm = kvlens.load(model, kv=base, attn_backend="torch", weights="f32")
+    check_weights_mode(weights)
+    llm = kvlens.load(model, kv=base, attn_backend="torch", weights=weights)
     text, label = load_corpus(corpus)
     return llm, text, label
+
+
+def load_reference(model: str, llm: Any):
+    """The f32-weights model beside ``llm`` (None when ``llm`` already has f32 weights): the reference,
+    with an f32 cache, that the weights' own cost is measured against."""
+    if getattr(llm, "weights_mode", "f32") == "f32":
+        return None
+    import kvlens
+
+    return kvlens.load(model, kv="f32", attn_backend="torch", weights="f32")
 
 
 def model_name(llm: Any) -> str:

@@ -1,0 +1,102 @@
+"""``kvlens bench decode`` at a toy context: weight modes, the time split, and the llama-bench driver
+(a stand-in script that records its arguments and prints llama-bench's JSON report)."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvlens
+from kvlens.bench import llama_cpp
+from kvlens.bench.decode import TABLE_HEADERS, run_decode_bench, table_rows
+
+FAKE = """#!{python}
+import json, sys
+open({log!r}, "a").write(json.dumps(sys.argv[1:]) + "\\n")
+if {fail}:
+    print("error: unknown model architecture", file=sys.stderr)
+    sys.exit(1)
+a = sys.argv
+print("some banner line")
+print(json.dumps([{{"type_k": a[a.index("-ctk") + 1], "type_v": a[a.index("-ctv") + 1],
+    "n_depth": int(a[a.index("-d") + 1]), "n_gen": int(a[a.index("-n") + 1]),
+    "n_threads": int(a[a.index("-t") + 1]), "avg_ts": 42.5, "stddev_ts": 0.5}}]))
+"""
+
+
+def fake_llama_bench(tmp_path: Path, fail: bool = False) -> tuple[Path, Path]:
+    log = tmp_path / "args.jsonl"
+    exe = tmp_path / "llama-bench"
+    exe.write_text(FAKE.format(python=sys.executable, log=str(log), fail=fail))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return exe, log
+
+
+@pytest.fixture(scope="module")
+def int8_llm():
+    return kvlens.load("smollm2", kv="q8", weights="int8")
+
+
+def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
+    exe, log = fake_llama_bench(tmp_path)
+    rows = run_decode_bench(
+        [smol_f32, int8_llm], [64], ["f16", "q8", "q8-k"], steps=3, with_hf=False, llama_bench=str(exe)
+    )
+    ours = [r for r in rows if r.engine == "kvlens"]
+    assert {(r.weights, r.mode) for r in ours} == {
+        (w, m) for w in ("f32", "int8") for m in ("f16", "q8", "q8-k")
+    }
+    for r in ours:
+        assert r.ctx == 64 and r.tok_per_s > 0 and r.ms_per_tok == pytest.approx(1e3 / r.tok_per_s)
+        assert 0 < r.kv_write_ms <= r.attn_ms and r.weights_ms > 0 and r.other_ms >= 0
+        assert r.weights_ms + r.attn_ms + r.other_ms == pytest.approx(r.ms_per_tok)  # one step's parts
+    by = {(r.weights, r.mode): r for r in ours}
+    assert by["int8", "q8"].kv_bytes < by["int8", "f16"].kv_bytes  # 68 vs 128 bytes per row
+    # llama.cpp: one run per KV mode with a twin (q8-k has none), same depth and threads
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 2
+    for args, t in zip(calls, ("f16", "q8_0"), strict=True):
+        flag = {args[i]: args[i + 1] for i in range(0, len(args) - 1) if args[i].startswith("-")}
+        assert flag["-ctk"] == flag["-ctv"] == t and flag["-d"] == "63" and flag["-fa"] == "1"
+        assert flag["-m"] == str(smol_f32.source) and flag["-o"] == "json" and flag["-p"] == "0"
+    lc = {r.mode: r for r in rows if r.engine == "llama.cpp"}
+    assert set(lc) == {"f16", "q8"} and lc["q8"].tok_per_s == 42.5
+    cfg = smol_f32.config
+    assert lc["q8"].kv_bytes == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 64 * 34 // 32
+    table = table_rows(rows, "f16")
+    assert all(len(r) == len(TABLE_HEADERS) for r in table)
+    col_base, col_lcpp = TABLE_HEADERS.index("× base KV"), TABLE_HEADERS.index("× llama.cpp")
+    for r, cells in zip(rows, table, strict=True):
+        if r.engine == "kvlens" and r.mode == "f16":
+            assert cells[col_base] == "1.00"
+        if r.engine == "kvlens" and r.mode == "q8":
+            assert float(cells[col_lcpp]) == pytest.approx(r.tok_per_s / 42.5, abs=0.01)
+
+
+def test_llama_bench_failures(tmp_path):
+    exe, _ = fake_llama_bench(tmp_path, fail=True)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(llama_cpp.LlamaBenchError, match="exited with 1.*unknown model architecture"):
+        llama_cpp.run_llama_bench(exe, gguf, "q8", 64, 4, 1)
+    with pytest.raises(llama_cpp.LlamaBenchError, match="not found"):
+        llama_cpp.run_llama_bench(tmp_path / "nope", gguf, "q8", 64, 4, 1)
+    with pytest.raises(llama_cpp.LlamaBenchError, match="GGUF"):
+        llama_cpp.run_llama_bench(exe, tmp_path, "q8", 64, 4, 1)
+    assert llama_cpp.run_llama_bench(exe, gguf, "q8+mirror", 64, 4, 1) is None  # no llama.cpp twin
+    for text in ("", "no json here", "[]", '[{"avg_ts": 1}]'):
+        with pytest.raises(llama_cpp.LlamaBenchError):
+            llama_cpp.parse_report(text)
+
+
+def test_cli_refuses_missing_llama_bench(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvlens.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "decode", "--vs-llama-cpp", str(tmp_path / "nope"), "--ctx", "64"])
+    assert r.exit_code != 0 and "not found" in str(r.exception or r.output)
