@@ -153,6 +153,21 @@ def test_peaked_softmax_and_large_scores():
     assert_matches(cpu.decode_attention(q, ks, vs, 1000, n_splits=6), reference(q, ks, vs, 1000))
 
 
+@pytest.mark.parametrize("direction", [1, -1])
+def test_running_max_moves_by_more_and_less_than_the_lazy_threshold(direction):
+    """Scores ramping by ~0.5 per position (the max creeps up below LAZY_MAX per tile, then jumps past
+    it at tile boundaries) or falling: the lazily moved running max must not change the result."""
+    length, hd = 700, 64
+    q, ks, vs = case("f32", "q8", 6, 2, hd, length, seed=5)
+    q = torch.ones(6, hd)
+    ramp = direction * (torch.arange(length, dtype=torch.float32) - length / 2) * 0.5 / math.sqrt(hd)
+    ks.data[:, :length] = ramp[None, :, None] * torch.linspace(0.5, 1.5, hd)  # scores ~ -175 .. +175
+    for n_splits in (1, 4):
+        assert_matches(
+            cpu.decode_attention(q, ks, vs, length, n_splits=n_splits), reference(q, ks, vs, length)
+        )
+
+
 @pytest.mark.parametrize("length", [1, 33, 1000])
 @pytest.mark.parametrize("n_heads,n_kv", [(9, 3), (32, 8)])
 def test_intdot_matches_reference_with_quantized_query(n_heads, n_kv, length):

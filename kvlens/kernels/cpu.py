@@ -79,7 +79,7 @@ def _stage(raw, code, h, t0, nt, dst_u, dst_f):  # pragma: no cover - compiled
 
 @njit(fastmath={"contract"}, cache=True)  # no reassoc: it would fold the two-step ln2 reduction
 def _exp_inplace(x, n, e_u, e_f):  # pragma: no cover - compiled
-    """x[:n] = exp(x[:n]) for x <= 0, vectorized (a libm expf call per score cost ~15 ns here). Cephes
+    """x[:n] = exp(x[:n]) for x <= 88, vectorized (a libm expf call per score cost ~15 ns here). Cephes
     expf: x = k ln2 + r, degree-6 polynomial in r, times 2^k built in the exponent bits of e_u/e_f
     (one scratch). Max error ~1 ulp; x < -87 gives ~1e-38 instead of 0."""
     for j in range(n):
@@ -154,27 +154,46 @@ def _axpy_tile(sc, tile, nt, group, acc):  # pragma: no cover - compiled
 
 
 @njit(fastmath=_FM, cache=True)
+def _row_max(row, nt):  # pragma: no cover - compiled
+    """max(row[:nt]) over 4 independent chains (without nnan, LLVM keeps a max reduction scalar)."""
+    m0 = m1 = m2 = m3 = np.float32(-np.inf)
+    n4 = nt - nt % 4
+    for j in range(0, n4, 4):
+        m0, m1 = max(m0, row[j]), max(m1, row[j + 1])
+        m2, m3 = max(m2, row[j + 2]), max(m3, row[j + 3])
+    for j in range(n4, nt):
+        m0 = max(m0, row[j])
+    return max(max(m0, m1), max(m2, m3))
+
+
+# The running max moves only when a tile's max exceeds it by more than this (in score units): weights
+# e^(s - m) then stay <= e^8 ~ 3e3 (no f32 overflow, l <= n e^8), and most tiles skip the rescale of
+# acc and l and its exp. Exact: acc and l always share the same reference m (FlashAttention-3's trick).
+LAZY_MAX = np.float32(8.0)
+
+
+@njit(fastmath=_FM, cache=True)
 def _softmax_tile(sc, nt, group, m, lsum, acc, v_scale, v_q8, h, t0, e_u, e_f):  # pragma: no cover
-    """Online-softmax step over a tile: update (m, l), rescale acc, leave the weights in sc (times the
-    row's max_abs/127 for an int8 V, so V is never dequantized)."""
+    """Online-softmax step over a tile: update (m, l), rescale acc when m moves, leave the weights in
+    sc (times the row's max_abs/127 for an int8 V, so V is never dequantized)."""
     hd = acc.shape[1]
     for g in range(group):
         row = sc[g]
-        m_new = m[g]
-        for j in range(nt):
-            m_new = max(m_new, row[j])
-        alpha = np.float32(math.exp(m[g] - m_new))  # exp(-inf) = 0 on the first tile
-        if alpha != 1.0:
+        m_tile = _row_max(row, nt)
+        if m_tile > m[g] + LAZY_MAX:  # first tile (m = -inf) or a much larger score: move m
+            alpha = np.float32(math.exp(m[g] - m_tile))  # exp(-inf) = 0 on the first tile
             for d in range(hd):
                 acc[g, d] *= alpha
-        m[g] = m_new
+            lsum[g] *= alpha
+            m[g] = m_tile
+        m_g = m[g]
         for j in range(nt):
-            row[j] -= m_new
+            row[j] -= m_g
         _exp_inplace(row, nt, e_u, e_f)
         ps = np.float32(0.0)
         for j in range(nt):
             ps += row[j]
-        lsum[g] = lsum[g] * alpha + ps
+        lsum[g] += ps
         if v_q8:
             for j in range(nt):
                 row[j] *= v_scale[h, t0 + j] * np.float32(1.0 / 127.0)
