@@ -87,7 +87,8 @@ def test_llama_bench_failures(tmp_path):
         llama_cpp.run_llama_bench(tmp_path / "nope", gguf, "q8", 64, 4, 1)
     with pytest.raises(llama_cpp.LlamaBenchError, match="GGUF"):
         llama_cpp.run_llama_bench(exe, tmp_path, "q8", 64, 4, 1)
-    assert llama_cpp.run_llama_bench(exe, gguf, "q8+mirror", 64, 4, 1) is None  # no llama.cpp twin
+    for mode in ("q8+mirror", "f32"):  # no llama-bench twin (it has no f32 cache type)
+        assert llama_cpp.run_llama_bench(exe, gguf, mode, 64, 4, 1) is None
     for text in ("", "no json here", "[]", '[{"avg_ts": 1}]'):
         with pytest.raises(llama_cpp.LlamaBenchError):
             llama_cpp.parse_report(text)

@@ -25,9 +25,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-# kvlens KV mode -> llama.cpp cache type (K and V alike); other kvlens modes have no llama.cpp twin
-KV_TYPES = {"f32": "f32", "f16": "f16", "bf16": "bf16", "q8": "q8_0"}
-BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 int8 + an fp16 scale
+# kvlens KV mode -> llama-bench cache type (K and V alike); other kvlens modes (f32 included: llama-bench
+# accepts only f16, bf16 and quantized cache types) have no llama.cpp twin
+KV_TYPES = {"f16": "f16", "bf16": "bf16", "q8": "q8_0"}
+BYTES_PER_VALUE = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 int8 + an fp16 scale
 
 
 class LlamaBenchError(RuntimeError):

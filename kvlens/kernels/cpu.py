@@ -344,8 +344,10 @@ def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_d
     if int_dot:
         q8, q_max = quantize_query_blocks(q)
         qsc = q_max * np.float32(1.0 / (127.0 * math.sqrt(hd)))
-    k_scale = np.ascontiguousarray(k_scale, np.float32)
-    v_scale = np.ascontiguousarray(v_scale, np.float32)
+    if k_scale.dtype != np.float32 or not k_scale.flags.c_contiguous:
+        k_scale = np.ascontiguousarray(k_scale, np.float32)
+    if v_scale.dtype != np.float32 or not v_scale.flags.c_contiguous:
+        v_scale = np.ascontiguousarray(v_scale, np.float32)
     args = (qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, int(length), tiles, n_splits, out)
     if serial and n_threads > 1:  # waking the thread pool would cost more than the work
         numba.set_num_threads(1)
@@ -392,10 +394,16 @@ def decode_attention_float(
 
 
 def _store_arrays(store) -> tuple[np.ndarray, int, np.ndarray]:
-    """Zero-copy numpy views of a RowStore: (row bytes, storage code, scales)."""
+    """Zero-copy numpy views of a RowStore: (row bytes, storage code, scales), memoized on the store
+    for as long as its tensors are the same objects (a cache that grows gets new ones)."""
+    memo = store.__dict__.get("_numba_views")
+    if memo is not None and memo[0] is store.data and memo[1] is store.scale:
+        return memo[2]
     raw = store.data.view(torch.uint8).numpy()  # bf16 too: numpy has no bfloat16, the kernel shifts bits
     scale = store.scale.numpy() if store.kind == "q8" else _NO_SCALE
-    return raw, _KIND_CODE[store.kind], scale
+    views = (raw, _KIND_CODE[store.kind], scale)
+    store.__dict__["_numba_views"] = (store.data, store.scale, views)
+    return views
 
 
 def decode_attention(
@@ -419,7 +427,7 @@ def decode_attention(
     v, vc, vs = _store_arrays(v_store)
     if int_dot and kc != CODE_Q8:
         raise ValueError("int_dot needs an int8 K store")
-    qn = q.detach().to(torch.float32).numpy()
+    qn = q.detach().numpy() if q.dtype == torch.float32 else q.detach().float().numpy()
     out = np.empty(qn.shape, np.float32)
     if isinstance(blocks, torch.Tensor):
         blocks = blocks.numpy()

@@ -112,8 +112,10 @@ class QCodes:
 
 def _run(fn: Callable[..., None], work: int, *args) -> None:
     """``fn(*args)``, on one thread when the work is too small to pay for a parallel region."""
-    threads = numba.get_num_threads()
-    if threads == 1 or work >= PARALLEL_MIN_WORK:
+    if work >= PARALLEL_MIN_WORK:
+        return fn(*args)
+    threads = numba.get_num_threads()  # ~1 µs: only asked when it matters
+    if threads == 1:
         return fn(*args)
     numba.set_num_threads(1)
     try:
@@ -287,11 +289,12 @@ def linear(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None) -> torc
     if not isinstance(w, torch.Tensor):
         return w(x, bias)
     if x.numel() == x.shape[-1] and w.device.type == "cpu" and w.dtype == x.dtype == torch.float32:
-        out = torch.empty(w.shape[0])
-        _run(_mv_f32, w.numel(), w.contiguous().numpy(), x.reshape(-1).contiguous().numpy(), out.numpy())
+        out = np.empty(w.shape[0], np.float32)
+        _run(_mv_f32, w.numel(), w.numpy(), x.contiguous().numpy().reshape(-1), out)
+        y = torch.from_numpy(out)
         if bias is not None:
-            out += bias
-        return out.view(*x.shape[:-1], w.shape[0])
+            y += bias
+        return y.view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w, bias)
 
 

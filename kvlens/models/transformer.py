@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -64,6 +65,9 @@ class Transformer:
         self.linear = linear  # every weight matmul goes through here (benchmarks time it)
         # single-token steps run the layer glue as JIT calls (rowops); Qwen3's q/k norms stay in torch
         self.row_ops = self.device.type == "cpu" and not cfg.qk_norm and weights.norm.dtype == torch.float32
+        self._row_norms = (
+            [(L.attn_norm.numpy(), L.ffn_norm.numpy()) for L in weights.layers] if self.row_ops else []
+        )
 
     def rope_tables(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] for positions start..start+n-1 (tables grown on demand)."""
@@ -102,23 +106,23 @@ class Transformer:
     def layer_row(
         self, i: int, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
     ) -> torch.Tensor:
-        """:meth:`layer` for one token on the CPU: the same math, the glue in JIT calls (rowops)."""
+        """:meth:`layer` for one token on the CPU: the same math, the glue in JIT calls (rowops) on
+        numpy views (a torch ``.numpy()`` or index costs ~1.5 µs, and a step has ~30 per layer)."""
         cfg, L = self.cfg, self.w.layers[i]
+        attn_norm, ffn_norm = self._row_norms[i]
         d, eps = cfg.head_dim, cfg.rms_eps
-        h = torch.empty_like(x)
-        rowops.rms_norm_row(x[0].numpy(), L.attn_norm.numpy(), eps, h[0].numpy())
-        qkv = self.linear(h, L.wqkv, L.bqkv)
-        q, k, v = (torch.empty(m, 1, d) for m in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads))
-        rowops.rope_split_row(
-            qkv[0].numpy(), cos[0].numpy(), sin[0].numpy(), q[:, 0].numpy(), k[:, 0].numpy(), v[:, 0].numpy()
-        )
-        o = attend(i, q, k, v, start)
+        h = np.empty((1, cfg.hidden), np.float32)
+        rowops.rms_norm_row(x.numpy()[0], attn_norm, eps, h[0])
+        qkv = self.linear(torch.from_numpy(h), L.wqkv, L.bqkv).numpy()[0]
+        q, k, v = (np.empty((m, 1, d), np.float32) for m in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads))
+        rowops.rope_split_row(qkv, cos.numpy()[0], sin.numpy()[0], q[:, 0], k[:, 0], v[:, 0])
+        o = attend(i, torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), start)
         x = x + self.linear(o.reshape(1, cfg.n_heads * d), L.wo)
-        rowops.rms_norm_row(x[0].numpy(), L.ffn_norm.numpy(), eps, h[0].numpy())
-        gate_up = self.linear(h, L.w_gate_up)
-        act = torch.empty(1, gate_up.shape[1] // 2)
-        rowops.silu_mul_row(gate_up[0].numpy(), act[0].numpy())
-        return x + self.linear(act, L.w_down)
+        rowops.rms_norm_row(x.numpy()[0], ffn_norm, eps, h[0])
+        gate_up = self.linear(torch.from_numpy(h), L.w_gate_up).numpy()[0]
+        act = np.empty((1, gate_up.shape[0] // 2), np.float32)
+        rowops.silu_mul_row(gate_up, act[0])
+        return x + self.linear(torch.from_numpy(act), L.w_down)
 
     def mlp(self, L: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear(h, L.w_gate_up).chunk(2, dim=-1)
