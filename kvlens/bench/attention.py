@@ -341,7 +341,8 @@ def machine_line(bw: dict[str, Bandwidth]) -> str:
     return (
         f"{model}, {os.cpu_count()} CPUs, LLC {llc_bytes() // MiB} MiB; threads numba {numba.get_num_threads()} "
         f"({_layer()}), torch {torch.get_num_threads()}; "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}\n"
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
+        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '(unset)')}\n"
         f"bandwidth: copy {c.copy_gb_per_s:.1f} GB/s (torch copy_, 2 x bytes), read {c.read_gb_per_s:.1f} GB/s "
         "(numba sum); '% copy' = GB/s over the copy bandwidth"
         + "".join(f"; {d} copy {b.copy_gb_per_s:.0f} GB/s" for d, b in bw.items() if d != "cpu")
