@@ -300,47 +300,9 @@ def lab_needle(
     plot: str | None = typer.Option(None, help="Write a PNG heat map (depth × context → recall)."),
 ) -> None:
     """Needle in a haystack: recall of f32 dense, q8 dense and q8 sparse at several budgets."""
-    import json
+    from .lab.needle import cli
 
-    import kvlens
-
-    from .lab.corpus import load_corpus
-    from .lab.needle import plot_heatmap, recall_table, run_needle
-
-    budgets = [float(b) for b in sparse_budget.split(",") if b]
-    depths = [float(d) for d in depth.split(",") if d]
-    llm = kvlens.load(model, kv=kv)
-    text, label = load_corpus(corpus)
-    rows = run_needle(
-        llm,
-        text,
-        _csv_ints(ctx),
-        depths,
-        budgets,
-        sparse,
-        kv,
-        seed,
-        dense_layers,
-        progress=None if json_out else lambda c, d: typer.echo(f"  ctx {c} depth {d:g} done", err=True),
-    )
-    if plot:
-        plot_heatmap(rows, plot)
-        typer.echo(f"wrote {plot}", err=True)
-    if json_out:
-        typer.echo(json.dumps({"rows": [r.as_dict() for r in rows], "recall": recall_table(rows)}, indent=1))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = recall_table(rows)
-    ctxs = sorted({r.ctx for r in rows})
-    t = Table(title=f"needle recall over depths {depth} — filler: {label}, {llm.source.name}")
-    t.add_column("mode")
-    for c in ctxs:
-        t.add_column(f"ctx {c}", justify="right")
-    for mode, by_ctx in table.items():
-        t.add_row(mode, *[f"{100 * by_ctx[c]:.0f}%" for c in ctxs])
-    Console().print(t)
+    cli(model, corpus, kv, _csv_ints(ctx), depth, sparse, sparse_budget, dense_layers, seed, plot, json_out)
 
 
 # == bench attention / decode (kvlens.bench) ==
@@ -379,12 +341,7 @@ def bench_attention(
         )
         return
 
-    if threads:
-        import numba
-        import torch
-
-        numba.set_num_threads(threads)
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     rows, bw = ba.run_attention_bench(
         _csv_ints(ctx), [s for s in shape.split(",") if s], [m for m in kv.split(",") if m],
         [b for b in backend.split(",") if b] if backend else None, reps, mem_gib,
@@ -398,6 +355,15 @@ def bench_attention(
         ba.render_prefill("smollm2", 4096, 32, ba.time_prefill_read("smollm2", 4096, 32))
 
 
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import numba
+        import torch
+
+        numba.set_num_threads(threads)
+        torch.set_num_threads(threads)
+
+
 def _bench_sparse(
     ctx: str, shape: str, methods: str, budgets: str, reps: int, threads: int | None, json_out: bool
 ) -> None:
@@ -406,12 +372,7 @@ def _bench_sparse(
 
     from .bench.sparse import run_sparse_bench
 
-    if threads:
-        import numba
-        import torch
-
-        numba.set_num_threads(threads)
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     rows = run_sparse_bench(
         _csv_ints(ctx),
         [s for s in shape.split(",") if s],
@@ -422,17 +383,9 @@ def _bench_sparse(
     if json_out:
         typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
         return
-    from rich.console import Console
-    from rich.table import Table
+    from .bench.sparse import render
 
-    t = Table(title="decode attention, one layer, q8 cache: dense vs sparse (selection + kernel), median µs")
-    for col in ("shape", "ctx", "variant", "budget", "µs/call", "× dense"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(
-            r.shape, str(r.ctx), r.variant, str(r.budget), f"{r.us_per_call:.0f}", f"{r.speedup_vs_dense:.2f}"
-        )
-    Console().print(t)
+    render(rows)
 
 
 def _csv_ints(s: str) -> list[int]:
@@ -470,49 +423,9 @@ def bench_decode(
 ) -> None:
     """Full-model decode tokens/s per weights, cache mode and context; the step's time split; HF
     transformers (and llama.cpp's llama-bench with --vs-llama-cpp) beside it."""
-    import json
+    from .bench.decode import cli
 
-    import kvlens
-
-    from .bench.decode import run_decode_bench
-    from .bench.llama_cpp import find_binary
-    from .kv.cache import parse_mode
-    from .models.loader import check_weights_mode
-
-    modes = [m for m in kv.split(",") if m]
-    weight_modes = [w for w in weights.split(",") if w]
-    for m in modes:
-        parse_mode(m)
-    for w in weight_modes:
-        check_weights_mode(w)
-    if vs_llama_cpp:
-        find_binary(vs_llama_cpp)  # fail before the long run
-    llms = [kvlens.load(model, kv=modes[0], attn_backend=attn_backend, weights=w) for w in weight_modes]
-    if vs_llama_cpp and llms[0].source.suffix != ".gguf":
-        raise ValueError("--vs-llama-cpp needs a GGUF model")
-    rows = []
-    for c in _csv_ints(ctx):
-        rows += run_decode_bench(
-            llms,
-            [c],
-            modes,
-            steps,
-            with_hf=hf and c <= hf_max_ctx,
-            llama_bench=vs_llama_cpp,
-            progress=None if json_out else lambda c: typer.echo(f"  ctx {c} done", err=True),
-        )
-    if json_out:
-        typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
-        return
-    import torch
-
-    from .bench.decode import TABLE_HEADERS, table_rows
-    from .lab.report import print_table
-
-    title = (
-        f"decode, {llms[0].source.name}, {llms[0].config.n_layers} layers, {torch.get_num_threads()} threads"
-    )
-    print_table(title, TABLE_HEADERS, table_rows(rows, modes[0]))
+    cli(model, _csv_ints(ctx), kv, weights, steps, attn_backend, hf, hf_max_ctx, vs_llama_cpp, json_out)
 
 
 def main() -> None:

@@ -320,3 +320,51 @@ def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
             ]  # fmt: skip
         )
     return out
+
+
+def cli(
+    model: str,
+    contexts: list[int],
+    kv: str,
+    weights: str,
+    steps: int,
+    attn_backend: str,
+    hf: bool,
+    hf_max_ctx: int,
+    llama_bench: str | None,
+    json_out: bool,
+) -> None:
+    """The body of ``kvlens bench decode``."""
+    import json
+    import sys
+
+    import kvlens
+
+    from ..kv.cache import parse_mode
+    from ..lab.report import print_table
+    from ..models.loader import check_weights_mode
+    from .llama_cpp import find_binary
+
+    modes = [m for m in kv.split(",") if m]
+    weight_modes = [w for w in weights.split(",") if w]
+    for m in modes:
+        parse_mode(m)
+    for w in weight_modes:
+        check_weights_mode(w)
+    if llama_bench:
+        find_binary(llama_bench)  # fail before the long run
+    llms = [kvlens.load(model, kv=modes[0], attn_backend=attn_backend, weights=w) for w in weight_modes]
+    if llama_bench and llms[0].source.suffix != ".gguf":
+        raise ValueError("--vs-llama-cpp needs a GGUF model")
+    rows: list[DecodeRow] = []
+    for c in contexts:
+        rows += run_decode_bench(
+            llms, [c], modes, steps, with_hf=hf and c <= hf_max_ctx, llama_bench=llama_bench,
+            progress=None if json_out else lambda c: print(f"  ctx {c} done", file=sys.stderr),
+        )  # fmt: skip
+    if json_out:
+        print(json.dumps([r.as_dict() for r in rows], indent=1))
+        return
+    first = llms[0]
+    title = f"decode, {first.source.name}, {first.config.n_layers} layers, {torch.get_num_threads()} threads"
+    print_table(title, TABLE_HEADERS, table_rows(rows, modes[0]), width=170)

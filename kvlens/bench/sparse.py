@@ -78,3 +78,18 @@ def run_sparse_bench(
             for name, (_, budget) in variants.items():
                 rows.append(SparseRow(shape, ctx, name, budget, 1e6 * med[name], med["dense q8"] / med[name]))
     return rows
+
+
+def render(rows: list) -> None:
+    """The rows as a rich table: µs per call and the speed-up over dense q8."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="decode attention, one layer, q8 cache: dense vs sparse (selection + kernel), median µs")
+    for col in ("shape", "ctx", "variant", "budget", "µs/call", "× dense"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(
+            r.shape, str(r.ctx), r.variant, str(r.budget), f"{r.us_per_call:.0f}", f"{r.speedup_vs_dense:.2f}"
+        )
+    Console().print(t)

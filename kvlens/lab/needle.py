@@ -141,3 +141,52 @@ def plot_heatmap(rows: list[NeedleRow], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def cli(
+    model: str,
+    corpus: str | None,
+    kv: str,
+    contexts: list[int],
+    depth: str,
+    sparse: str,
+    sparse_budget: str,
+    dense_layers: int,
+    seed: int,
+    plot: str | None,
+    json_out: bool,
+) -> None:
+    """The body of ``kvlens lab needle``."""
+    import json
+    import sys
+
+    import kvlens
+
+    from .corpus import load_corpus
+
+    budgets = [float(b) for b in sparse_budget.split(",") if b]
+    depths = [float(d) for d in depth.split(",") if d]
+    llm = kvlens.load(model, kv=kv)
+    text, label = load_corpus(corpus)
+    rows = run_needle(
+        llm, text, contexts, depths, budgets, sparse, kv, seed, dense_layers,
+        progress=None if json_out else lambda c, d: print(f"  ctx {c} depth {d:g} done", file=sys.stderr),
+    )  # fmt: skip
+    if plot:
+        plot_heatmap(rows, plot)
+        print(f"wrote {plot}", file=sys.stderr)
+    if json_out:
+        print(json.dumps({"rows": [r.as_dict() for r in rows], "recall": recall_table(rows)}, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = recall_table(rows)
+    ctxs = sorted({r.ctx for r in rows})
+    t = Table(title=f"needle recall over depths {depth} — filler: {label}, {llm.source.name}")
+    t.add_column("mode")
+    for c in ctxs:
+        t.add_column(f"ctx {c}", justify="right")
+    for mode, by_ctx in table.items():
+        t.add_row(mode, *[f"{100 * by_ctx[c]:.0f}%" for c in ctxs])
+    Console().print(t)

@@ -91,7 +91,7 @@ def progress(total: int, description: str, enabled: bool = True) -> Iterator[Cal
         yield step
 
 
-def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], width: int = 120) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -100,7 +100,7 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
         table.add_column(h, justify="left" if i == 0 else "right")
     for r in rows:
         table.add_row(*(str(c) for c in r))
-    Console(width=max(120, Console().width)).print(table)
+    Console(width=max(width, Console().width)).print(table)
 
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
