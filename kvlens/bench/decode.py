@@ -127,6 +127,8 @@ def time_decode(
             t0 = time.perf_counter()
             h = llm.forward([tok], cache, pos, prefill=False, backend=backend)
             llm.model.logits(h)
+            if h.device.type == "cuda":  # the step's total is then right; its split is launch time only
+                torch.cuda.synchronize(h.device)
             if i >= warmup:
                 timed.append((time.perf_counter() - t0, clock.attend_s, clock.write_s, clock.linear_s))
             cache.truncate(pos)
