@@ -79,3 +79,16 @@ def test_generate_chat_streams_an_answer(smol_path):
     r = kvlens("generate", "--kv", "q8", "--chat", "--max-tokens", "24", "What is the capital of France?")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--weights", "f32,int3"], "unknown weights mode 'int3'"),
+        (["--kv", "f16,q7"], "unknown KV cache mode 'q7'"),
+        (["--vs-llama-cpp", "/nonexistent/llama-bench"], "llama-bench not found"),
+        (["--ctx", "4k,x"], "comma-separated list of integers"),
+    ],
+)
+def test_bench_decode_bad_input(args, needle):
+    assert_clean_error(kvlens("bench", "decode", "--no-hf", *args), needle)

@@ -72,36 +72,27 @@ class _StepClock:
         self.model, self.cache = llm.model, cache
         self.attend_s = self.write_s = self.linear_s = 0.0
 
+    def _timed(self, fn, total: str):
+        """``fn`` that also adds its seconds to ``self.<total>``."""
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
+
+        return timed
+
     def __enter__(self) -> _StepClock:
-        forward, write, linear = self.model.forward, self.cache.write, self.model.linear
-        self._linear = linear
-
-        def timed_linear(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return linear(*args, **kwargs)
-            finally:
-                self.linear_s += time.perf_counter() - t0
-
-        def timed_write(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return write(*args, **kwargs)
-            finally:
-                self.write_s += time.perf_counter() - t0
+        forward, self._linear = self.model.forward, self.model.linear
 
         def timed_forward(ids, start, attend):
-            def timed_attend(*args, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return attend(*args, **kwargs)
-                finally:
-                    self.attend_s += time.perf_counter() - t0
+            return forward(ids, start, self._timed(attend, "attend_s"))
 
-            return forward(ids, start, timed_attend)
-
-        self.model.forward, self.cache.write = timed_forward, timed_write  # instance attributes
-        self.model.linear = timed_linear
+        # instance attributes over the class methods, on these two objects only
+        self.model.forward, self.cache.write = timed_forward, self._timed(self.cache.write, "write_s")
+        self.model.linear = self._timed(self._linear, "linear_s")
         return self
 
     def __exit__(self, *exc) -> None:

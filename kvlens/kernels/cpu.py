@@ -153,19 +153,6 @@ def _axpy_tile(sc, tile, nt, group, acc):  # pragma: no cover - compiled
                 acc[g, d] += w * tile[j, d]
 
 
-@njit(fastmath=_FM, cache=True)
-def _row_max(row, nt):  # pragma: no cover - compiled
-    """max(row[:nt]) over 4 independent chains (without nnan, LLVM keeps a max reduction scalar)."""
-    m0 = m1 = m2 = m3 = np.float32(-np.inf)
-    n4 = nt - nt % 4
-    for j in range(0, n4, 4):
-        m0, m1 = max(m0, row[j]), max(m1, row[j + 1])
-        m2, m3 = max(m2, row[j + 2]), max(m3, row[j + 3])
-    for j in range(n4, nt):
-        m0 = max(m0, row[j])
-    return max(max(m0, m1), max(m2, m3))
-
-
 # The running max moves only when a tile's max exceeds it by more than this (in score units): weights
 # e^(s - m) then stay <= e^8 ~ 3e3 (no f32 overflow, l <= n e^8), and most tiles skip the rescale of
 # acc and l and its exp. Exact: acc and l always share the same reference m (FlashAttention-3's trick).
@@ -179,7 +166,9 @@ def _softmax_tile(sc, nt, group, m, lsum, acc, v_scale, v_q8, h, t0, e_u, e_f): 
     hd = acc.shape[1]
     for g in range(group):
         row = sc[g]
-        m_tile = _row_max(row, nt)
+        m_tile = row[0]
+        for j in range(1, nt):
+            m_tile = max(m_tile, row[j])
         if m_tile > m[g] + LAZY_MAX:  # first tile (m = -inf) or a much larger score: move m
             alpha = np.float32(math.exp(m[g] - m_tile))  # exp(-inf) = 0 on the first tile
             for d in range(hd):

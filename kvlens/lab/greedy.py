@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kv.cache import parse_mode
 from .report import md_table, mode_label, model_name, parse_modes
 
 REF_KV = "f32"  # the reference's KV mode (with f32 weights)
@@ -162,9 +161,7 @@ def run_greedy(
     """Greedy continuations of prompts cut from ``text`` under ``base`` and each mode; with ``ref_llm``
     (the model with f32 weights, ``llm`` having others) also under f32 weights + f32 KV, compared with
     the base and each mode into ``vs_f32_weights``."""
-    modes = parse_modes(modes) if isinstance(modes, str) else list(modes)
-    for m in (base, *modes):
-        parse_mode(m)
+    modes = parse_modes(modes, base)
     if n_tokens < 1:
         raise ValueError(f"--tokens must be at least 1 (got {n_tokens})")
     tok = llm.tokenizer

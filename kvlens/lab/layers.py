@@ -158,7 +158,7 @@ def run_layers(
     """Relative attention-output error per (layer, KV head) for each mode over ``n_windows`` windows of
     ``ctx`` tokens (the ppl protocol's first chunks); errors pool squared norms over windows."""
     t0 = time.perf_counter()
-    modes = parse_modes(modes) if isinstance(modes, str) else list(modes)
+    modes = parse_modes(modes)
     tok = llm.tokenizer
     bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
     windows = make_chunks(tok.encode(text), ctx, n_windows, bos)

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kv.cache import parse_mode
 from .report import MIRROR_MODE, model_name, parse_modes
 from .stats import summarize
 
@@ -235,9 +234,7 @@ def run_ppl(
     ``ref_llm``: the same model with f32 weights (``llm`` having other weights): the base and each
     mode are also scored against it with an f32 cache, into ``vs_f32_weights``."""
     t_wall = time.perf_counter()
-    modes = parse_modes(modes) if isinstance(modes, str) else list(modes)
-    for m in (base, *modes):
-        parse_mode(m)
+    modes = parse_modes(modes, base)
     if prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be at least 1 (got {prefill_chunk})")
     if keep_sink < 0 or keep_recent < 0:

@@ -20,8 +20,15 @@ from ..kv.cache import MODES, parse_mode
 MIRROR_MODE = "q8+mirror"
 
 
-def parse_modes(spec: str) -> list[str]:
-    """A comma list of KV modes (``all`` = every mode of kvlens.kv.cache.MODES), validated, de-duplicated."""
+def parse_modes(spec: str | Sequence[str], base: str | None = None) -> list[str]:
+    """KV modes from a comma list (``all`` = every mode of kvlens.kv.cache.MODES; validated, de-duplicated)
+    or a list (validated, kept as given); ``base``, when given, is validated too."""
+    if base is not None:
+        parse_mode(base)
+    if not isinstance(spec, str):
+        for n in spec:
+            parse_mode(n)
+        return list(spec)
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if names == ["all"]:
         return list(MODES)

@@ -170,11 +170,17 @@ class QLinear:
         rows = self._unpack([a[flat // TILE, :, flat % TILE] for a in self._t])
         return rows.view(*ids.shape, self.shape[1])
 
+    # the kind's JIT kernels (qkernels): one input row, a few rows, dequantize tiles for the GEMM path
+    _mv = _mm = _deq = None
+
     def _kernel(self, x: np.ndarray, out: np.ndarray) -> None:
-        raise NotImplementedError
+        if x.shape[0] == 1:
+            self._mv(x[0], *self._np, out[0])
+        else:
+            self._mm(x, *self._np, out)
 
     def _deq_tiles(self, t0: int, out: np.ndarray) -> None:
-        raise NotImplementedError
+        self._deq(*self._np, t0, out)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n, k = self.shape
@@ -205,6 +211,7 @@ class QLinear:
 
 class Int8Linear(QLinear):
     kind = "int8"
+    _mv, _mm, _deq = staticmethod(_mv_int8), staticmethod(_mm_int8), staticmethod(_deq_int8)
 
     def __init__(self, c: QCodes) -> None:
         super().__init__(*c.shape, [c.codes, c.scales])
@@ -216,18 +223,10 @@ class Int8Linear(QLinear):
     def _unpack(self, per_row):
         return QCodes("int8", *per_row).dequantize()
 
-    def _kernel(self, x, out):
-        if x.shape[0] == 1:
-            _mv_int8(x[0], *self._np, out[0])
-        else:
-            _mm_int8(x, *self._np, out)
-
-    def _deq_tiles(self, t0, out):
-        _deq_int8(*self._np, t0, out)
-
 
 class Int4Linear(QLinear):
     kind = "int4"
+    _mv, _mm, _deq = staticmethod(_mv_int4), staticmethod(_mm_int4), staticmethod(_deq_int4)
 
     def __init__(self, c: QCodes) -> None:
         n, k = c.shape
@@ -246,17 +245,12 @@ class Int4Linear(QLinear):
     def _kernel(self, x, out):
         if x.shape[1] % 2:  # the kernel reads inputs in pairs: give the padding code a zero input
             x = np.pad(x, ((0, 0), (0, 1)))
-        if x.shape[0] == 1:
-            _mv_int4(x[0], *self._np, out[0])
-        else:
-            _mm_int4(x, *self._np, out)
-
-    def _deq_tiles(self, t0, out):
-        _deq_int4(*self._np, t0, out)
+        super()._kernel(x, out)
 
 
 class BF16Linear(QLinear):
     kind = "bf16"
+    _mv, _mm, _deq = staticmethod(_mv_bf16), staticmethod(_mm_bf16), staticmethod(_deq_bf16)
 
     def __init__(self, w: torch.Tensor) -> None:
         super().__init__(*w.shape, [w.to(torch.bfloat16).view(torch.int16)])
@@ -269,15 +263,6 @@ class BF16Linear(QLinear):
 
     def _unpack(self, per_row):
         return per_row[0].view(torch.bfloat16).float()
-
-    def _kernel(self, x, out):
-        if x.shape[0] == 1:
-            _mv_bf16(x[0], self._np[0], out[0])
-        else:
-            _mm_bf16(x, self._np[0], out)
-
-    def _deq_tiles(self, t0, out):
-        _deq_bf16(self._np[0], t0, out)
 
 
 Matrix = torch.Tensor | QLinear
