@@ -5,20 +5,25 @@ Backends:
             prefill and decode; the correctness baseline.
     numba   fused single-pass CPU decode kernel reading int8/f16/f32 rows directly (kernels.cpu);
             prefill chunks use the torch path.
+    numba-int, numba-int16  the same with integer Q·K scores (8- / 16-bit query, kernels.cpu_int);
+            ``:PATH`` forces a CPU path (vnni512, vnni256, avx2, portable); int8 K only.
     triton  the same algorithm on CUDA (kernels.gpu).
     auto    the fastest correct backend for the device and cache mode.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ..kernels.cpu_int import BACKEND_QBITS, IntAttn
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
 from ..kv.cache import BLOCK, KVCache
 from ..models.transformer import AttendFn
 
-BACKENDS = ("auto", "torch", "numba", "triton")
+BACKENDS = ("auto", "torch", "numba", "triton", *BACKEND_QBITS)
 
 
 class BackendError(ValueError):
@@ -26,6 +31,11 @@ class BackendError(ValueError):
 
 
 def _fused_kernel(backend: str):
+    spec = IntAttn.parse(backend)
+    if spec is not None:
+        from ..kernels.cpu_int import decode_attention_int
+
+        return functools.partial(decode_attention_int, spec=spec)
     if backend == "numba":
         from ..kernels.cpu import decode_attention
     elif backend == "triton":
@@ -36,6 +46,16 @@ def _fused_kernel(backend: str):
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
+    try:
+        spec = IntAttn.parse(backend)
+        if spec is not None:
+            spec.resolved_path()  # refuses a path the CPU cannot run
+    except ValueError as e:
+        raise BackendError(str(e)) from None
+    if spec is not None:
+        if device.type != "cpu":
+            raise BackendError(f"the {backend} backend runs on CPU tensors only")
+        return backend
     if backend not in BACKENDS:
         raise BackendError(f"unknown attention backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -93,6 +113,10 @@ def make_attend(
     only the selected blocks: the fused kernels read just those blocks, the torch path masks the rest.
     """
     kernel = _fused_kernel(backend)
+    if IntAttn.parse(backend) is not None and cache.k[0].kind != "q8":
+        raise BackendError(
+            f"the {backend} backend needs an int8 K cache (kv q8, q8-k, q8+mirror), not {cache.mode}"
+        )
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
     use_kernel = kernel is not None and not cache.keep_sink and not cache.keep_recent and window is None
     if sparse is not None and cache.bounds is None:

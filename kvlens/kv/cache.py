@@ -4,7 +4,12 @@ Layout of one layer (``cap`` = capacity, a multiple of BLOCK)::
 
     K.data  [n_kv_heads, cap, head_dim]   float32 / float16 / bfloat16 / int8
     K.scale [n_kv_heads, cap]             float32 max_abs per row (int8 stores only)
-    V.*     the same
+    K.ksum  [n_kv_heads, cap, head_dim/32] int16 sum of each 32-code block (int8 K only: the integer
+                                          attention kernels' +128 query-shift correction)
+    V.*     the same, without ksum
+
+Scales and key sums live out of line, in their own arrays, so the code rows stay plain
+``head_dim``-byte rows (the layout vLLM measured fastest for gathers).
 
 Modes (``mode`` string → how K and V are stored):
 
@@ -33,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import BlockBounds
-from .quant import dequantize_q8, first_nonfinite, store_q8
+from .quant import KSUM_BLOCK, dequantize_q8, first_nonfinite, store_q8
 
 BLOCK = 32
 FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -79,14 +84,20 @@ class RowStore:
     kind: str
     data: torch.Tensor
     scale: torch.Tensor | None  # max_abs per row, int8 stores only
+    ksum: torch.Tensor | None = None  # code sums per 32-block, int8 K stores only
 
     @classmethod
-    def empty(cls, kind: str, n_kv: int, cap: int, head_dim: int, device: torch.device) -> RowStore:
+    def empty(
+        cls, kind: str, n_kv: int, cap: int, head_dim: int, device: torch.device, with_ksum: bool = False
+    ) -> RowStore:
         if kind == "q8":
             return cls(
                 kind,
                 torch.zeros(n_kv, cap, head_dim, dtype=torch.int8, device=device),
                 torch.ones(n_kv, cap, dtype=torch.float32, device=device),
+                torch.zeros(n_kv, cap, head_dim // KSUM_BLOCK, dtype=torch.int16, device=device)
+                if with_ksum
+                else None,
             )
         return cls(kind, torch.zeros(n_kv, cap, head_dim, dtype=FLOAT_DTYPES[kind], device=device), None)
 
@@ -99,10 +110,14 @@ class RowStore:
             scale = self.scale.new_ones(n_kv, cap)
             scale[:, :old] = self.scale
             self.scale = scale
+        if self.ksum is not None:
+            ksum = self.ksum.new_zeros(n_kv, cap, self.ksum.shape[2])
+            ksum[:, :old] = self.ksum
+            self.ksum = ksum
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         if self.kind == "q8":
-            store_q8(rows, self.data, self.scale, start)
+            store_q8(rows, self.data, self.scale, start, self.ksum)
         else:
             self.data[:, start : start + rows.shape[1]] = rows
 
@@ -144,7 +159,11 @@ class KVCache:
         # An exact copy is kept for the mirror mode and for the lab's keep-sink / keep-recent options.
         self.has_mirror = mirror or keep_sink > 0 or keep_recent > 0
         cap = round_up(max(capacity, 1))
-        self.k = [RowStore.empty(k_kind, n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
+        ksum = head_dim % KSUM_BLOCK == 0
+        self.k = [
+            RowStore.empty(k_kind, n_kv_heads, cap, head_dim, self.device, with_ksum=ksum)
+            for _ in range(n_layers)
+        ]
         self.v = [RowStore.empty(v_kind, n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
         self.k_exact = (
             [RowStore.empty("f32", n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]

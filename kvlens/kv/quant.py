@@ -18,6 +18,10 @@ from numba import njit
 
 Q8_MAX = 127.0
 TINY_MAX_ABS = 1e-6
+# the integer attention kernels (kernels.cpu_int) correct a +128-shifted query with the sum of each
+# 32-value block of key codes; |sum| <= 32 * 127 fits int16
+KSUM_BLOCK = 32
+_NO_KSUM = np.zeros((0, 0, 0), np.int16)
 
 
 class NonFiniteError(ValueError):
@@ -72,7 +76,8 @@ def _first_nonfinite(x):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _store_q8(x, data, scale, start):  # pragma: no cover - compiled
+def _store_q8(x, data, scale, start, ksum):  # pragma: no cover - compiled
+    """``ksum [n_kv, cap, hd // 32]`` (or an empty array: none kept): the codes' sum per 32-block."""
     n_kv, n, hd = x.shape
     for h in range(n_kv):
         for j in range(n):
@@ -86,6 +91,12 @@ def _store_q8(x, data, scale, start):  # pragma: no cover - compiled
                 c = np.floor(x[h, j, d] * inv + np.float32(0.5))
                 data[h, start + j, d] = np.int8(min(max(c, np.float32(-Q8_MAX)), np.float32(Q8_MAX)))
             scale[h, start + j] = m
+            if ksum.size:
+                for b in range(hd // KSUM_BLOCK):
+                    s = np.int32(0)
+                    for d in range(b * KSUM_BLOCK, (b + 1) * KSUM_BLOCK):
+                        s += np.int32(data[h, start + j, d])
+                    ksum[h, start + j, b] = s
 
 
 def first_nonfinite(x: torch.Tensor) -> int | None:
@@ -97,12 +108,25 @@ def first_nonfinite(x: torch.Tensor) -> int | None:
     return int(bad.reshape(-1).nonzero()[0, 0]) if bool(bad.any()) else None
 
 
-def store_q8(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start: int) -> None:
+def block_sums(q: torch.Tensor) -> torch.Tensor:
+    """Sum of int8 codes ``[..., d]`` per block of :data:`KSUM_BLOCK`: ``[..., d // 32]`` int16."""
+    return q.to(torch.int32).unflatten(-1, (-1, KSUM_BLOCK)).sum(-1).to(torch.int16)
+
+
+def store_q8(
+    rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start: int, ksum: torch.Tensor | None = None
+) -> None:
     """Quantize ``rows [n_kv, n, d]`` by the rule above into ``data[:, start:start+n]`` (int8) and
-    ``scale[:, start:start+n]`` (max_abs), in place; rows must be finite (the caller checks)."""
+    ``scale[:, start:start+n]`` (max_abs), in place; rows must be finite (the caller checks). With
+    ``ksum [n_kv, cap, d // 32]`` (int16), also the codes' sum per 32-block (:func:`block_sums`)."""
     if rows.device.type == "cpu":
-        _store_q8(rows.detach().to(torch.float32).contiguous().numpy(), data.numpy(), scale.numpy(), start)
+        ks = _NO_KSUM if ksum is None else ksum.numpy()
+        _store_q8(
+            rows.detach().to(torch.float32).contiguous().numpy(), data.numpy(), scale.numpy(), start, ks
+        )
         return
     q, max_abs = quantize_q8(rows, check=False)
     data[:, start : start + rows.shape[1]] = q
     scale[:, start : start + rows.shape[1]] = max_abs
+    if ksum is not None:
+        ksum[:, start : start + rows.shape[1]] = block_sums(q)

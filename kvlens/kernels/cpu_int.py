@@ -1,0 +1,268 @@
+"""Integer-score decode attention on the CPU: the :mod:`kvlens.kernels.cpu` kernel with the Q·K scores
+computed as integer dot products by the CPU's own instructions (:mod:`kvlens.kernels.intdot`).
+
+The query is quantized once per call, then every K row is read as its int8 codes:
+
+* ``qbits=8``: int8 per block of 32 values (the seed's rule, one scale per block). VNNI paths
+  shift it by +128 (``vpdpbusd`` is u8 x i8) and subtract ``128 * sum_b s_b * ksum_b`` — ``ksum``
+  being the K store's per-block code sums, written with the codes — so the integer part is exact.
+* ``qbits=16``: int16 with one scale per query head (error ~1/258 of the 8-bit query's per value).
+
+The K row scale is folded into the score, then softmax and P·V run as in the float kernel (same
+online softmax, V scale folded into the weights, Flash-Decoding splits and exact merge). Only the
+scores are integer; P·V stays f32 (the integer P·V of issue 14 is not built).
+
+A kernel family: one compiled core per (path, qbits) — both compile-time constants of the same
+source, cached on disk — built on first use: a path whose instructions the CPU lacks is never
+compiled (LLVM would fail with "Cannot select").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+from numba import literally, njit, prange
+
+from ..kv.quant import KSUM_BLOCK
+from . import intdot
+from .cpu import (
+    CODE_Q8,
+    SERIAL_ROWS,
+    TILE,
+    _axpy_tile,
+    _merge,
+    _softmax_tile,
+    _stage,
+    _store_arrays,
+    _tile_table,
+    choose_splits,
+    quantize_query_blocks,
+)
+
+PATH_ENV = "KVLENS_INT_PATH"  # forces the CPU path of the integer kernels (vnni512|vnni256|avx2|portable)
+Q16_MAX = 32767.0
+BACKEND_QBITS = {"numba-int": 8, "numba-int16": 16}  # attention backend name -> query bits
+_FM = {"reassoc", "contract", "nsz"}
+
+
+@dataclass(frozen=True)
+class IntAttn:
+    """Which integer kernel: query bits (8 or 16) and CPU path (``None``: the host's best)."""
+
+    qbits: int = 8
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.qbits not in (8, 16):
+            raise ValueError(f"integer attention query bits must be 8 or 16, got {self.qbits}")
+        if self.path is not None and self.path not in intdot.PATHS:
+            raise ValueError(
+                f"unknown integer attention path {self.path!r}; choose one of: {', '.join(intdot.PATHS)}"
+            )
+
+    @classmethod
+    def parse(cls, backend: str) -> IntAttn | None:
+        """``numba-int`` (8-bit query) / ``numba-int16``, optionally ``:PATH``; None for another name."""
+        name, _, path = backend.partition(":")
+        if name not in BACKEND_QBITS:
+            return None
+        return cls(BACKEND_QBITS[name], path or None)
+
+    @property
+    def backend(self) -> str:
+        name = next(n for n, b in BACKEND_QBITS.items() if b == self.qbits)
+        return f"{name}:{self.path}" if self.path else name
+
+    def resolved_path(self, features: dict[str, bool] | None = None) -> str:
+        """The path to run: this one, else ``$KVLENS_INT_PATH``, else the best the CPU supports.
+        Raises ValueError for a forced path the CPU cannot run."""
+        feats = intdot.host_features() if features is None else features
+        path = self.path or os.environ.get(PATH_ENV) or intdot.choose_path(feats)
+        if path not in intdot.PATHS:
+            raise ValueError(f"{PATH_ENV}={path!r}: choose one of: {', '.join(intdot.PATHS)}")
+        if not intdot.path_supported(path, feats):
+            raise ValueError(f"integer attention path {path!r} needs CPU features this CPU lacks")
+        return path
+
+
+@dataclass
+class QueryCodes:
+    """A quantized query as every path reads it (arrays a path does not use are 1-element dummies)."""
+
+    qu: np.ndarray  # [H, hd] u8: q + 128 (VNNI) or |q| (avx2)
+    q8: np.ndarray  # [H, hd] i8 signed codes (avx2 sign source, portable)
+    lane_scale: np.ndarray  # [H, hd // 4] f32: block scale / sqrt(hd) of each 4-value lane
+    block_scale: np.ndarray  # [H, hd // 32] f32: the same per block (the ksum correction)
+    q16: np.ndarray  # [H, hd] i16
+    scale16: np.ndarray  # [H] f32: row scale / sqrt(hd)
+
+
+_D_U8, _D_I8, _D_F1, _D_F2, _D_I16 = (np.zeros(1, np.uint8).reshape(1, 1), np.zeros((1, 1), np.int8),
+                                      np.zeros(1, np.float32), np.zeros((1, 1), np.float32),
+                                      np.zeros((1, 1), np.int16))  # fmt: skip
+
+
+def quantize_query(q: np.ndarray, qbits: int, path: str) -> QueryCodes:
+    """Quantize ``q [n_heads, hd]`` f32 for ``path``; 1/sqrt(hd) goes into the scales."""
+    n_heads, hd = q.shape
+    inv_sqrt = np.float32(1.0 / math.sqrt(hd))
+    if qbits == 16:
+        m = np.abs(q).max(axis=1).astype(np.float32)
+        m = np.where(m < 1e-30, np.float32(1.0), m)
+        q16 = np.clip(np.floor(q * (np.float32(Q16_MAX) / m)[:, None] + 0.5), -Q16_MAX, Q16_MAX).astype(
+            np.int16
+        )
+        return QueryCodes(
+            _D_U8, _D_I8, _D_F2, _D_F2, q16, (m / np.float32(Q16_MAX) * inv_sqrt).astype(np.float32)
+        )
+    q8, q_max = quantize_query_blocks(q)
+    block_scale = (q_max * np.float32(1.0 / 127.0) * inv_sqrt).astype(np.float32)
+    lane_scale = np.ascontiguousarray(np.repeat(block_scale, KSUM_BLOCK // 4, axis=1))
+    if path in ("vnni512", "vnni256"):
+        qu = (q8.astype(np.int16) + intdot.SHIFT).astype(np.uint8)
+    else:
+        qu = np.abs(q8).astype(np.uint8)  # avx2's |q| (portable reads q8)
+    return QueryCodes(qu, q8, lane_scale, block_scale, _D_I16, _D_F1)
+
+
+@njit(fastmath=_FM, cache=True)
+def _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, hq0, group, sc):  # pragma: no cover - compiled
+    """Raw scores (f32, 1/sqrt(hd) in) of tile rows t0..t0+nt for query heads hq0..hq0+group-1.
+    ``path``, ``qbits``: compile-time constants (one specialization per path: see :func:`_core`)."""
+    qu, q8, ls, bs, q16, s16 = qc
+    hd = k8.shape[2]
+    shifted = path <= 1  # vnni512 / vnni256: the query went in as q + 128
+    for j in range(nt):
+        k_at = k8[h, t0 + j].ctypes.data
+        for g in range(group):
+            hq = hq0 + g
+            if qbits == 16:
+                sc[g, j] = np.float32(intdot.dot16(path, q16[hq].ctypes.data, k_at, hd)) * s16[hq]
+                continue
+            v = intdot.dot8(path, qu[hq].ctypes.data, q8[hq].ctypes.data, k_at, ls[hq].ctypes.data, hd)
+            if shifted:  # sum (q+128) k - 128 sum k, block by block with the block's scale
+                corr = np.float32(0.0)
+                for b in range(bs.shape[1]):
+                    corr += bs[hq, b] * np.float32(ksum[h, t0 + j, b])
+                v -= np.float32(intdot.SHIFT) * corr
+            sc[g, j] = v
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _core(
+    path, qbits, qc, k, k_scale, ksum, v, v_code, v_scale, length, tiles, n_splits, out
+):  # pragma: no cover
+    """cpu._decode_core with integer scores; compiled once per literal (path, qbits)."""
+    path, qbits = literally(path), literally(qbits)
+    n_heads, hd = out.shape
+    n_kv = k.shape[0]
+    group = n_heads // n_kv
+    k8 = k.view(np.int8)
+    dense = tiles.shape[1] == 0
+    n_tiles = (length + TILE - 1) // TILE if dense else tiles.shape[1]
+    split_len = (n_tiles + n_splits - 1) // n_splits
+    n_items = n_kv * n_splits
+    part_acc = np.zeros((n_items, group, hd), np.float32)
+    part_m = np.full((n_items, group), -np.inf, np.float32)
+    part_l = np.zeros((n_items, group), np.float32)
+    v_q8 = v_code == CODE_Q8
+    for item in prange(n_items):
+        h = item // n_splits
+        i_lo = (item % n_splits) * split_len
+        i_hi = min(n_tiles, i_lo + split_len)
+        tile_u = np.empty((TILE, hd), np.uint32)
+        tile = tile_u.view(np.float32)
+        sc = np.empty((group, TILE), np.float32)
+        e_u = np.empty(TILE, np.uint32)
+        e_f = e_u.view(np.float32)
+        for ti in range(i_lo, i_hi):
+            t0 = ti * TILE if dense else tiles[h, ti] * TILE
+            nt = min(TILE, length - t0)
+            _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, h * group, group, sc)
+            for g in range(group):  # fold the K row scale into the score
+                for j in range(nt):
+                    sc[g, j] *= k_scale[h, t0 + j] * np.float32(1.0 / 127.0)
+            _softmax_tile(
+                sc, nt, group, part_m[item], part_l[item], part_acc[item], v_scale, v_q8, h, t0, e_u, e_f
+            )
+            _stage(v, v_code, h, t0, nt, tile_u, tile)
+            _axpy_tile(sc, tile, nt, group, part_acc[item])
+    _merge(part_acc, part_m, part_l, n_splits, group, out)
+
+
+_ENTRY: dict[tuple[int, int], object] = {}
+
+
+def _compiled_core(args: tuple):
+    """The compiled specialization of :func:`_core` for ``args``' literal (path, qbits). Calling the
+    dispatcher itself would re-run literal typing on every call (~0.1 s); the entry point does not."""
+    key = args[:2]
+    if key not in _ENTRY:
+        _core(*args)  # compiles (or loads from the disk cache) the specialization, and runs it once
+        for sig, cres in _core.overloads.items():
+            if (sig[0].literal_value, sig[1].literal_value) == key:
+                _ENTRY[key] = cres.entry_point
+    return _ENTRY[key]
+
+
+_NO_KSUM = np.zeros((1, 1, 1), np.int16)
+
+
+def decode_attention_int(
+    q: torch.Tensor,
+    k_store,
+    v_store,
+    length: int,
+    n_splits: int | None = None,
+    blocks: np.ndarray | torch.Tensor | None = None,
+    spec: IntAttn = IntAttn(),
+) -> torch.Tensor:
+    """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of an int8 K store (with
+    its ``ksum``) and any V store, integer scores per ``spec``. Same contract as
+    :func:`kvlens.kernels.cpu.decode_attention`; returns a new float32 ``[n_heads, hd]`` tensor."""
+    path = spec.resolved_path()
+    if k_store.kind != "q8":
+        raise ValueError(f"integer attention needs an int8 K store, got {k_store.kind}")
+    shifted = spec.qbits == 8 and path in ("vnni512", "vnni256")
+    if shifted and k_store.ksum is None:
+        raise ValueError("integer attention with an 8-bit query on a VNNI path needs the K store's ksum")
+    k, _, ks = _store_arrays(k_store)
+    v, vc, vs = _store_arrays(v_store)
+    n_kv, cap, hd = k.shape
+    qn = q.detach().to(torch.float32).numpy()
+    n_heads = qn.shape[0]
+    if hd % KSUM_BLOCK:
+        raise ValueError(f"integer attention needs head_dim divisible by {KSUM_BLOCK}, got {hd}")
+    if not 1 <= length <= cap:
+        raise ValueError(f"length {length} outside [1, cap={cap}]")
+    if qn.shape[1] != hd or n_heads % n_kv or v.shape[:2] != (n_kv, cap):
+        raise ValueError(f"shape mismatch: q {tuple(qn.shape)}, k {k.shape}, v {v.shape}")
+    if isinstance(blocks, torch.Tensor):
+        blocks = blocks.numpy()
+    tiles = _tile_table(n_kv, length, blocks)
+    rows = tiles.shape[1] * TILE if blocks is not None else length
+    n_threads = numba.get_num_threads()
+    serial = n_kv * rows < SERIAL_ROWS
+    if n_splits is None:
+        n_splits = 1 if serial else choose_splits(rows, n_kv, n_threads)
+    qc = quantize_query(qn, spec.qbits, path)
+    ksum = k_store.ksum.numpy() if shifted else _NO_KSUM
+    out = np.empty((n_heads, hd), np.float32)
+    codes = (qc.qu, qc.q8, qc.lane_scale, qc.block_scale, qc.q16, qc.scale16)
+    args = (intdot.PATHS.index(path), spec.qbits, codes, k, ks, ksum, v, vc, vs, int(length), tiles,
+            max(1, int(n_splits)), out)  # fmt: skip
+    core = _compiled_core(args)
+    if serial and n_threads > 1:
+        numba.set_num_threads(1)
+        try:
+            core(*args)
+        finally:
+            numba.set_num_threads(n_threads)
+    else:
+        core(*args)
+    return torch.from_numpy(out)
