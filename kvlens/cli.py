@@ -223,6 +223,9 @@ def lab_ppl(
     sparse: str | None = OPT_SPARSE,
     sparse_budget: float = OPT_BUDGET,
     sparse_dense_layers: int = OPT_DENSE,
+    attn_backend: str | None = typer.Option(
+        None, help=f"Test modes' attention: {', '.join(BACKENDS)} (numba-int*:PATH); scored as decode steps."
+    ),
 ) -> None:
     """Perplexity and llama-perplexity's KL-divergence report, per KV mode, against a baseline."""
     from .lab import ppl_report
@@ -230,7 +233,7 @@ def lab_ppl(
     sparse_cfg = _sparse(sparse, sparse_budget, sparse_dense_layers)
     ppl_report.cli(
         model, corpus, ctx, kv, base, chunks, prefill_chunk, keep_sink, keep_recent, json_out, report,
-        sparse_cfg, weights,
+        sparse_cfg, weights, attn_backend,
     )  # fmt: skip
 
 

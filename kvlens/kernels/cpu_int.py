@@ -78,7 +78,7 @@ class IntAttn:
         name = next(n for n, b in BACKEND_QBITS.items() if b == self.qbits)
         return f"{name}:{self.path}" if self.path else name
 
-    def resolved_path(self, features: dict[str, bool] | None = None) -> str:
+    def resolved_path(self, features: dict[str, bool] | set[str] | frozenset[str] | None = None) -> str:
         """The path to run: this one, else ``$KVLENS_INT_PATH``, else the best the CPU supports.
         Raises ValueError for a forced path the CPU cannot run."""
         feats = intdot.host_features() if features is None else features

@@ -29,6 +29,8 @@ on sign-extended key codes), int32 accumulation over the whole row (|sum| <= 327
 
 from __future__ import annotations
 
+import functools
+
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
@@ -53,20 +55,21 @@ _NEW_VNNI_TYPES = llvm.llvm_version_info >= (21,)
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
 
-def path_supported(path: str, features: dict[str, bool] | set[str]) -> bool:
+def path_supported(path: str, features: dict[str, bool] | set[str] | frozenset[str]) -> bool:
     """Whether a CPU with ``features`` (a name set, or llvmlite's name -> bool map) runs ``path``."""
     have = {k for k, v in features.items() if v} if isinstance(features, dict) else set(features)
     return any(all(f in have for f in alt) for alt in PATH_FEATURES[path])
 
 
-def choose_path(features: dict[str, bool] | set[str]) -> str:
+def choose_path(features: dict[str, bool] | set[str] | frozenset[str]) -> str:
     """The fastest path a CPU with ``features`` runs (a pure function of the feature set)."""
     return next(p for p in PATHS if path_supported(p, features))
 
 
-def host_features() -> dict[str, bool]:
-    """This CPU's features as LLVM sees them (what numba compiles for)."""
-    return dict(llvm.get_host_cpu_features())
+@functools.cache
+def host_features() -> frozenset[str]:
+    """This CPU's features as LLVM sees them (what numba compiles for); asked once (~1 ms a call)."""
+    return frozenset(k for k, v in llvm.get_host_cpu_features().items() if v)
 
 
 def _vec(elem: ir.Type, n: int) -> ir.VectorType:

@@ -76,13 +76,14 @@ def scored_logits(
     """Logits [len(chunk)-1-first, vocab] of the scored positions, the chunk prefilled through a fresh
     ``kv`` cache in sub-chunks of ``prefill_chunk``; the LM head runs on the scored rows only.
 
-    With sparse decode (``llm.sparse``), only the prefix up to ``first`` is prefilled; the scored
-    positions are then run one decode step each (teacher-forced), since sparse attention is a decode
-    path: that is what a sparse engine would compute for them."""
+    With sparse decode (``llm.sparse``) or a fused attention backend (not ``torch``), only the prefix
+    up to ``first`` is prefilled; the scored positions are then run one decode step each
+    (teacher-forced), since sparse attention and the fused kernels are decode paths: that is what
+    such an engine computes for them."""
     cache = llm.new_cache(len(chunk), kv, **cache_options)
     end = len(chunk) - 1
     kept: list[torch.Tensor] = []
-    if getattr(llm, "sparse", None) is not None:
+    if getattr(llm, "sparse", None) is not None or getattr(llm, "attn_backend", "torch") != "torch":
         llm.prefill(
             chunk[: first + 1],
             cache,
@@ -227,12 +228,17 @@ def run_ppl(
     on_step: Any = None,
     sparse: Any = None,
     ref_llm: Any = None,
+    attn_backend: str | None = None,
 ) -> PplResult:
     """Score ``text`` under ``base`` and every mode of ``modes`` (one model, chunk-outer loop so each
     chunk's base logits are computed once). ``on_step(label)`` is called after every forward.
 
     ``ref_llm``: the same model with f32 weights (``llm`` having other weights): the base and each
-    mode are also scored against it with an f32 cache, into ``vs_f32_weights``."""
+    mode are also scored against it with an f32 cache, into ``vs_f32_weights``.
+
+    ``attn_backend`` (e.g. ``numba``, ``numba-int16``): the test modes' attention backend; the scored
+    positions then run one decode step each (the fused kernels are decode kernels), the base stays
+    on the torch path."""
     t_wall = time.perf_counter()
     modes = parse_modes(modes, base)
     if prefill_chunk < 1:
@@ -257,6 +263,8 @@ def run_ppl(
 
     # test modes with sparse decode (kvlens.kv.blocks.SparseConfig); the base stays dense
     test_llm = llm if sparse is None else llm.variant(sparse=sparse)
+    if attn_backend is not None:
+        test_llm = test_llm.variant(attn_backend=attn_backend)
     # vs the f32-weights reference: the base, then every other mode (a mode named like the base is
     # the base's path, or the base with --keep-*: its combined cost is the base row's)
     ref_rows = [] if ref_llm is None else [base, *(m for m in modes if m != base)]
@@ -306,6 +314,10 @@ def run_ppl(
             note = (
                 f"sparse decode: {sparse.method}, budget {sparse.budget:g}, first {sparse.dense_layers} layers "
                 f"dense, scored positions run as decode steps"
+            )
+        if attn_backend is not None:
+            note = (
+                f"{note}; " * bool(note) + f"attention {attn_backend}: scored positions run as decode steps"
             )
         results.append(ModeResult(m, stats, bpt, secs[m], len(chunks) * ctx, plan(m)[0], kld, note))
     vs_ref = []

@@ -153,6 +153,7 @@ def cli(
     report: str | Path | None,
     sparse: Any = None,
     weights: str = "f32",
+    attn_backend: str | None = None,
 ) -> None:
     """The body of ``kvlens lab ppl``."""
     import sys
@@ -179,6 +180,7 @@ def cli(
             step,
             sparse,
             ref,
+            attn_backend,
         )
     if json_out:
         print(dump_json(r.to_json()))
