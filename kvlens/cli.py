@@ -315,7 +315,7 @@ def bench_attention(
     shape: str = typer.Option("smollm2,8b", help="Head shapes: smollm2 (9/3, hd 64), 8b (32/8, hd 128)."),
     kv: str = typer.Option("f32,f16,q8", help="Cache modes (f32, f16, bf16, q8, q8-k, q8-v)."),
     backend: str | None = typer.Option(
-        None, help="Comma list of numba, numba-intdot, torch-sdpa, dequant-sdpa, triton (default: all here)."
+        None, help="Comma list: numba, numba-intdot, numba-int[16][:PATH], torch-sdpa, dequant-sdpa, triton."
     ),
     threads: int | None = typer.Option(None, min=1, help="numba and torch threads (default: all cores)."),
     reps: int = typer.Option(5, min=1, help="Interleaved timing rounds (min and median reported)."),

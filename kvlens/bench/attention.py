@@ -8,6 +8,9 @@ call streams its K/V from DRAM as a real decode step over many layers does.
 Backends:
     numba          the fused kernel (kvlens.kernels.cpu.decode_attention), every mode
     numba-intdot   its int8-query variant (q8 K only)
+    numba-int      integer Q·K scores through the CPU's dot-product instructions, int8 query per
+                   32-block (kvlens.kernels.cpu_int; q8 K only); numba-int16: int16 query;
+                   ``:PATH`` forces a CPU path (vnni512, vnni256, avx2, portable)
     torch-sdpa     torch scaled_dot_product_attention over the f32 cache (the baseline)
     dequant-sdpa   read the whole cache as f32 (dequantize int8 / widen f16), then SDPA: the engine's
                    torch path and what HF's quantized cache does; non-f32 modes only (for f32 it *is*
@@ -38,12 +41,13 @@ import torch
 from numba import njit, prange
 
 from ..kernels.cpu import decode_attention
+from ..kernels.cpu_int import IntAttn, decode_attention_int
 from ..kernels.gpu import decode_attention_triton  # imports triton only when called
 from ..kernels.reference import sdpa_attention
 from ..kv.cache import MODES, RowStore, parse_mode, row_bytes
 
 SHAPES: dict[str, tuple[int, int, int]] = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}  # heads, kv, hd
-CPU_BACKENDS = ("numba", "numba-intdot", "torch-sdpa", "dequant-sdpa")
+CPU_BACKENDS = ("numba", "numba-intdot", "numba-int", "numba-int16", "torch-sdpa", "dequant-sdpa")
 ALL_BACKENDS = (*CPU_BACKENDS, "triton")
 DEFAULT_LLC = 32 * 2**20
 MiB = 2**20
@@ -154,13 +158,14 @@ def build_layers(mode: str, n_layers: int, n_kv: int, ctx: int, hd: int, device:
     gen = torch.Generator().manual_seed(seed)
     k_kind, v_kind, _ = parse_mode(mode)
     kf, vf = (torch.randn(n_kv, ctx, hd, generator=gen).to(device) for _ in range(2))
-    k0, v0 = RowStore.empty(k_kind, n_kv, ctx, hd, device), RowStore.empty(v_kind, n_kv, ctx, hd, device)
+    k0 = RowStore.empty(k_kind, n_kv, ctx, hd, device, with_ksum=True)
+    v0 = RowStore.empty(v_kind, n_kv, ctx, hd, device)
     k0.write(0, kf)
     v0.write(0, vf)
     del kf, vf
 
     def clone(s: RowStore) -> RowStore:
-        return RowStore(s.kind, s.data.clone(), None if s.scale is None else s.scale.clone())
+        return RowStore(s.kind, *(None if t is None else t.clone() for t in (s.data, s.scale, s.ksum)))
 
     return [(k0, v0)] + [(clone(k0), clone(v0)) for _ in range(n_layers - 1)]
 
@@ -168,6 +173,9 @@ def build_layers(mode: str, n_layers: int, n_kv: int, ctx: int, hd: int, device:
 def make_call(backend: str, layers, q: torch.Tensor, ctx: int) -> Callable[[int], object] | None:
     """A ``call(i)`` running ``backend`` over layer ``i``, or None where it does not apply."""
     kinds, q3 = (layers[0][0].kind, layers[0][1].kind), q[:, None, :]
+    spec = IntAttn.parse(backend)
+    if spec is not None:
+        return (lambda i: decode_attention_int(q, *layers[i], ctx, spec=spec)) if kinds[0] == "q8" else None
     calls = {
         "numba": lambda i: decode_attention(q, *layers[i], ctx),
         "numba-intdot": lambda i: decode_attention(q, *layers[i], ctx, int_dot=True),
@@ -238,7 +246,7 @@ def run_attention_bench(
     tdev = triton_device()
     if backends is None:
         backends = list(CPU_BACKENDS) + (["triton"] if tdev is not None and tdev.type == "cuda" else [])
-    if any(b not in ALL_BACKENDS for b in backends):
+    if any(b not in ALL_BACKENDS and IntAttn.parse(b) is None for b in backends):
         raise ValueError(f"unknown backend in {backends}; choose from {', '.join(ALL_BACKENDS)}")
     if "triton" in backends and tdev is None:
         raise ValueError("the triton backend needs triton and a CUDA device (or TRITON_INTERPRET=1)")
@@ -342,7 +350,7 @@ def machine_line(bw: dict[str, Bandwidth]) -> str:
         f"{model}, {os.cpu_count()} CPUs, LLC {llc_bytes() // MiB} MiB; threads numba {numba.get_num_threads()} "
         f"({_layer()}), torch {torch.get_num_threads()}; "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
-        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '(unset)')}\n"
+        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '(unset)')}; numba-int path {IntAttn().resolved_path()}\n"
         f"bandwidth: copy {c.copy_gb_per_s:.1f} GB/s (torch copy_, 2 x bytes), read {c.read_gb_per_s:.1f} GB/s "
         "(numba sum); '% copy' = GB/s over the copy bandwidth"
         + "".join(f"; {d} copy {b.copy_gb_per_s:.0f} GB/s" for d, b in bw.items() if d != "cpu")
