@@ -144,13 +144,13 @@ def _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, hq0, group, sc):  # pragma
             if qbits == 16:
                 sc[g, j] = np.float32(intdot.dot16(path, q16[hq].ctypes.data, k_at, hd)) * s16[hq]
                 continue
-            v = intdot.dot8(path, qu[hq].ctypes.data, q8[hq].ctypes.data, k_at, ls[hq].ctypes.data, hd)
-            if shifted:  # sum (q+128) k - 128 sum k, block by block with the block's scale
-                corr = np.float32(0.0)
-                for b in range(bs.shape[1]):
-                    corr += bs[hq, b] * np.float32(ksum[h, t0 + j, b])
-                v -= np.float32(intdot.SHIFT) * corr
-            sc[g, j] = v
+            sc[g, j] = intdot.dot8(path, qu[hq].ctypes.data, q8[hq].ctypes.data, k_at, ls[hq].ctypes.data, hd)
+    if shifted and qbits == 8:  # sum (q+128) k - 128 sum k, block by block with the block's scale
+        for g in range(group):
+            for b in range(bs.shape[1]):
+                c = np.float32(intdot.SHIFT) * bs[hq0 + g, b]
+                for j in range(nt):
+                    sc[g, j] -= c * np.float32(ksum[h, t0 + j, b])
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
