@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from ..kv.blocks import SparseConfig
-from ..kv.cache import KVCache, parse_mode
+from ..kv.cache import KVCache
+from ..kv.modes import CacheOptions, KVMode
 from ..models.loader import LoadedModel, check_weights_mode, load_model
 from ..models.transformer import Transformer
 from .attention import make_attend, resolve_backend
@@ -23,34 +25,40 @@ class ContextOverflowError(ValueError):
 
 
 class LLM:
-    """A model ready to run with a given KV-cache mode (``kv``) and attention backend."""
+    """A model ready to run with a given KV-cache mode (``kv``: a name or a :class:`KVMode`), cache
+    options and attention backend."""
 
     def __init__(
         self,
         loaded: LoadedModel,
-        kv: str = "q8",
+        kv: str | KVMode = "q8",
         attn_backend: str = "auto",
-        mirror_prefill: str = "exact",
+        cache_options: CacheOptions | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         sparse: SparseConfig | None = None,
     ) -> None:
-        parse_mode(kv)  # fail early on an unknown mode
+        self.kv = KVMode.parse(kv)
+        self.cache_options = cache_options or CacheOptions()
         self.sparse = sparse  # sparse decode policy (None: dense); caches then track block bounds
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
         self.weights_mode = loaded.weights_mode
         self.model = Transformer(loaded.config, loaded.weights)
         self.device = self.model.device
-        self.kv, self.mirror_prefill, self.prefill_chunk = kv, mirror_prefill, prefill_chunk
+        self.prefill_chunk = prefill_chunk
         self.attn_backend = resolve_backend(attn_backend, self.device)
 
     # -- cache and forward -------------------------------------------------------------------
-    def new_cache(self, capacity: int, kv: str | None = None, **options) -> KVCache:
+    def new_cache(
+        self, capacity: int, kv: str | KVMode | None = None, options: CacheOptions | None = None
+    ) -> KVCache:
+        """An empty cache for ``capacity`` positions: mode ``kv`` (default: the engine's) and ``options``
+        (default: the engine's). With sparse decode on, the cache tracks block bounds."""
+        mode = self.kv if kv is None else KVMode.parse(kv)
+        options = self.cache_options if options is None else options
+        if self.sparse is not None and not options.track_blocks:
+            options = dataclasses.replace(options, track_blocks=True)
         cfg = self.config
-        options.setdefault("mirror_prefill", self.mirror_prefill)
-        options.setdefault("track_blocks", self.sparse is not None)
-        return KVCache(
-            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, kv or self.kv, self.device, **options
-        )
+        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, mode, self.device, options)
 
     def check_fits(self, n_tokens: int) -> None:
         if n_tokens > self.config.max_ctx:
@@ -81,7 +89,7 @@ class LLM:
             if not hasattr(self, name):
                 raise AttributeError(f"LLM has no setting {name!r}")
             setattr(other, name, value)
-        parse_mode(other.kv)
+        other.kv = KVMode.parse(other.kv)
         other.attn_backend = resolve_backend(other.attn_backend, other.device)
         return other
 
@@ -109,11 +117,15 @@ class LLM:
 
     @torch.inference_mode()
     def logits(
-        self, ids: list[int], kv: str | None = None, prefill_chunk: int | None = None, **cache_options
+        self,
+        ids: list[int],
+        kv: str | KVMode | None = None,
+        prefill_chunk: int | None = None,
+        options: CacheOptions | None = None,
     ) -> torch.Tensor:
         """Logits [len(ids), vocab] for a fresh cache, prefilling in chunks of ``prefill_chunk``."""
         self.check_fits(len(ids))
-        cache = self.new_cache(len(ids), kv, **cache_options)
+        cache = self.new_cache(len(ids), kv, options)
         out: list[torch.Tensor] = []
         self.prefill(ids, cache, prefill_chunk, on_hidden=lambda _s, h: out.append(self.model.logits(h)))
         return torch.cat(out)
@@ -211,10 +223,10 @@ class LLM:
 
 def load(
     model: str | Path = "smollm2",
-    kv: str = "q8",
+    kv: str | KVMode = "q8",
     device: str | None = None,
     attn_backend: str = "auto",
-    mirror_prefill: str = "exact",
+    cache_options: CacheOptions | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     weights: str | None = None,
     sparse: SparseConfig | None = None,
@@ -224,8 +236,8 @@ def load(
     ``weights``: f32, bf16, int8 or int4 (kept quantized); None/"auto" = closest to the file's
     own precision for a GGUF (SmolLM2 Q4_1: int4 layers, int8 embedding/head), f32 otherwise.
     """
-    parse_mode(kv)
+    kv = KVMode.parse(kv)  # fail before the (slow) load
     check_weights_mode(weights or "auto")
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(model, dev, weights=weights or "auto")
-    return LLM(loaded, kv, attn_backend, mirror_prefill, prefill_chunk, sparse)
+    return LLM(loaded, kv, attn_backend, cache_options, prefill_chunk, sparse)
