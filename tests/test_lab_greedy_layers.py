@@ -11,7 +11,7 @@ import torch
 
 from kvlens.kv.modes import MODES
 from kvlens.lab.greedy import compare, cut_prompts, first_divergence, greedy_continuation, run_greedy
-from kvlens.lab.layers import capture_all, channel_ratio, flag_heads, run_layers
+from kvlens.lab.layers import channel_ratio, flag_heads, run_layers
 
 EXCERPT = Path(__file__).parent / "data" / "excerpt.txt"
 
@@ -107,11 +107,11 @@ def test_layers_f32_exact_q8_not_and_mirror_decode_reads_int8(smol_f32, text) ->
 
 
 @pytest.mark.slow
-def test_capture_all_matches_capture_qkv(smol_f32, text) -> None:
+def test_capture_of_one_layer_equals_that_layer_of_a_whole_capture(smol_f32, text) -> None:
     ids = smol_f32.tokenizer.encode(text)[:20]
     layer = smol_f32.config.n_layers // 2
-    q, k, v = smol_f32.capture_qkv(ids, layer)
-    q2, k2, v2 = capture_all(smol_f32, ids)[layer]
+    ((q, k, v),) = smol_f32.capture_qkv(ids, [layer])
+    q2, k2, v2 = smol_f32.capture_qkv(ids)[layer]
     assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
 
 

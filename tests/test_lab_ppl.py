@@ -80,15 +80,14 @@ class _FakeLLM:
     (``wshift``: what the fake's weights add)."""
 
     def __init__(self, add_bos: bool, weights: str = "f32", wshift: float = 0.0) -> None:
-        self.tokenizer = SimpleNamespace(bos_id=7, add_bos=add_bos, encode=self._encode)
+        self.tokenizer = SimpleNamespace(bos_prefix=[7] if add_bos else [], encode=self._encode)
         self.config = SimpleNamespace(name="fake")
-        self.model = SimpleNamespace(logits=self._logits)
         self.weights_mode, self.wshift = weights, wshift
         self.seen: list[tuple[str, int, list[int]]] = []
 
     def _encode(self, text: str) -> list[int]:
         ids = [int(t) for t in text.split()]
-        return [7, *ids] if self.tokenizer.add_bos else ids
+        return self.tokenizer.bos_prefix + ids
 
     def check_fits(self, n: int) -> None:
         pass
@@ -104,7 +103,7 @@ class _FakeLLM:
             on_hidden(s, torch.arange(s, s + n, dtype=torch.float64)[:, None] + shift)
 
     @staticmethod
-    def _logits(h: torch.Tensor) -> torch.Tensor:
+    def lm_head(h: torch.Tensor) -> torch.Tensor:
         return torch.cat([h, torch.zeros(h.shape[0], 3, dtype=h.dtype)], dim=1)
 
 

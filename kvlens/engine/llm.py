@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from ..kv.blocks import SparseConfig
 from ..kv.cache import KVCache
-from ..kv.modes import CacheOptions, KVMode
+from ..kv.modes import MODES, CacheOptions, KVMode
 from ..models.loader import LoadedModel, check_weights_mode, load_model
 from ..models.transformer import Transformer
 from .attention import make_attend, resolve_backend
@@ -82,6 +82,10 @@ class LLM:
         attend = make_attend(cache, prefill, backend or self.attn_backend, self.config.sliding_window, sparse)
         return self.model.forward(ids, start, attend)
 
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] of final hidden states [n, hidden] (what :meth:`forward` returns)."""
+        return self.model.logits(hidden)
+
     def variant(self, **changes) -> LLM:
         """The same loaded model with other engine settings (kv, sparse, attn_backend, ...), weights shared."""
         other = copy.copy(self)
@@ -113,7 +117,7 @@ class LLM:
             hidden = self.forward(ids[s : s + chunk], cache, start + s, prefill=True)
             if on_hidden is not None:
                 on_hidden(start + s, hidden)
-        return self.model.logits(hidden[-1:])[0]
+        return self.lm_head(hidden[-1:])[0]
 
     @torch.inference_mode()
     def logits(
@@ -127,7 +131,7 @@ class LLM:
         self.check_fits(len(ids))
         cache = self.new_cache(len(ids), kv, options)
         out: list[torch.Tensor] = []
-        self.prefill(ids, cache, prefill_chunk, on_hidden=lambda _s, h: out.append(self.model.logits(h)))
+        self.prefill(ids, cache, prefill_chunk, on_hidden=lambda _s, h: out.append(self.lm_head(h)))
         return torch.cat(out)
 
     # -- generation --------------------------------------------------------------------------
@@ -139,11 +143,13 @@ class LLM:
         sampling: SamplingParams | None = None,
         stop_at_eos: bool = True,
         cache: KVCache | None = None,
+        prefill_chunk: int | None = None,
     ) -> Iterator[int]:
-        """Yield new token ids one by one: chunked prefill, then one-token decode steps."""
+        """Yield new token ids one by one: chunked prefill (chunks of ``prefill_chunk``, default the
+        engine's), then one-token decode steps; ``cache`` defaults to a fresh one of the engine's mode."""
         self.check_fits(len(prompt_ids) + max_new_tokens)
         cache = cache or self.new_cache(len(prompt_ids) + max_new_tokens)
-        logits = self.prefill(prompt_ids, cache)
+        logits = self.prefill(prompt_ids, cache, prefill_chunk)
         yield from self.decode(cache, logits, len(prompt_ids), max_new_tokens, sampling, stop_at_eos)
 
     @torch.inference_mode()
@@ -165,7 +171,7 @@ class LLM:
             if (stop_at_eos and tok in self.tokenizer.eos_ids) or i == max_new_tokens - 1:
                 return
             hidden = self.forward([tok], cache, pos, prefill=False)
-            logits = self.model.logits(hidden)[0]
+            logits = self.lm_head(hidden)[0]
             pos += 1
 
     def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
@@ -203,22 +209,28 @@ class LLM:
 
     # -- lab hooks ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture_qkv(self, ids: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Exact post-RoPE Q [H, n, d], K and V [KV, n, d] of one layer for a prompt (f32 cache)."""
-        if not 0 <= layer < self.config.n_layers:
-            raise ValueError(f"layer {layer} out of range: the model has {self.config.n_layers} layers")
-        cache = self.new_cache(len(ids), "f32")
-        captured: dict[str, torch.Tensor] = {}
+    def capture_qkv(
+        self, ids: list[int], layers: Sequence[int] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Exact post-RoPE (Q [H, n, d], K [KV, n, d], V [KV, n, d]) of each of ``layers`` (default:
+        every layer), in that order, from one forward pass of the prompt through an f32 cache."""
+        n_layers = self.config.n_layers
+        wanted = list(range(n_layers)) if layers is None else [int(i) for i in layers]
+        for i in wanted:
+            if not 0 <= i < n_layers:
+                raise ValueError(f"layer {i} out of range: the model has {n_layers} layers")
+        self.check_fits(len(ids))
+        cache = self.new_cache(len(ids), MODES["f32"], CacheOptions())
         inner = make_attend(cache, True, "torch", self.config.sliding_window)
+        captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-            if i == layer:
-                captured.update(q=q.clone(), k=k.clone(), v=v.clone())
+            if i in wanted:
+                captured[i] = (q.clone(), k.clone(), v.clone())
             return inner(i, q, k, v, start)
 
-        self.check_fits(len(ids))
-        self.model.forward(torch.as_tensor(ids, device=self.device), 0, attend)
-        return captured["q"], captured["k"], captured["v"]
+        self.model.forward(torch.as_tensor(ids, dtype=torch.long, device=self.device), 0, attend)
+        return [captured[i] for i in wanted]
 
 
 def load(

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from ..engine.llm import LLM
 from ..kv.modes import MODES, CacheOptions, KVMode
 from .report import md_table, model_name, parse_modes
 
@@ -49,29 +49,20 @@ def cut_prompts(ids: list[int], n: int, length: int, bos_id: int | None = None) 
     return prompts
 
 
-@torch.inference_mode()
 def greedy_continuation(
-    llm: Any,
+    llm: LLM,
     prompt: list[int],
     n_tokens: int,
     kv: str | KVMode,
     prefill_chunk: int,
     options: CacheOptions | None = None,
 ) -> list[int]:
-    """``n_tokens`` greedy tokens (EOS does not stop: both sides always have n_tokens to compare)."""
-    llm.check_fits(len(prompt) + n_tokens)
+    """``n_tokens`` greedy tokens from the engine's generation loop through a fresh ``kv`` cache (EOS
+    does not stop: both sides always have n_tokens to compare)."""
     cache = llm.new_cache(len(prompt) + n_tokens, kv, options)
-    logits = llm.prefill(prompt, cache, prefill_chunk)
-    out: list[int] = []
-    pos = len(prompt)
-    for i in range(n_tokens):
-        tok = int(logits.argmax())
-        out.append(tok)
-        if i == n_tokens - 1:
-            break
-        logits = llm.model.logits(llm.forward([tok], cache, pos, prefill=False))[0]
-        pos += 1
-    return out
+    return list(
+        llm.generate_ids(prompt, n_tokens, stop_at_eos=False, cache=cache, prefill_chunk=prefill_chunk)
+    )
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -150,7 +141,7 @@ def weights_label(r: GreedyResult, m: GreedyMode, short: bool = False) -> str:
 
 
 def run_greedy(
-    llm: Any,
+    llm: LLM,
     text: str,
     modes: list[str | KVMode] | str = "q8",
     base: str | KVMode = "f32",
@@ -163,7 +154,7 @@ def run_greedy(
     corpus_label: str = "",
     on_step: Any = None,
     sparse: Any = None,
-    ref_llm: Any = None,
+    ref_llm: LLM | None = None,
 ) -> GreedyResult:
     """Greedy continuations of prompts cut from ``text`` under ``base`` and each mode; with ``ref_llm``
     (the model with f32 weights, ``llm`` having others) also under f32 weights + f32 KV, compared with
@@ -172,7 +163,7 @@ def run_greedy(
     if n_tokens < 1:
         raise ValueError(f"--tokens must be at least 1 (got {n_tokens})")
     tok = llm.tokenizer
-    bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
+    bos = tok.bos_prefix[0] if tok.bos_prefix else None
     prompts = cut_prompts(tok.encode(text, add_bos=False), n_prompts, prompt_len, bos)
     test_options = CacheOptions(keep_sink=keep_sink, keep_recent=keep_recent)
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """``kvlens lab layers``: per layer and KV head, how much a KV mode changes the attention output.
 
 Real Q/K/V come from one exact (f32) forward pass over a corpus window (every layer captured in the
-same pass through an ``attend`` callback, like ``LLM.capture_qkv``). For each mode, K/V go through a
+same pass, :meth:`~kvlens.engine.llm.LLM.capture_qkv`). For each mode, K/V go through a
 real :class:`~kvlens.kv.cache.KVCache` of that mode (write, then read: one quantizer implementation)
 and the causal attention output of ``reference_attention`` in float64 is compared with the exact one:
 
@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engine.attention import make_attend
+from ..engine.llm import LLM
 from ..kernels.reference import reference_attention
-from ..kv.modes import MODES, CacheOptions, KVMode, StoreKind
+from ..kv.modes import CacheOptions, KVMode, StoreKind
 from .ppl import make_chunks
 from .report import md_table, model_name, parse_modes
 
@@ -34,24 +34,8 @@ OUTLIER_FACTOR = 2.0  # channel ratio this many times the model-wide median = "o
 SINK_WEIGHT = 0.5  # mean attention on position 0 at or above this = "attention sink"
 
 
-@torch.inference_mode()
-def capture_all(llm: Any, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Exact post-RoPE (Q [H, n, d], K [KV, n, d], V [KV, n, d]) of every layer, one forward pass."""
-    llm.check_fits(len(ids))
-    cache = llm.new_cache(len(ids), MODES["f32"])
-    inner = make_attend(cache, True, "torch", llm.config.sliding_window)
-    captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-        captured.append((q.clone(), k.clone(), v.clone()))
-        return inner(i, q, k, v, start)
-
-    llm.model.forward(torch.as_tensor(ids, dtype=torch.long, device=llm.device), 0, attend)
-    return captured
-
-
 def stored_kv(
-    llm: Any, qkv: list, mode: KVMode, options: CacheOptions | None = None
+    llm: LLM, qkv: list, mode: KVMode, options: CacheOptions | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """K/V of every layer as a ``mode`` cache returns them after writing the exact rows (decode view)."""
     n = qkv[0][1].shape[1]
@@ -150,7 +134,7 @@ class LayersResult:
 
 @torch.inference_mode()
 def run_layers(
-    llm: Any,
+    llm: LLM,
     text: str,
     modes: list[str | KVMode] | str = "q8",
     ctx: int = 512,
@@ -165,8 +149,7 @@ def run_layers(
     t0 = time.perf_counter()
     modes = parse_modes(modes)
     tok = llm.tokenizer
-    bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
-    windows = make_chunks(tok.encode(text), ctx, n_windows, bos)
+    windows = make_chunks(tok.encode(text), ctx, n_windows, tok.bos_prefix[0] if tok.bos_prefix else None)
     cfg = llm.config
     n_l, n_kv = cfg.n_layers, cfg.n_kv_heads
     group = cfg.n_heads // n_kv
@@ -176,7 +159,7 @@ def run_layers(
     k_ratio, v_ratio, sink = (np.zeros((n_l, n_kv)) for _ in range(3))
     options = CacheOptions(keep_sink=keep_sink, keep_recent=keep_recent)
     for ids in windows:
-        qkv = capture_all(llm, ids)
+        qkv = llm.capture_qkv(ids)
         stored = {m: stored_kv(llm, qkv, m, options) for m in modes}
         n = len(ids)
         pos = torch.arange(n, device=llm.device)

@@ -40,7 +40,7 @@ def build_prompt(llm: LLM, filler_ids: list[int], ctx: int, depth: float, secret
     tok = llm.tokenizer
     fact = tok.encode(f" The special magic number is {secret}. Remember it: {secret}. ", add_bos=False)
     question = tok.encode(QUESTION, add_bos=False)
-    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    bos = tok.bos_prefix
     n_filler = ctx - len(fact) - len(question) - len(bos)
     if n_filler < 16:
         raise ValueError(

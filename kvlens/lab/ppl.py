@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..engine.llm import LLM
 from ..kv.modes import MODES, CacheOptions, KVMode
 from .report import model_name, parse_modes
 from .stats import summarize
@@ -72,7 +73,7 @@ def scored_span(ctx: int) -> tuple[int, int]:
 
 @torch.inference_mode()
 def scored_logits(
-    llm: Any,
+    llm: LLM,
     chunk: list[int],
     kv: KVMode,
     prefill_chunk: int,
@@ -97,7 +98,7 @@ def scored_logits(
         )
         for pos in range(first + 1, end):
             kept.append(llm.forward([chunk[pos]], cache, pos, prefill=False))
-        return llm.model.logits(torch.cat(kept))
+        return llm.lm_head(torch.cat(kept))
 
     def keep(start: int, hidden: torch.Tensor) -> None:
         lo, hi = max(first - start, 0), min(end - start, hidden.shape[0])
@@ -105,7 +106,7 @@ def scored_logits(
             kept.append(hidden[lo:hi])
 
     llm.prefill(chunk, cache, prefill_chunk, on_hidden=keep)
-    return llm.model.logits(torch.cat(kept))
+    return llm.lm_head(torch.cat(kept))
 
 
 class BaseLogProbs:
@@ -221,7 +222,7 @@ def _summarize(acc: dict[str, list[np.ndarray]]) -> tuple[dict[str, float], np.n
 
 
 def run_ppl(
-    llm: Any,
+    llm: LLM,
     text: str,
     ctx: int = 512,
     modes: list[str | KVMode] | str = "q8",
@@ -233,7 +234,7 @@ def run_ppl(
     corpus_label: str = "",
     on_step: Any = None,
     sparse: Any = None,
-    ref_llm: Any = None,
+    ref_llm: LLM | None = None,
 ) -> PplResult:
     """Score ``text`` under ``base`` and every mode of ``modes`` (one model, chunk-outer loop so each
     chunk's base logits are computed once). ``on_step(label)`` is called after every forward.
@@ -247,7 +248,7 @@ def run_ppl(
     if keep_sink < 0 or keep_recent < 0:
         raise ValueError("--keep-sink / --keep-recent must be >= 0")
     tok = llm.tokenizer
-    bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
+    bos = tok.bos_prefix[0] if tok.bos_prefix else None
     ids = tok.encode(text)  # whole text at once; BOS first where the tokenizer adds one
     chunks = make_chunks(ids, ctx, n_chunks, bos)
     llm.check_fits(ctx)
