@@ -72,12 +72,14 @@ def generate(
     """Generate text, streaming it as it is produced."""
     import kvlens
 
+    from .kv.modes import CacheOptions
+
     llm = kvlens.load(
         model,
         kv=kv,
         device=device,
         attn_backend=attn_backend,
-        mirror_prefill=mirror_prefill,
+        cache_options=CacheOptions(mirror_prefill=mirror_prefill),
         prefill_chunk=prefill_chunk,
         weights=weights,
         sparse=_sparse_policy(sparse, sparse_budget, sparse_dense_layers, sparse_min_ctx),

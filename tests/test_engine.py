@@ -6,6 +6,8 @@ import pytest
 import torch
 from conftest import PROMPTS
 
+from kvlens.kv.modes import CacheOptions
+
 pytestmark = pytest.mark.slow
 
 
@@ -56,8 +58,8 @@ def test_greedy_paris_every_mode(smol_loaded, kv):
 def test_mirror_prefill_reads_exact_history(smol_f32):
     ids = smol_f32.tokenizer.encode(PROMPTS[0])
     f32 = smol_f32.logits(ids, prefill_chunk=2)
-    exact = smol_f32.logits(ids, kv="q8+mirror", prefill_chunk=2, mirror_prefill="exact")
-    q8rows = smol_f32.logits(ids, kv="q8+mirror", prefill_chunk=2, mirror_prefill="q8")
+    exact = smol_f32.logits(ids, "q8+mirror", 2, CacheOptions(mirror_prefill="exact"))
+    q8rows = smol_f32.logits(ids, "q8+mirror", 2, CacheOptions(mirror_prefill="q8"))
     q8 = smol_f32.logits(ids, kv="q8", prefill_chunk=2)
     assert (exact - f32).abs().max().item() < 1e-5  # prefill never touched the int8 rows
     assert torch.equal(q8rows, q8)
