@@ -10,6 +10,13 @@ Attention of one query over n keys, computed in f32 from f32 (or exactly represe
 * output: a convex combination of V rows, so the error is (2δ + (n + c)·u) · max|v| plus the
   weighted sum's own rounding, n·u·max|v|.
 
+A whole f32 forward pass against a float64 one (f32_forward_tol): a dot product of length K has a
+rounding error of about sqrt(K)·u relative to Σ|x w| (the probabilistic bound of Higham & Mary, 2019,
+which any summation order obeys); each layer adds its matmuls' errors to the residual stream and
+the L layers add up, so |logits_f32 - logits_f64| ≲ L · sqrt(K) · u · max|logits| with K the longest
+inner dimension (the FFN width). That holds on any SIMD width; a wrong position, mask, scale or
+rounding rule moves logits by far more (0.1 and up).
+
 The helpers return that worst case; tests use it with a headroom factor (the worst case is far from
 typical, but it does not depend on which SIMD width the CPU has, so it holds on any x86-64).
 """
@@ -39,3 +46,9 @@ def attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     delta = 2 * d * U32 * abs_scores.amax(1)  # score error
     v_max = vv.abs().amax((1, 2))
     return ((2 * delta + 2 * (n + 16) * U32) * v_max)[:, None]
+
+
+def f32_forward_tol(cfg, ref: torch.Tensor) -> float:
+    """Tolerance of an f32 forward pass of the model ``cfg`` against its float64 result ``ref``."""
+    k = max(cfg.hidden, cfg.ffn, cfg.n_heads * cfg.head_dim)
+    return cfg.n_layers * math.sqrt(k) * U32 * ref.abs().max().item()
