@@ -95,7 +95,8 @@ class ModelConfig:
             raise ModelLoadError(f"inconsistent model config: {e}") from None
 
     def _label(self, name: str) -> str:
-        return f"{name} ({self.keys[name]})" if name in self.keys else name
+        key = self.keys.get(name, name)
+        return name if key == name else f"{name} ({key})"
 
     def _check(self) -> None:
         for name in _COUNTS:

@@ -109,7 +109,8 @@ def open_gguf(path: str | Path) -> tuple[Any, dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"model file not found: {path}")
-    check_readable(path)
+    if check_readable(path).stat().st_size == 0:
+        raise ModelLoadError(f"{path} is empty (0 bytes); not a GGUF file")
     try:
         reader = gguf.GGUFReader(path)
         return reader, read_metadata(reader)
