@@ -333,6 +333,35 @@ def lab_needle(
     cli(model, corpus, kv, parse_sizes(ctx), depth, sparse, sparse_budget, dense_layers, seed, plot, json_out)
 
 
+# == lab sweep / sweep-report (kvlens.lab.sweep, .sweep_report) ==
+@lab_app.command("sweep")
+def lab_sweep(
+    spec: str = typer.Argument(..., help="Sweep spec (TOML): see docs/sweep/README.md."),
+    db: str | None = typer.Option(None, help="Results store, SQLite (default: SPEC with suffix .sqlite)."),
+    workers: int | None = typer.Option(None, min=0, help="Local worker processes (0: in-process)."),
+    threads: int | None = typer.Option(None, min=1, help="Torch threads per cell (default: cores/workers)."),
+    ray: bool = typer.Option(False, "--ray", help="Run the cells as Ray tasks (local Ray)."),
+    ray_address: str | None = typer.Option(None, help="Ray cluster address (implies --ray)."),
+    force: bool = typer.Option(False, "--force", help="Redo cells already done."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+) -> None:
+    """Run a spec's grid of lab cells into a SQLite store; rerunning resumes (done cells are skipped)."""
+    from .lab.sweep import cli
+
+    cli(spec, db, workers, threads, ray, ray_address, force, quiet)
+
+
+@lab_app.command("sweep-report")
+def lab_sweep_report(
+    db: str = typer.Argument(..., help="A sweep's results store."),
+    out: str = typer.Option(..., help="Directory for the Markdown report and PNG plots."),
+) -> None:
+    """Markdown + PNG report of a sweep store: accuracy/memory frontier, KLD vs context, K vs V."""
+    from .lab.sweep_report import cli
+
+    cli(db, out)
+
+
 # == bench attention / decode (kvlens.bench) ==
 @bench_app.command("attention")
 def bench_attention(
