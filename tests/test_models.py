@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import gguf
 import numpy as np
 import pytest
 import torch
+from bounds import f32_forward_tol
 from tiny_models import write_gguf, write_hf
 
 import kvlens
@@ -22,9 +25,13 @@ def tiny(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(arch)
     hf = write_hf(arch, root / "hf")
     gguf_path = write_gguf(hf, arch, root / f"{arch}.gguf")
+    return arch, root / "hf", gguf_path, float64_logits(hf, IDS), hf
+
+
+def float64_logits(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' logits in float64 (a copy of the model): the reference for our f32 forward."""
     with torch.no_grad():
-        ref = hf(torch.tensor([IDS])).logits[0]
-    return arch, root / "hf", gguf_path, ref, hf
+        return copy.deepcopy(hf).double()(torch.tensor([ids])).logits[0]
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
@@ -33,7 +40,7 @@ def test_tiny_logits_match_transformers(tiny, fmt):
     llm = kvlens.load(hf_dir if fmt == "safetensors" else gguf_path, kv="f32", attn_backend="torch")
     assert llm.config.arch == ("llama" if fmt == "gguf" and arch == "mistral" else arch)
     out = llm.logits(IDS, prefill_chunk=5)
-    assert (out - ref).abs().max().item() < 1e-4
+    assert (out.double() - ref).abs().max().item() <= f32_forward_tol(llm.config, ref)
 
 
 def test_tiny_greedy_matches_transformers(tiny):
@@ -45,6 +52,23 @@ def test_tiny_greedy_matches_transformers(tiny):
         ]
     ours = list(llm.generate_ids(IDS[:4], 6, stop_at_eos=False))
     assert ours == ref.tolist()
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_sliding_window_matches_transformers(tmp_path, backend):
+    """Mistral with a window of 4 over 12 tokens: chunked prefill and token-by-token decode."""
+    window = 4
+    hf = write_hf("mistral", tmp_path / "hf", sliding_window=window)
+    ref = float64_logits(hf, IDS)
+    llm = kvlens.load(tmp_path / "hf", kv="f32", attn_backend=backend)
+    assert llm.config.sliding_window == window
+    tol = f32_forward_tol(llm.config, ref)
+    cache = llm.new_cache(len(IDS))
+    steps = [llm.model.logits(llm.forward([t], cache, i, prefill=i == 0)) for i, t in enumerate(IDS)]
+    for out in (llm.logits(IDS, prefill_chunk=5), torch.cat(steps)):
+        assert (out.double() - ref).abs().max().item() <= tol
+    hf.config.sliding_window = None  # the window is exercised: full causal attention differs
+    assert (float64_logits(hf, IDS)[window:] - ref[window:]).abs().max().item() > 100 * tol
 
 
 def test_sharded_index_was_used(tiny):
