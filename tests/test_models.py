@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from bounds import f32_forward_tol
+from ggml_blocks import BLOCK_BYTES, dequantize_blocks
 from tiny_models import write_gguf, write_hf
 
 import kvlens
@@ -93,24 +94,30 @@ def test_quantized_gguf_types_load(tmp_path, qtype):
     kvlens.load(path, kv="f32")  # the whole model loads
 
 
-@pytest.mark.parametrize("qtype,block_bytes", [("Q4_K", 144), ("Q5_K", 176), ("Q6_K", 210)])
-def test_k_quant_tensors_decode(qtype, block_bytes):
-    """K-quants (no quantizer in gguf-py): random blocks decode like llama.cpp's reference decoder."""
+@pytest.mark.parametrize("qtype", list(BLOCK_BYTES))
+def test_gguf_blocks_decode_like_the_spec(qtype):
+    """Random raw blocks of every GGML type the loader reads, against the float64 decoder written from
+    llama.cpp's spec (tests/ggml_blocks.py). f16 scales are set finite; everything else is random."""
     kind = gguf.GGMLQuantizationType[qtype]
+    size = BLOCK_BYTES[qtype]
+    values = 256 if qtype.endswith("_K") else 32
+    per_row = 512 // values  # 2 super-blocks or 16 small blocks per row
     rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, size=(4, block_bytes), dtype=np.uint8)
-    d_offset = {"Q4_K": 0, "Q5_K": 0, "Q6_K": block_bytes - 2}[qtype]
-    raw[:, d_offset : d_offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    if qtype != "Q6_K":
-        raw[:, 2:4] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    raw = rng.integers(0, 256, size=(4, per_row, size), dtype=np.uint8)
+    f16_at = {"Q6_K": [size - 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2]}.get(qtype, [0])
+    for at in f16_at:
+        scales = rng.uniform(-0.05, 0.05, size=(4, per_row)).astype(np.float16)
+        raw[:, :, at : at + 2] = scales[..., None].view(np.uint8)
+    raw = raw.reshape(4, per_row * size)
 
     class FakeTensor:  # the reader's tensor record: raw bytes, type, GGUF (reversed) shape
-        name, tensor_type, data, shape = "t", kind, raw, np.array([256, 4])
+        name, tensor_type, data, shape = "t", kind, raw, np.array([512, 4])
 
     w = dequantize_tensor(FakeTensor)
-    assert w.shape == (4, 256)
-    assert torch.isfinite(w).all() and w.abs().sum() > 0
-    assert torch.equal(w, torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(4, 256)))
+    want = dequantize_blocks(raw, qtype)
+    assert w.shape == (4, 512) and w.dtype == torch.float32
+    # llama.cpp decodes in f32: the spec's float64 value rounded once or twice (d·sc·q - dmin·m)
+    np.testing.assert_allclose(w.double().numpy(), want, rtol=2**-22, atol=2**-22 * np.abs(want).max())
 
 
 def test_truncated_gguf_is_a_clear_error(tiny, tmp_path):
