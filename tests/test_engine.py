@@ -7,6 +7,8 @@ import torch
 from bounds import f32_forward_tol
 from conftest import PROMPTS
 
+from kvlens.kv.modes import CacheOptions
+
 pytestmark = pytest.mark.slow
 
 
@@ -75,8 +77,8 @@ def test_greedy_paris_every_mode(smol_loaded, kv):
 def test_mirror_prefill_reads_exact_history(smol_f32):
     ids = smol_f32.tokenizer.encode(PROMPTS[0])
     f32 = smol_f32.logits(ids, prefill_chunk=2)
-    exact = smol_f32.logits(ids, kv="q8+mirror", prefill_chunk=2, mirror_prefill="exact")
-    q8rows = smol_f32.logits(ids, kv="q8+mirror", prefill_chunk=2, mirror_prefill="q8")
+    exact = smol_f32.logits(ids, "q8+mirror", 2, CacheOptions(mirror_prefill="exact"))
+    q8rows = smol_f32.logits(ids, "q8+mirror", 2, CacheOptions(mirror_prefill="q8"))
     q8 = smol_f32.logits(ids, kv="q8", prefill_chunk=2)
     assert torch.equal(exact, f32)  # prefill never touched the int8 rows: the same f32 rows, same ops
     assert torch.equal(q8rows, q8)
@@ -161,7 +163,10 @@ def test_kept_exact_rows_are_what_decode_reads(smol_f32, keep):
     n = len(ids)
     outs = []
     for llm, cache in (
-        (smol_f32.variant(attn_backend="numba"), smol_f32.new_cache(n + 1, kv="q8", **{keep: n + 1})),
+        (
+            smol_f32.variant(attn_backend="numba"),
+            smol_f32.new_cache(n + 1, kv="q8", options=CacheOptions(**{keep: n + 1})),
+        ),
         (smol_f32, smol_f32.new_cache(n + 1, kv="f32")),
     ):
         outs.append((llm.prefill(ids, cache), llm.forward([ids[-1]], cache, n, prefill=False)))

@@ -16,12 +16,13 @@ from kvlens.kernels.cpu import decode_attention
 from kvlens.kernels.reference import blocks_to_mask, reference_attention
 from kvlens.kv.blocks import PROBES, SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
 from kvlens.kv.cache import BLOCK, KVCache
+from kvlens.kv.modes import MODES, CacheOptions
 
 
 def filled_cache(n_kv=2, d=32, length=300, mode="q8", seed=0):
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(n_kv, length, d, generator=g), torch.randn(n_kv, length, d, generator=g)
-    c = KVCache(1, n_kv, d, length, mode, track_blocks=True)
+    c = KVCache(1, n_kv, d, length, MODES[mode], options=CacheOptions(track_blocks=True))
     for s in range(0, length, 70):  # several writes, some straddling blocks
         c.write(0, s, k[:, s : s + 70], v[:, s : s + 70])
     return c
@@ -57,7 +58,7 @@ def test_planted_key_block_is_selected(method):
     k, v = c.read(0, 640)
     pos = 11 * BLOCK + 4  # a probe position (every 4th key of a block)
     k[:, pos] = 10 * torch.sign(q)  # far above any N(0,1) key's score
-    fresh = KVCache(1, 2, 32, 640, "q8", track_blocks=True)
+    fresh = KVCache(1, 2, 32, 640, MODES["q8"], options=CacheOptions(track_blocks=True))
     fresh.write(0, 0, k, v)
     blocks = select_blocks(
         q, fresh, 0, 640, SparseConfig(method, budget=4 * BLOCK, dense_layers=0, min_ctx=0)

@@ -40,7 +40,8 @@ from numba import njit, prange
 from ..kernels.cpu import decode_attention
 from ..kernels.gpu import decode_attention_triton  # imports triton only when called
 from ..kernels.reference import sdpa_attention
-from ..kv.cache import MODES, RowStore, parse_mode, row_bytes
+from ..kv.cache import RowStore
+from ..kv.modes import MODES, KVMode, StoreKind
 
 SHAPES: dict[str, tuple[int, int, int]] = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}  # heads, kv, hd
 CPU_BACKENDS = ("numba", "numba-intdot", "torch-sdpa", "dequant-sdpa")
@@ -132,8 +133,8 @@ def measure_bandwidth(n_bytes: int = 512 * MiB, reps: int = 5, device: str = "cp
 
 
 def layer_bytes(mode: str, n_kv: int, ctx: int, hd: int) -> int:
-    k_kind, v_kind, _ = parse_mode(mode)
-    return n_kv * ctx * (row_bytes(k_kind, hd) + row_bytes(v_kind, hd))
+    m = KVMode.parse(mode)
+    return n_kv * ctx * (m.k.row_bytes(hd) + m.v.row_bytes(hd))
 
 
 def plan_layers(modes: list[str], n_kv: int, ctx: int, hd: int, llc: int, mem_gib: float) -> dict[str, int]:
@@ -152,9 +153,9 @@ def build_layers(mode: str, n_layers: int, n_kv: int, ctx: int, hd: int, device:
     One layer is written (so int8 rows are really quantized), the others are copies: the cost of a
     call depends on where the bytes are, not on their values."""
     gen = torch.Generator().manual_seed(seed)
-    k_kind, v_kind, _ = parse_mode(mode)
+    m = KVMode.parse(mode)
     kf, vf = (torch.randn(n_kv, ctx, hd, generator=gen).to(device) for _ in range(2))
-    k0, v0 = RowStore.empty(k_kind, n_kv, ctx, hd, device), RowStore.empty(v_kind, n_kv, ctx, hd, device)
+    k0, v0 = RowStore.empty(m.k, n_kv, ctx, hd, device), RowStore.empty(m.v, n_kv, ctx, hd, device)
     k0.write(0, kf)
     v0.write(0, vf)
     del kf, vf
@@ -175,8 +176,8 @@ def make_call(backend: str, layers, q: torch.Tensor, ctx: int) -> Callable[[int]
         "dequant-sdpa": lambda i: sdpa_attention(q3, layers[i][0].read(0, ctx), layers[i][1].read(0, ctx)),
         "triton": lambda i: decode_attention_triton(q, *layers[i], ctx),
     }
-    applies = {"numba-intdot": kinds[0] == "q8", "torch-sdpa": kinds == ("f32", "f32"),
-               "dequant-sdpa": kinds != ("f32", "f32")}  # fmt: skip
+    exact = kinds == (StoreKind.F32, StoreKind.F32)
+    applies = {"numba-intdot": kinds[0].quantized, "torch-sdpa": exact, "dequant-sdpa": not exact}
     return calls[backend] if applies.get(backend, True) else None
 
 
@@ -230,7 +231,7 @@ def run_attention_bench(
     """Time every (shape, ctx, mode, backend) cell; returns the rows and the bandwidths per device.
 
     ``llc`` overrides the last-level cache size the working set is sized from (tests: 1 = one layer)."""
-    bad_mode = next((m for m in modes if m not in MODES or parse_mode(m)[2]), None)
+    bad_mode = next((m for m in modes if m not in MODES or MODES[m].mirror), None)
     if bad_mode:
         raise ValueError(f"mode {bad_mode!r}: bench attention takes f32, f16, bf16, q8, q8-k, q8-v")
     if any(s not in SHAPES for s in shapes):

@@ -333,7 +333,7 @@ def cli(
 
     import kvlens
 
-    from ..kv.cache import parse_mode
+    from ..kv.modes import KVMode
     from ..lab.report import print_table
     from ..models.loader import check_weights_mode
     from .llama_cpp import find_binary
@@ -341,7 +341,7 @@ def cli(
     modes = [m for m in kv.split(",") if m]
     weight_modes = [w for w in weights.split(",") if w]
     for m in modes:
-        parse_mode(m)
+        KVMode.parse(m)
     for w in weight_modes:
         check_weights_mode(w)
     if llama_bench:

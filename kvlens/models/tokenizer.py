@@ -201,12 +201,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def bos_prefix(self) -> list[int]:
+        """What :meth:`encode` puts before the text by default: ``[bos_id]`` where the model's
+        tokenizer adds a BOS, else nothing. Every caller that builds token ids by hand uses this."""
+        return [self.bos_id] if self.add_bos and self.bos_id is not None else []
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         # add_special_tokens=False: the post-processor never adds anything; BOS is ours to add.
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
-            ids = [self.bos_id, *ids]
-        return ids
+        if add_bos is None:
+            return self.bos_prefix + ids
+        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
