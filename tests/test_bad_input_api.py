@@ -41,7 +41,7 @@ def test_token_ids_are_checked_at_every_entry(llm, ids, error, match):
         lambda: llm.logits(ids),
         lambda: llm.prefill(ids, llm.new_cache(8)),
         lambda: list(llm.generate_ids(ids, 2)),
-        lambda: llm.capture_qkv(ids, 0),
+        lambda: llm.capture_qkv(ids, [0]),
         lambda: llm.forward(ids, llm.new_cache(8), 0),
     ]
     for call in calls:
@@ -65,9 +65,11 @@ def test_counts_and_layers(llm):
         list(llm.generate_ids([1, 2], 1.5))
     assert list(llm.generate_ids([1, 2], 0)) == []
     with pytest.raises(ValueError, match="layer must be ≤ 1, got 2"):
-        llm.capture_qkv([1, 2], 2)
+        llm.capture_qkv([1, 2], [0, 2])
     with pytest.raises(TypeError, match="layer must be an integer, got bool"):
-        llm.capture_qkv([1, 2], True)
+        llm.capture_qkv([1, 2], [True])
+    with pytest.raises(TypeError, match="layers must be a sequence of layer indices, got int"):
+        llm.capture_qkv([1, 2], 1)
     with pytest.raises(ValueError, match="chunk must be ≥ 1, got 0"):
         llm.prefill([1, 2], llm.new_cache(4), chunk=0)
     with pytest.raises(ValueError, match="prefill_chunk must be ≥ 1"):

@@ -227,6 +227,8 @@ class LLM:
         """Exact post-RoPE (Q [H, n, d], K [KV, n, d], V [KV, n, d]) of each of ``layers`` (default:
         every layer), in that order, from one forward pass of the prompt through an f32 cache."""
         n_layers = self.config.n_layers
+        if layers is not None and not isinstance(layers, Sequence):
+            raise TypeError(f"layers must be a sequence of layer indices, got {type(layers).__name__}")
         wanted = list(range(n_layers)) if layers is None else list(layers)
         for i in wanted:
             check_int(i, "layer", minimum=0, maximum=n_layers - 1)
