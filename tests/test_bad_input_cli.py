@@ -235,3 +235,28 @@ def test_budget_option_takes_finite_positive_numbers_only(value):
     else:
         with pytest.raises(typer.BadParameter):
             cli_args.budget_option(value)
+
+
+def test_output_paths_and_empty_prompt_are_refused_before_the_run(monkeypatch, capsys, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = [
+        (["lab", "ppl", "--report", str(a_file)], "--report", "exists and is not a directory"),
+        (["lab", "greedy", "--report", str(a_file / "sub")], "--report", "is not a directory"),
+        (["lab", "unit", "--plot", str(tmp_path)], "--plot", "exists and is a directory"),
+        (["lab", "needle", "--plot", str(a_file / "x.png")], "--plot", "is not a directory"),
+        (["generate", ""], "prompt", "the prompt is empty"),
+    ]
+    for args, option, needle in cases:
+        code, out, err = run_main(monkeypatch, capsys, *args)
+        assert code == 2 and out == "" and "Traceback" not in err, err
+        assert f"Invalid value for '{option}'" in err and needle in " ".join(err.replace("│", "").split()), (
+            err
+        )
+
+
+def test_corpus_that_is_not_a_file_is_called_so(tmp_path):
+    from kvlens.lab.corpus import CorpusError, load_corpus
+
+    with pytest.raises(CorpusError, match="is not a regular file"):
+        load_corpus(str(tmp_path))
