@@ -164,3 +164,21 @@ def test_kv_cache_checks_what_it_is_given():
         cache.write(1, 0, rows, rows[:, :2])
     with pytest.raises(TypeError, match="v must be a floating-point tensor"):
         cache.write(1, 0, rows, rows.to(torch.int8))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"budget": math.inf}, ValueError, "the sparse budget must be a finite number"),
+        ({"budget": math.nan}, ValueError, "the sparse budget must be a finite number"),
+        ({"budget": 0}, ValueError, "the sparse budget must be > 0"),
+        ({"budget": "1k"}, TypeError, "the sparse budget must be a number"),
+        ({"dense_layers": -1}, ValueError, "dense_layers must be ≥ 0"),
+        ({"min_ctx": 1.5}, TypeError, "min_ctx must be an integer"),
+    ],
+)
+def test_sparse_config(kwargs, error, match):
+    from kvlens.kv.blocks import SparseConfig
+
+    with pytest.raises(error, match=match):
+        SparseConfig(**kwargs)
