@@ -1,8 +1,9 @@
 """The ``kvlens`` command: generate, lab experiments and benchmarks.
 
-Commands stay thin: parse options, call the engine or the lab, print. User errors (bad files,
-unknown modes, over-long prompts, NaN/Inf) become one ``error: …`` line and exit code 2;
-set KVLENS_DEBUG=1 to see the traceback.
+Commands stay thin: parse options, call the engine or the lab, print. Option values are checked
+at parse time (:mod:`kvlens.cli_args`: a usage error, exit 2); :func:`main` turns any exception a
+command raises into one ``error: …`` line: exit 2 for bad input (files, modes, over-long prompts,
+NaN/Inf), 1 for a kvlens failure, 130 for Ctrl-C. ``--debug`` (or KVLENS_DEBUG=1) adds the traceback.
 """
 
 from __future__ import annotations
