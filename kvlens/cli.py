@@ -16,6 +16,7 @@ import typer
 from . import cli_args
 from .cli_args import parse_sizes
 from .engine.attention import BACKENDS
+from .kernels.threads import set_threads
 
 app = typer.Typer(
     add_completion=False,
@@ -400,6 +401,7 @@ def bench_attention(
     import json
 
     from .bench import attention as ba
+    from .bench.spread import LoadMeter
 
     if sparse:
         _bench_sparse(
@@ -413,27 +415,21 @@ def bench_attention(
         )
         return
 
-    _set_threads(threads)
+    set_threads(threads)
+    meter = LoadMeter()  # other processes' CPU during the run, named by the spread warnings
     rows, bw = ba.run_attention_bench(
         parse_sizes(ctx), [s for s in shape.split(",") if s], [m for m in kv.split(",") if m],
         [b for b in backend.split(",") if b] if backend else None, reps, mem_gib,
         progress=None if json_out else lambda s: typer.echo(f"  {s}", err=True),
     )  # fmt: skip
+    for line in ba.spread_warnings(rows, meter.read()):
+        typer.echo(line, err=True)
     if json_out:
         typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
         return
     ba.render(rows, bw)
     if prefill:
         ba.render_prefill("smollm2", 4096, 32, ba.time_prefill_read("smollm2", 4096, 32))
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads:
-        import numba
-        import torch
-
-        numba.set_num_threads(threads)
-        torch.set_num_threads(threads)
 
 
 def _bench_sparse(
@@ -444,7 +440,7 @@ def _bench_sparse(
 
     from .bench.sparse import run_sparse_bench
 
-    _set_threads(threads)
+    set_threads(threads)
     rows = run_sparse_bench(
         parse_sizes(ctx),
         [s for s in shape.split(",") if s],
@@ -470,7 +466,7 @@ def bench_decode(
     weights: str = typer.Option(
         "auto", help="Weight modes to compare (comma list of auto, f32, bf16, int8, int4)."
     ),
-    steps: int = typer.Option(12, min=3, help="Timed decode steps per mode and context."),
+    steps: int = typer.Option(12, min=3, help="Timed decode steps per round (5 rounds)."),
     attn_backend: str = typer.Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
     hf: bool = typer.Option(
         True, help="Also time HF transformers' generate (f32 weights; contexts ≤ --hf-max-ctx)."
