@@ -55,7 +55,7 @@ PPL = "[ppl]\nchunks = 2\n"
         (lambda s: s.replace("ctx = [64]", "ctx = [64.0]"), "sweep.ctx[0] must be an integer"),
         (lambda s: s.replace("ctx = [64]", "ctx = [true]"), "sweep.ctx[0] must be an integer"),
         (lambda s: s.replace("ctx = [64]", "ctx = [2]"), "sweep.ctx[0]: a context must be at least 4"),
-        (lambda s: s.replace("ctx = [64]", "ctx = [64, 64]"), "sweep.ctx lists 64 more than once"),
+        (lambda s: s.replace("ctx = [64]", "ctx = [64, 64]"), "sweep.ctx lists '64' more than once"),
         (lambda s: s.replace("ctx = [64]", "ctx = []"), "sweep.ctx is empty"),
         (lambda s: s + "measurements = ['perplexity']\n", "sweep.measurements[0]: unknown measurement"),
         (

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kv.cache import parse_mode
+from ..kv.modes import KVMode, StoreKind
 from .report import _figure, md_table, write_markdown
 from .store import Store
 from .sweep_spec import cell_label
@@ -148,10 +148,9 @@ def plot_kld_vs_ctx(rows: list[dict[str, Any]], path: Path) -> Path:
 
 def side(kv: str) -> str | None:
     """'K only' / 'V only' when just one of K and V is stored below f32, 'K and V' when both are."""
-    k, v, _ = parse_mode(kv)
-    if k != "f32" and v != "f32":
-        return "K and V"
-    return "K only" if k != "f32" else ("V only" if v != "f32" else None)
+    mode = KVMode.parse(kv)
+    k, v = mode.k != StoreKind.F32, mode.v != StoreKind.F32
+    return "K and V" if k and v else "K only" if k else "V only" if v else None
 
 
 def plot_k_vs_v(rows: list[dict[str, Any]], path: Path) -> Path:
