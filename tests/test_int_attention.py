@@ -25,9 +25,11 @@ from kvlens.kernels import cpu_int, intdot
 from kvlens.kernels.cpu_int import IntAttn, decode_attention_int
 from kvlens.kernels.reference import reference_attention
 from kvlens.kv.cache import KVCache, RowStore
+from kvlens.kv.modes import KVMode, StoreKind
 from kvlens.kv.quant import dequantize_q8, quantize_q8
 
 CPU = torch.device("cpu")
+Q8 = StoreKind.Q8
 HOST = intdot.host_features()
 PATH_PARAMS = [
     pytest.param(
@@ -52,8 +54,8 @@ def one_thread():
 def make_stores(n_kv, hd, length, seed, zero_rows=()):
     gen = torch.Generator().manual_seed(seed)
     cap = length + 40
-    ks = RowStore.empty("q8", n_kv, cap, hd, CPU, with_ksum=True)
-    vs = RowStore.empty("q8", n_kv, cap, hd, CPU)
+    ks = RowStore.empty(Q8, n_kv, cap, hd, CPU, with_ksum=True)
+    vs = RowStore.empty(Q8, n_kv, cap, hd, CPU)
     for s in (ks, vs):
         rows = torch.randn(n_kv, length, hd, generator=gen) * torch.rand(n_kv, length, 1, generator=gen) * 4
         rows[:, list(zero_rows)] = 0.0
@@ -161,7 +163,7 @@ def test_shift_correction_is_exact_in_integers(path, data, hd):
     )
     q = np.array(data.draw(codes), np.int8)
     k_rows = torch.tensor([data.draw(codes)], dtype=torch.float32)[None]  # [1, 1, hd]
-    store = RowStore.empty("q8", 1, 32, hd, CPU, with_ksum=True)
+    store = RowStore.empty(Q8, 1, 32, hd, CPU, with_ksum=True)
     store.write(0, k_rows)
     k = store.data[0, 0].numpy()
     exact = int(q.astype(np.int64) @ k.astype(np.int64))
@@ -174,7 +176,7 @@ def test_shift_correction_is_exact_in_integers(path, data, hd):
 
 
 def test_ksum_written_with_the_codes_and_kept_on_growth():
-    cache = KVCache(2, 2, 64, 40, mode="q8")
+    cache = KVCache(2, 2, 64, 40, KVMode.parse("q8"))
     cache.write(0, 0, torch.randn(2, 40, 64), torch.randn(2, 40, 64))
     cache.reserve(100)
     cache.write(0, 40, torch.randn(2, 5, 64), torch.randn(2, 5, 64))
@@ -228,11 +230,11 @@ def test_backend_names():
     with pytest.raises(BackendError, match="unknown integer attention path"):
         resolve_backend("numba-int:sse9", CPU)
     with pytest.raises(BackendError, match="int8 K cache"):
-        make_attend(KVCache(1, 1, 64, 8, mode="f16"), prefill=False, backend="numba-int")
+        make_attend(KVCache(1, 1, 64, 8, KVMode.parse("f16")), prefill=False, backend="numba-int")
     with pytest.raises(ValueError, match="int8 K store"):
         decode_attention_int(
             torch.zeros(2, 64),
-            RowStore.empty("f32", 1, 32, 64, CPU),
-            RowStore.empty("f32", 1, 32, 64, CPU),
+            RowStore.empty(StoreKind.F32, 1, 32, 64, CPU),
+            RowStore.empty(StoreKind.F32, 1, 32, 64, CPU),
             1,
         )

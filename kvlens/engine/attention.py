@@ -115,10 +115,10 @@ def make_attend(
     kernel = _fused_kernel(backend)
     if IntAttn.parse(backend) is not None and cache.k[0].kind != "q8":
         raise BackendError(
-            f"the {backend} backend needs an int8 K cache (kv q8, q8-k, q8+mirror), not {cache.mode}"
+            f"the {backend} backend needs an int8 K cache (kv q8, q8-k, q8+mirror), not {cache.mode.name}"
         )
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
-    use_kernel = kernel is not None and not cache.keep_sink and not cache.keep_recent and window is None
+    use_kernel = kernel is not None and not cache.options.keeps_exact and window is None
     if sparse is not None and cache.bounds is None:
         raise ValueError("sparse decode needs a cache created with track_blocks=True")
 
