@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -338,3 +339,34 @@ def test_cli_int8_weights_json_text_and_report(fake_load, tmp_path) -> None:
     text_out = CliRunner().invoke(app, args)
     assert text_out.exit_code == 0, text_out.output
     assert "cost vs f32 weights + f32 KV" in text_out.stdout and "(reference)" in text_out.stdout
+
+
+class _FakeDecodeLLM(_FakeLLM):
+    """The fake with an attention backend: ``forward`` is one decode step (logit = position + shift)."""
+
+    attn_backend = "torch"
+
+    def __init__(self) -> None:
+        super().__init__(add_bos=True)
+        self.steps: list[tuple[str, int, bool]] = []
+
+    def variant(self, **changes):
+        other = copy.copy(self)
+        other.__dict__.update(changes)
+        return other
+
+    def forward(self, ids, cache, pos, prefill):
+        self.steps.append((cache.kv, pos, prefill))
+        return torch.tensor([[pos + (0.5 if cache.kv == "q8" else 0.0)]], dtype=torch.float64)
+
+
+def test_attn_backend_scores_test_modes_as_decode_steps() -> None:
+    """--attn-backend: the test mode prefills up to the first scored position, then one decode step
+    per scored position through that backend; the base keeps its one-pass torch prefill."""
+    llm = _FakeDecodeLLM()
+    r = run_ppl(llm, " ".join(["0"] * 13), ctx=6, modes=["q8"], prefill_chunk=2, attn_backend="numba-int16")
+    assert [c[:2] for c in llm.seen] == [("f32", 6), ("q8", 2)] * 2  # base whole chunk, q8 prefix
+    assert [len(c[2]) for c in llm.seen if c[0] == "q8"] == [4, 4]  # positions 0..3 (3 = first scored)
+    assert llm.steps == [("q8", 4, False)] * 2  # position 4 as a decode step
+    assert r.modes[0].stats["ppl_q"] == pytest.approx(math.exp(np.mean([_nll0(3.5), _nll0(4.5)])), rel=1e-12)
+    assert "numba-int16" in r.modes[0].note and "decode steps" in r.modes[0].note
