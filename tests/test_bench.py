@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -31,7 +32,7 @@ def test_rows(bench):
         } <= cells
         assert (shape, "f32", "dequant-sdpa") not in cells and (shape, "f16", "numba-intdot") not in cells
     for r in rows:
-        d = r.as_dict()
+        d = dataclasses.asdict(r)
         assert KEYS <= d.keys()
         assert d["ctx"] == 64 and d["n_layers"] >= 1 and d["threads"] >= 1
         assert math.isfinite(d["us_per_call"]) and 0 < d["us_per_call"] <= d["us_median"]

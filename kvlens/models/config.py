@@ -50,11 +50,6 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ModelLoadError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
-    @property
-    def group(self) -> int:
-        """Query heads per KV head (grouped-query attention)."""
-        return self.n_heads // self.n_kv_heads
-
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Build a :class:`ModelConfig` from an HF ``config.json`` dict."""
