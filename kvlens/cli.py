@@ -1,15 +1,20 @@
-"""The ``kvlens`` command. Each command declares its options, builds its config and calls the body
-that lives next to its module. User errors become one ``error: …`` line and exit code 2 (KVLENS_DEBUG=1:
-the traceback)."""
+"""The ``kvlens`` command. Each command declares its options (checked at parse time by
+:mod:`kvlens.cli_args`), builds its config (:mod:`kvlens.cli_config`) and calls the body that lives
+next to its module; :func:`main` turns any error into one ``error: …`` line (``--debug``: traceback)."""
 
 from __future__ import annotations
 
 import os
-import sys
 
 import typer
+from typer import Argument, Option
 
-from .cli_config import comma_list, config_from, sparse_policy
+from . import cli_args
+from . import cli_args as cb  # option callbacks: values checked at parse time
+from . import cli_config as opt  # options shared by several commands
+from .cli_args import parse_floats, parse_sizes
+from .cli_config import config_from, names, sparse_policy
+from .corpus import corpus_app
 from .engine.attention import BACKENDS
 
 app = typer.Typer(
@@ -22,37 +27,31 @@ lab_app = typer.Typer(no_args_is_help=True, help="Accuracy lab: what does KV qua
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print ratios measured side by side.")
 app.add_typer(lab_app, name="lab")
 app.add_typer(bench_app, name="bench")
-
-MODEL_HELP = "'smollm2' (the embedded default), a .gguf file, or an HF model directory"
-KV_HELP = "KV cache mode: f32, f16, bf16, q8, q8-k, q8-v, q8+mirror"
-
-
-def _err(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
+app.add_typer(corpus_app, name="corpus")  # its commands live with the corpus
 
 
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., help="The prompt text."),
-    model: str = typer.Option("smollm2", help=MODEL_HELP),
-    kv: str = typer.Option("q8", help=KV_HELP),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="New tokens to generate at most."),
-    chat: bool = typer.Option(False, help="Wrap the prompt in the model's chat template."),
-    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
-    top_k: int = typer.Option(0, min=0),
-    top_p: float = typer.Option(1.0),
-    seed: int | None = typer.Option(None),
-    prefill_chunk: int = typer.Option(512, min=1, help="Prompt tokens per prefill chunk."),
-    attn_backend: str = typer.Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
-    mirror_prefill: str = typer.Option(
-        "exact", help="q8+mirror: prefill reads the 'exact' copy or 'q8' rows."
+    prompt: str = Argument(..., help="The prompt text.", callback=cb.text_argument),
+    model: str = Option("smollm2", help=opt.MODEL_HELP),
+    kv: str = Option("q8", help=opt.KV_HELP),
+    max_tokens: int = Option(64, "--max-tokens", min=1, help="New tokens to generate at most."),
+    chat: bool = Option(False, help="Wrap the prompt in the model's chat template."),
+    temperature: float = Option(0.0, help="0 = greedy.", callback=cb.finite_option(minimum=0.0)),
+    top_k: int = Option(0, min=0),
+    top_p: float = Option(1.0, callback=cb.finite_option(above=0.0, maximum=1.0)),
+    seed: int | None = Option(None),
+    prefill_chunk: int = Option(512, min=1, help="Prompt tokens per prefill chunk."),
+    attn_backend: str = Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
+    mirror_prefill: str = Option("exact", help="q8+mirror: prefill reads the 'exact' copy or 'q8' rows."),
+    device: str | None = Option(None, help="cpu or cuda (default: cuda if any).", callback=cb.device_option),
+    weights: str = Option("auto", help="f32, bf16, int8, int4 (kept quantized); auto: the file's own."),
+    sparse: str | None = Option(None, help="Sparse decode: quest or probe (default: dense)."),
+    sparse_budget: float = Option(
+        2048, help="Tokens, or a context fraction (< 1).", callback=cb.budget_option
     ),
-    device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
-    weights: str = typer.Option("auto", help="f32, bf16, int8, int4 (kept quantized); auto: the file's own."),
-    sparse: str | None = typer.Option(None, help="Sparse decode: quest or probe (default: dense)."),
-    sparse_budget: float = typer.Option(2048, help="Tokens (≥ 1) or a fraction of the context (< 1)."),
-    sparse_dense_layers: int = typer.Option(2, min=0, help="First layers kept dense under --sparse."),
-    sparse_min_ctx: int = typer.Option(1024, min=0, help="Below this context decode stays dense."),
+    sparse_dense_layers: int = Option(2, min=0, help="First layers kept dense under --sparse."),
+    sparse_min_ctx: int = Option(1024, min=0, help="Below this context decode stays dense."),
 ) -> None:
     """Generate text, streaming it as it is produced."""
     from .engine import generate as gen
@@ -79,53 +78,26 @@ def tour() -> None:
         app(args, standalone_mode=False)
 
 
-from .corpus import corpus_app  # noqa: E402 - the `kvlens corpus` commands live with the corpus
-
-app.add_typer(corpus_app, name="corpus")
-
-
-# == lab: options shared by the lab commands (typer copies an Option object for each command) ==
-LAB_KV_HELP = "Comma list of KV modes to test (or 'all'): " + KV_HELP.split(": ", 1)[1]
-LAB_CORPUS_HELP = "Built-in corpus name or a UTF-8 file (default: britannica)."
-LAB_WEIGHTS_HELP = (
-    "Weights for the base and all KV modes: f32, bf16, int8, int4 or auto (the file's own). Not f32: "
-    "also measured against f32 weights + f32 KV (a second model)."
-)
-OPT_MODEL = typer.Option("smollm2", help=MODEL_HELP)
-OPT_CORPUS = typer.Option(None, help=LAB_CORPUS_HELP)
-OPT_KV = typer.Option("q8,q8-k,q8-v,f16", help=LAB_KV_HELP)
-OPT_BASE = typer.Option("f32", help="Baseline KV mode, computed in the same run.")
-OPT_WEIGHTS = typer.Option("f32", help=LAB_WEIGHTS_HELP)
-OPT_PREFILL = typer.Option(32, min=1, help="Prefill sub-chunk size in tokens (see the command's output).")
-OPT_SINK = typer.Option(0, min=0, help="Keep the first S positions exact.")
-OPT_RECENT = typer.Option(0, min=0, help="Keep the last R positions exact.")
-OPT_JSON = typer.Option(False, "--json", help="Print JSON instead of tables.")
-OPT_REPORT = typer.Option(None, help="Write Markdown + PNG plots into this directory.")
-OPT_SPARSE = typer.Option(None, help="Sparse decode for the test modes: quest or probe (default: dense).")
-OPT_BUDGET = typer.Option(0.25, help="Sparse budget: tokens (≥ 1) or a fraction of the context (< 1).")
-OPT_DENSE = typer.Option(2, min=0, help="First layers kept dense under --sparse.")
-
-
 @lab_app.command("unit")
 def lab_unit(
-    seq_len: str = typer.Option("256", "--seq-len", help="Keys L; a comma list sweeps, e.g. 64,256,1024."),
-    head_dim: int | None = typer.Option(None, "--head-dim", help="Default 128 (real: the model's)."),
-    heads: int | None = typer.Option(None, "--heads", help="Query heads (default 1; real: the model's)."),
-    kv_heads: int | None = typer.Option(None, "--kv-heads", help="KV heads, GQA (default 1)."),
-    dist: str = typer.Option("normal", help="normal, uniform, student-t:NU, outlier-channels[:F], real."),
-    k_amp: float = typer.Option(1.0, "--k-amp", help="Multiply K by this."),
-    v_amp: float = typer.Option(1.0, "--v-amp", help="Multiply V by this."),
-    quantize: str = typer.Option("kv", help="Which tensors go through the quantizer: k, v or kv."),
-    scheme: str = typer.Option("q8", help="q8 (seed), q8_0, q4, fp8, kivi (2-bit), kivi4."),
-    trials: int = typer.Option(1, help="Seeds seed..seed+N-1 (real: N text windows); mean ± std."),
-    seed: int = typer.Option(0, help="Seed of the synthetic data (real: first text window)."),
-    amplitude: str | None = typer.Option(None, help="Exercise A: factors, e.g. 1,3 (V×a, K×a)."),
-    model: str = typer.Option("smollm2", help=MODEL_HELP + " (--dist real)."),
-    layer: int | None = typer.Option(None, help="--dist real: layer (default: the middle one)."),
-    head: int | None = typer.Option(None, help="--dist real: one query head (default: all)."),
-    text: str | None = typer.Option(None, help="--dist real: corpus name or UTF-8 file (default corpus)."),
-    json_out: bool = OPT_JSON,
-    plot: str | None = typer.Option(None, help="Write a PNG: error vs L (sweep), else a histogram of Δ."),
+    seq_len: str = Option("256", help="Keys L (a list sweeps).", callback=cb.sizes_option(suffix=False)),
+    head_dim: int | None = Option(None, "--head-dim", min=2, help="Default 128 (real: the model's)."),
+    heads: int | None = Option(None, "--heads", min=1, help="Query heads (default 1; real: the model's)."),
+    kv_heads: int | None = Option(None, "--kv-heads", min=1, help="KV heads, GQA (default 1)."),
+    dist: str = Option("normal", help="normal, uniform, student-t:NU, outlier-channels[:F], real."),
+    k_amp: float = Option(1.0, "--k-amp", help="Multiply K.", callback=cb.finite_option()),
+    v_amp: float = Option(1.0, "--v-amp", help="Multiply V.", callback=cb.finite_option()),
+    quantize: str = Option("kv", help="Which tensors go through the quantizer: k, v or kv."),
+    scheme: str = Option("q8", help="q8 (seed), q8_0, q4, fp8, kivi (2-bit), kivi4."),
+    trials: int = Option(1, min=1, help="Seeds seed..seed+N-1 (real: N text windows); mean ± std."),
+    seed: int = Option(0, help="Seed of the synthetic data (real: first text window)."),
+    amplitude: str | None = Option(None, help="Exercise A factors, e.g. 1,3.", callback=cb.floats_option()),
+    model: str = Option("smollm2", help=opt.MODEL_HELP + " (--dist real)."),
+    layer: int | None = Option(None, min=0, help="--dist real: layer (default: the middle one)."),
+    head: int | None = Option(None, min=0, help="--dist real: one query head (default: all)."),
+    text: str | None = Option(None, help="--dist real: corpus name or UTF-8 file (default corpus)."),
+    json_out: bool = opt.JSON,
+    plot: str | None = Option(None, help="PNG: error vs L, or Δ.", callback=cb.output_file_option),
 ) -> None:
     """The seed's unit experiment: fp32 K/V vs quantized K/V through the same attention code."""
     from .lab import unit
@@ -137,21 +109,21 @@ def lab_unit(
 # == lab ppl / greedy / layers (kvlens.lab.ppl_report, .greedy, .layers) ==
 @lab_app.command("ppl")
 def lab_ppl(
-    model: str = OPT_MODEL,
-    corpus: str | None = OPT_CORPUS,
-    ctx: int = typer.Option(512, min=4, help="Tokens per chunk; the second half of each is scored."),
-    kv: str = OPT_KV,
-    base: str = OPT_BASE,
-    weights: str = OPT_WEIGHTS,
-    chunks: int | None = typer.Option(None, min=1, help="Score at most this many chunks."),
-    prefill_chunk: int = OPT_PREFILL,
-    keep_sink: int = OPT_SINK,
-    keep_recent: int = OPT_RECENT,
-    json_out: bool = OPT_JSON,
-    report: str | None = OPT_REPORT,
-    sparse: str | None = OPT_SPARSE,
-    sparse_budget: float = OPT_BUDGET,
-    sparse_dense_layers: int = OPT_DENSE,
+    model: str = opt.MODEL,
+    corpus: str | None = opt.CORPUS,
+    ctx: int = Option(512, min=4, help="Tokens per chunk; the second half of each is scored."),
+    kv: str = opt.KV,
+    base: str = opt.BASE,
+    weights: str = opt.WEIGHTS,
+    chunks: int | None = Option(None, min=1, help="Score at most this many chunks."),
+    prefill_chunk: int = opt.PREFILL,
+    keep_sink: int = opt.SINK,
+    keep_recent: int = opt.RECENT,
+    json_out: bool = opt.JSON,
+    report: str | None = opt.REPORT,
+    sparse: str | None = opt.SPARSE,
+    sparse_budget: float = opt.BUDGET,
+    sparse_dense_layers: int = opt.DENSE,
 ) -> None:
     """Perplexity and llama-perplexity's KL-divergence report, per KV mode, against a baseline."""
     from .lab import ppl, ppl_report
@@ -162,23 +134,23 @@ def lab_ppl(
 
 @lab_app.command("greedy")
 def lab_greedy(
-    model: str = OPT_MODEL,
-    corpus: str | None = OPT_CORPUS,
-    ctx: int = typer.Option(64, min=2, help="Prompt length in tokens."),
-    kv: str = OPT_KV,
-    base: str = OPT_BASE,
-    weights: str = OPT_WEIGHTS,
-    prompts: int = typer.Option(16, "--prompts", "--chunks", min=1, help="Prompts cut from the corpus."),
-    tokens: int = typer.Option(32, min=1, help="Greedy tokens per prompt."),
-    prefill_chunk: int = OPT_PREFILL,
-    keep_sink: int = OPT_SINK,
-    keep_recent: int = OPT_RECENT,
-    show: int = typer.Option(3, min=0, help="Diverging continuations shown per mode."),
-    json_out: bool = OPT_JSON,
-    report: str | None = OPT_REPORT,
-    sparse: str | None = OPT_SPARSE,
-    sparse_budget: float = OPT_BUDGET,
-    sparse_dense_layers: int = OPT_DENSE,
+    model: str = opt.MODEL,
+    corpus: str | None = opt.CORPUS,
+    ctx: int = Option(64, min=2, help="Prompt length in tokens."),
+    kv: str = opt.KV,
+    base: str = opt.BASE,
+    weights: str = opt.WEIGHTS,
+    prompts: int = Option(16, "--prompts", "--chunks", min=1, help="Prompts cut from the corpus."),
+    tokens: int = Option(32, min=1, help="Greedy tokens per prompt."),
+    prefill_chunk: int = opt.PREFILL,
+    keep_sink: int = opt.SINK,
+    keep_recent: int = opt.RECENT,
+    show: int = Option(3, min=0, help="Diverging continuations shown per mode."),
+    json_out: bool = opt.JSON,
+    report: str | None = opt.REPORT,
+    sparse: str | None = opt.SPARSE,
+    sparse_budget: float = opt.BUDGET,
+    sparse_dense_layers: int = opt.DENSE,
 ) -> None:
     """Greedy continuations under the baseline and each KV mode: agreement and first divergence."""
     from .lab import greedy
@@ -189,15 +161,15 @@ def lab_greedy(
 
 @lab_app.command("layers")
 def lab_layers(
-    model: str = OPT_MODEL,
-    corpus: str | None = OPT_CORPUS,
-    ctx: int = typer.Option(512, min=4, help="Corpus window length in tokens."),
-    kv: str = OPT_KV,
-    chunks: int = typer.Option(1, min=1, help="Windows (ppl-protocol chunks) to pool."),
-    keep_sink: int = OPT_SINK,
-    keep_recent: int = OPT_RECENT,
-    json_out: bool = OPT_JSON,
-    report: str | None = OPT_REPORT,
+    model: str = opt.MODEL,
+    corpus: str | None = opt.CORPUS,
+    ctx: int = Option(512, min=4, help="Corpus window length in tokens."),
+    kv: str = opt.KV,
+    chunks: int = Option(1, min=1, help="Windows (ppl-protocol chunks) to pool."),
+    keep_sink: int = opt.SINK,
+    keep_recent: int = opt.RECENT,
+    json_out: bool = opt.JSON,
+    report: str | None = opt.REPORT,
 ) -> None:
     """Relative attention-output error per layer and KV head for each mode, with flagged outliers."""
     from .lab import layers
@@ -207,92 +179,114 @@ def lab_layers(
 
 @lab_app.command("needle")
 def lab_needle(
-    model: str = OPT_MODEL,
-    corpus: str | None = typer.Option(None, help="Filler text: built-in corpus name or a UTF-8 file."),
-    ctx: str = typer.Option("1024,2048,4096,8192", help="Contexts (comma list; 4k = 4096)."),
-    depth: str = typer.Option("0.1,0.5,0.9", help="Needle depths in [0, 1] (comma list)."),
-    kv: str = typer.Option("q8", help="Quantized cache mode compared with f32."),
-    sparse: str = typer.Option("quest", help="Sparse selection: quest or probe."),
-    sparse_budget: str = typer.Option("0.125,0.25", help="Tokens (≥ 1) or fractions of the context (< 1)."),
-    dense_layers: int = typer.Option(2, min=0, help="First layers kept dense."),
-    seed: int = typer.Option(0, help="Seed of the secret numbers."),
-    json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
-    plot: str | None = typer.Option(None, help="Write a PNG heat map (depth × context → recall)."),
+    model: str = opt.MODEL,
+    corpus: str | None = Option(None, help="Filler text: built-in corpus name or a UTF-8 file."),
+    ctx: str = Option("1024,2048,4096,8192", help="Contexts (4k = 4096).", callback=cb.sizes_option()),
+    depth: str = Option("0.1,0.5,0.9", help="Depths in [0, 1].", callback=cb.floats_option(0.0, 1.0)),
+    kv: str = Option("q8", help="Quantized cache mode compared with f32."),
+    sparse: str = Option("quest", help="Sparse selection: quest or probe."),
+    sparse_budget: str = Option(
+        "0.125,0.25", help="Tokens, or context fractions.", callback=cb.budgets_option
+    ),
+    dense_layers: int = Option(2, min=0, help="First layers kept dense."),
+    seed: int = Option(0, help="Seed of the secret numbers."),
+    json_out: bool = Option(False, "--json", help="Print the rows as JSON."),
+    plot: str | None = Option(None, help="PNG heat map of recall.", callback=cb.output_file_option),
 ) -> None:
     """Needle in a haystack: recall of f32 dense, q8 dense and q8 sparse at several budgets."""
     from .lab import needle
 
     lists = {
-        "ctx": comma_list(ctx, int),
-        "depth": comma_list(depth, float),
-        "sparse_budget": comma_list(sparse_budget, float),
+        "ctx": parse_sizes(ctx),
+        "depth": parse_floats(depth),
+        "sparse_budget": parse_floats(sparse_budget),
     }
     needle.main(config_from(needle.NeedleConfig, locals(), **lists), json_out)
+
+
+# == lab sweep / sweep-report (kvlens.lab.sweep, .sweep_report) ==
+@lab_app.command("sweep")
+def lab_sweep(
+    spec: str = Argument(..., help="Sweep spec (TOML): see docs/sweep/README.md."),
+    db: str | None = Option(None, help="Results store, SQLite (default: SPEC with suffix .sqlite)."),
+    workers: int | None = Option(None, min=0, help="Local worker processes (0: in-process)."),
+    threads: int | None = Option(None, min=1, help="Torch threads per cell (default: cores/workers)."),
+    ray: bool = Option(False, "--ray", help="Run the cells as Ray tasks (local Ray)."),
+    ray_address: str | None = Option(None, help="Ray cluster address (implies --ray)."),
+    force: bool = Option(False, "--force", help="Redo cells already done."),
+    quiet: bool = Option(False, "--quiet", help="No progress bar."),
+) -> None:
+    """Run a spec's grid of lab cells into a SQLite store; rerunning resumes (done cells are skipped)."""
+    from .lab.sweep import cli
+
+    cli(spec, db, workers, threads, ray, ray_address, force, quiet)
+
+
+@lab_app.command("sweep-report")
+def lab_sweep_report(
+    db: str = Argument(..., help="A sweep's results store."),
+    out: str = Option(..., help="Directory for the Markdown report and PNG plots."),
+) -> None:
+    """Markdown + PNG report of a sweep store: accuracy/memory frontier, KLD vs context, K vs V."""
+    from .lab.sweep_report import cli
+
+    cli(db, out)
 
 
 # == bench attention / decode (kvlens.bench) ==
 @bench_app.command("attention")
 def bench_attention(
-    ctx: str = typer.Option("1k,4k,16k,64k", help="Contexts (comma list; 4k = 4096)."),
-    shape: str = typer.Option("smollm2,8b", help="Head shapes: smollm2 (9/3, hd 64), 8b (32/8, hd 128)."),
-    kv: str = typer.Option("f32,f16,q8", help="Cache modes (f32, f16, bf16, q8, q8-k, q8-v)."),
-    backend: str | None = typer.Option(
-        None, help="numba, numba-intdot, torch-sdpa, dequant-sdpa, triton (default: all)."
-    ),
-    threads: int | None = typer.Option(None, min=1, help="numba and torch threads (default: all cores)."),
-    reps: int = typer.Option(5, min=1, help="Interleaved timing rounds (min and median reported)."),
-    mem_gib: float = typer.Option(3.0, help="Memory cap for the rotated layer caches, GiB."),
-    prefill: bool = typer.Option(False, help="Also time the prefill path's whole-history read at 4K."),
-    sparse: str | None = typer.Option(None, help="Dense vs sparse q8: quest,probe."),
-    sparse_budget: str = typer.Option("1024,2048", help="--sparse: budgets in tokens (comma list)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+    ctx: str = Option("1k,4k,16k,64k", help="Contexts (4k = 4096).", callback=cb.sizes_option()),
+    shape: str = Option("smollm2,8b", help="Head shapes: smollm2 (9/3, hd 64), 8b (32/8, hd 128)."),
+    kv: str = Option("f32,f16,q8", help="Cache modes (f32, f16, bf16, q8, q8-k, q8-v)."),
+    backend: str | None = Option(None, help="numba, numba-intdot, torch-sdpa, dequant-sdpa, triton (all)"),
+    threads: int | None = Option(None, min=1, help="numba and torch threads (default: all cores)."),
+    reps: int = Option(5, min=1, help="Interleaved timing rounds (min and median reported)."),
+    mem_gib: float = Option(3.0, help="Layer caches cap, GiB.", callback=cb.finite_option(above=0.0)),
+    prefill: bool = Option(False, help="Also time the prefill path's whole-history read at 4K."),
+    sparse: str | None = Option(None, help="Dense vs sparse q8: quest,probe."),
+    sparse_budget: str = Option("1024,2048", help="--sparse: budgets in tokens.", callback=cb.sizes_option()),
+    json_out: bool = Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """One layer's decode attention per call: µs, GB/s vs the measured copy bandwidth, × torch SDPA."""
     from .bench import attention
 
     if sparse and ctx == "1k,4k,16k,64k":
         ctx = "4k,16k,64k"
-    lists = {
-        "ctx": comma_list(ctx, int),
-        "shape": comma_list(shape),
-        "kv": comma_list(kv),
-        "backend": comma_list(backend),
-    }
-    lists |= {"sparse": comma_list(sparse), "sparse_budget": comma_list(sparse_budget, int)}
+    lists = {"ctx": parse_sizes(ctx), "shape": names(shape), "kv": names(kv), "backend": names(backend)}
+    lists |= {"sparse": names(sparse), "sparse_budget": parse_sizes(sparse_budget)}
     attention.main(config_from(attention.AttentionBenchConfig, locals(), **lists), json_out)
 
 
 @bench_app.command("decode")
 def bench_decode(
-    model: str = typer.Option("smollm2", help=MODEL_HELP),
-    ctx: str = typer.Option("512,2048,4096", help="Contexts (comma list; 4k = 4096)."),
-    kv: str = typer.Option("f32,f16,q8", help="Cache modes to compare (comma list)."),
-    weights: str = typer.Option("auto", help="Comma list of auto, f32, bf16, int8, int4."),
-    steps: int = typer.Option(12, min=3, help="Timed decode steps per mode and context."),
-    attn_backend: str = typer.Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
-    hf: bool = typer.Option(True, help="Also time HF generate (f32 weights, ctx ≤ --hf-max-ctx)."),
-    hf_max_ctx: int = typer.Option(2048, help="Largest context at which to run HF transformers."),
-    vs_llama_cpp: str = typer.Option(
-        None, metavar="BIN", help="Also run this llama-bench (same GGUF, threads, KV)."
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+    model: str = Option("smollm2", help=opt.MODEL_HELP),
+    ctx: str = Option("512,2048,4096", help="Contexts (4k = 4096).", callback=cb.sizes_option()),
+    kv: str = Option("f32,f16,q8", help="Cache modes to compare (comma list)."),
+    weights: str = Option("auto", help="Comma list of auto, f32, bf16, int8, int4."),
+    steps: int = Option(12, min=3, help="Timed decode steps per round (5 rounds)."),
+    attn_backend: str = Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
+    hf: bool = Option(True, help="Also time HF generate (f32 weights, ctx ≤ --hf-max-ctx)."),
+    hf_max_ctx: int = Option(2048, min=0, help="Largest context at which to run HF transformers."),
+    vs_llama_cpp: str = Option(None, metavar="BIN", help="Also run this llama-bench binary."),
+    json_out: bool = Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """Full-model decode tokens/s per weights, cache mode and context; the step's time split; HF
     transformers (and llama.cpp's llama-bench with --vs-llama-cpp) beside it."""
     from .bench import decode
 
-    lists = {"ctx": comma_list(ctx, int), "kv": comma_list(kv), "weights": comma_list(weights)}
+    lists = {"ctx": parse_sizes(ctx), "kv": names(kv), "weights": names(weights)}
     decode.main(config_from(decode.DecodeBenchConfig, locals(), **lists), json_out)
 
 
+@app.callback()
+def _root(debug: bool = Option(False, "--debug", help="Print the traceback of an error.")) -> None:
+    if debug:
+        os.environ[cli_args.DEBUG_ENV] = "1"
+
+
 def main() -> None:
-    try:
-        app()
-    except (ValueError, OSError, RuntimeError, ImportError, KeyError) as e:
-        if os.environ.get("KVLENS_DEBUG"):
-            raise
-        _err(str(e).strip() or type(e).__name__)
-        sys.exit(2)
+    cli_args.run_guarded(app)
 
 
 if __name__ == "__main__":

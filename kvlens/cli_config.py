@@ -1,10 +1,14 @@
-"""From command-line options to the commands' config values: comma lists, sparse policies, and a
-config dataclass filled from the options of the same names."""
+"""From command-line options to the commands' config values: name lists, sparse policies, and a
+config dataclass filled from the options of the same names (numbers: :mod:`kvlens.cli_args`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from typer import Option
+
+from . import cli_args as cb
 
 
 def sparse_policy(method: str | None, budget: float, dense_layers: int, min_ctx: int = 0):
@@ -23,17 +27,30 @@ def config_from(cls: type, options: dict[str, Any], **given: Any) -> Any:
     return cls(**{k: v for k, v in options.items() if k in names} | given)
 
 
-def comma_list(s: str | None, kind: type = str) -> list | None:
-    """A comma list (None stays None); ints accept a k suffix (4k = 4096)."""
-    if s is None:
-        return None
-    if kind is not int:
-        return [kind(x) for x in s.split(",") if x]
-    try:
-        return [
-            int(x.lower().removesuffix("k")) * (1024 if x.lower().endswith("k") else 1)
-            for x in s.split(",")
-            if x
-        ]
-    except ValueError as e:
-        raise ValueError(f"expected a comma-separated list of integers (e.g. 512,2k,4k), got {s!r}") from e
+def names(text: str | None) -> list[str] | None:
+    """A comma list of names (None stays None)."""
+    return None if text is None else [s.strip() for s in text.split(",") if s.strip()]
+
+
+MODEL_HELP = "'smollm2' (the embedded default), a .gguf file, or an HF model directory"
+KV_HELP = "KV cache mode: f32, f16, bf16, q8, q8-k, q8-v, q8+mirror"
+# -- options shared by several commands (typer copies an Option object for each command) ----------------
+LAB_KV_HELP = "Comma list of KV modes to test (or 'all'): " + KV_HELP.split(": ", 1)[1]
+LAB_CORPUS_HELP = "Built-in corpus name or a UTF-8 file (default: britannica)."
+LAB_WEIGHTS_HELP = (
+    "Weights for the base and all KV modes: f32, bf16, int8, int4 or auto (the file's own). Not f32: "
+    "also measured against f32 weights + f32 KV (a second model)."
+)
+MODEL = Option("smollm2", help=MODEL_HELP)
+CORPUS = Option(None, help=LAB_CORPUS_HELP)
+KV = Option("q8,q8-k,q8-v,f16", help=LAB_KV_HELP)
+BASE = Option("f32", help="Baseline KV mode, computed in the same run.")
+WEIGHTS = Option("f32", help=LAB_WEIGHTS_HELP)
+PREFILL = Option(32, min=1, help="Prefill sub-chunk size in tokens (see the command's output).")
+SINK = Option(0, min=0, help="Keep the first S positions exact.")
+RECENT = Option(0, min=0, help="Keep the last R positions exact.")
+JSON = Option(False, "--json", help="Print JSON instead of tables.")
+REPORT = Option(None, help="Write Markdown + PNG plots here.", callback=cb.output_dir_option)
+SPARSE = Option(None, help="Sparse decode for the test modes: quest or probe (default: dense).")
+BUDGET = Option(0.25, help="Sparse budget: tokens, or a context fraction (< 1).", callback=cb.budget_option)
+DENSE = Option(2, min=0, help="First layers kept dense under --sparse.")

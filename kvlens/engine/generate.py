@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..kv.blocks import SparseConfig
 from ..kv.modes import CacheOptions
-from .llm import DEFAULT_PREFILL_CHUNK, load
+from .llm import DEFAULT_PREFILL_CHUNK
 from .sampling import SamplingParams
 
 
@@ -31,8 +31,11 @@ class GenerateConfig:
 
 
 def main(cfg: GenerateConfig) -> str:
-    """The body of ``kvlens generate``: the text streams to stdout as it is produced."""
-    llm = load(
+    """The body of ``kvlens generate``: the text streams to stdout as it is produced; nothing is printed
+    before the prompt is known to fit."""
+    import kvlens  # the public entry point (tests stand in for it)
+
+    llm = kvlens.load(
         cfg.model,
         kv=cfg.kv,
         device=cfg.device,
@@ -43,6 +46,7 @@ def main(cfg: GenerateConfig) -> str:
         sparse=cfg.sparse,
     )
     params = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
+    llm.check_fits(len(llm.encode_prompt(cfg.prompt, cfg.chat)) + cfg.max_tokens)
     if not cfg.chat:
         sys.stdout.write(cfg.prompt)
         sys.stdout.flush()

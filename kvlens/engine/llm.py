@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import check_device, check_int, check_text, check_token_ids
 from ..kv.blocks import SparseConfig
 from ..kv.cache import KVCache
 from ..kv.modes import MODES, CacheOptions, KVMode
@@ -39,6 +40,7 @@ class LLM:
     ) -> None:
         self.kv = KVMode.parse(kv)
         self.cache_options = cache_options or CacheOptions()
+        check_int(prefill_chunk, "prefill_chunk", minimum=1)
         self.sparse = sparse  # sparse decode policy (None: dense); caches then track block bounds
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
         self.weights_mode = loaded.weights_mode
@@ -60,6 +62,10 @@ class LLM:
         cfg = self.config
         return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, mode, self.device, options)
 
+    def check_ids(self, ids: list[int] | torch.Tensor) -> list[int]:
+        """``ids`` as a non-empty list of ints in [0, vocab); TypeError/ValueError otherwise."""
+        return check_token_ids(ids, self.config.vocab)
+
     def check_fits(self, n_tokens: int) -> None:
         if n_tokens > self.config.max_ctx:
             raise ContextOverflowError(
@@ -76,7 +82,7 @@ class LLM:
         backend: str | None = None,
     ) -> torch.Tensor:
         """Run tokens at positions start.. through the model, writing the cache; returns hidden [n, hidden]."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
         self.check_fits(start + ids.shape[0])
         sparse = self.sparse if cache.bounds is not None and not prefill else None
         attend = make_attend(
@@ -116,9 +122,8 @@ class LLM:
 
         Returns the last position's logits; ``on_hidden(chunk_start, hidden)`` sees every chunk.
         """
-        if not ids:
-            raise ValueError("cannot prefill an empty prompt")
-        chunk = chunk or self.prefill_chunk
+        ids = self.check_ids(ids)
+        chunk = self.prefill_chunk if chunk is None else check_int(chunk, "chunk", minimum=1)
         hidden = None
         for s in range(0, len(ids), chunk):
             hidden = self.forward(ids[s : s + chunk], cache, start + s, prefill=True)
@@ -135,6 +140,7 @@ class LLM:
         options: CacheOptions | None = None,
     ) -> torch.Tensor:
         """Logits [len(ids), vocab] for a fresh cache, prefilling in chunks of ``prefill_chunk``."""
+        ids = self.check_ids(ids)
         self.check_fits(len(ids))
         cache = self.new_cache(len(ids), kv, options)
         out: list[torch.Tensor] = []
@@ -154,6 +160,8 @@ class LLM:
     ) -> Iterator[int]:
         """Yield new token ids one by one: chunked prefill (chunks of ``prefill_chunk``, default the
         engine's), then one-token decode steps; ``cache`` defaults to a fresh one of the engine's mode."""
+        prompt_ids = self.check_ids(prompt_ids)
+        check_int(max_new_tokens, "max_new_tokens", minimum=0)
         self.check_fits(len(prompt_ids) + max_new_tokens)
         cache = cache or self.new_cache(len(prompt_ids) + max_new_tokens)
         logits = self.prefill(prompt_ids, cache, prefill_chunk)
@@ -170,6 +178,9 @@ class LLM:
         stop_at_eos: bool = True,
     ) -> Iterator[int]:
         """Decode after a prefill: ``logits`` of the last prompt position, ``pos`` = prompt length."""
+        check_int(max_new_tokens, "max_new_tokens", minimum=0)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         self.check_fits(pos + max_new_tokens)
         sample = Sampler(sampling or SamplingParams())
         for i in range(max_new_tokens):
@@ -182,6 +193,7 @@ class LLM:
             pos += 1
 
     def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+        check_text(prompt)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
@@ -221,11 +233,13 @@ class LLM:
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Exact post-RoPE (Q [H, n, d], K [KV, n, d], V [KV, n, d]) of each of ``layers`` (default:
         every layer), in that order, from one forward pass of the prompt through an f32 cache."""
+        ids = self.check_ids(ids)
         n_layers = self.config.n_layers
-        wanted = list(range(n_layers)) if layers is None else [int(i) for i in layers]
+        if layers is not None and not isinstance(layers, Sequence):
+            raise TypeError(f"layers must be a sequence of layer indices, got {type(layers).__name__}")
+        wanted = list(range(n_layers)) if layers is None else list(layers)
         for i in wanted:
-            if not 0 <= i < n_layers:
-                raise ValueError(f"layer {i} out of range: the model has {n_layers} layers")
+            check_int(i, "layer", minimum=0, maximum=n_layers - 1)
         self.check_fits(len(ids))
         cache = self.new_cache(len(ids), MODES["f32"], CacheOptions())
         inner = make_attend(cache, True, "torch", self.config.sliding_window)
@@ -257,6 +271,6 @@ def load(
     """
     kv = KVMode.parse(kv)  # fail before the (slow) load
     check_weights_mode(weights or "auto")
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     loaded = load_model(model, dev, weights=weights or "auto")
     return LLM(loaded, kv, attn_backend, cache_options, prefill_chunk, sparse)

@@ -15,8 +15,8 @@ Every storage kind runs through one compiled kernel: rows arrive as raw bytes an
 f32 per tile (int8 -> f32; bf16: ``bits << 16``; f16: an exact bit conversion, numba having no
 float16 arrays). So f32, f16, bf16, q8 and the mixed modes (q8-k, q8-v) all run fused.
 
-Threads: :mod:`kvlens` sets the OpenMP wait policy before torch loads (docs/kernels.md section 4);
-small calls run on one thread (:mod:`.threads`).
+Threads: how many, and when one alone runs a small call, is decided in :mod:`.threads` (which also
+sets the OpenMP wait policy when kvlens is imported; docs/decode.md, "Steady speed").
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_d
     if v_scale.dtype != np.float32 or not v_scale.flags.c_contiguous:
         v_scale = np.ascontiguousarray(v_scale, np.float32)
     args = (qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, int(length), tiles, n_splits, out)
-    run_serial_if(serial, _decode_core, *args)
+    run_serial_if(serial, _decode_core, *args)  # waking the thread pool would cost more than the work
     return out
 
 

@@ -159,7 +159,7 @@ def run_layers(
     windows = make_chunks(tok.encode(text), ctx, cfg.chunks, tok.bos_prefix[0] if tok.bos_prefix else None)
     model = llm.config
     n_l, n_kv = model.n_layers, model.n_kv_heads
-    group = model.n_heads // n_kv
+    group = model.group
     num = {m: np.zeros((n_l, n_kv)) for m in modes}
     den = np.zeros((n_l, n_kv))
     max_abs, sum_abs, count = dict.fromkeys(modes, 0.0), dict.fromkeys(modes, 0.0), 0

@@ -137,7 +137,7 @@ class RealSource:
     """Q/K/V of one layer of a real model on real text; one capture per trial serves every L."""
 
     def __init__(self, cfg: UnitConfig, llm: Any = None) -> None:
-        from .corpus import load_corpus
+        from ..corpus import load_corpus
 
         if llm is None:
             if cfg.model not in _LLMS:
@@ -157,7 +157,7 @@ class RealSource:
                 )
         if cfg.head is not None and not 0 <= cfg.head < c.n_heads:
             raise ValueError(f"--head {cfg.head} out of range: the model has {c.n_heads} query heads")
-        self.head, self.group = cfg.head, c.n_heads // c.n_kv_heads
+        self.head, self.group = cfg.head, c.group
         text, self.text_label = load_corpus(cfg.text)
         self.ids = llm.tokenizer.encode(text)
         self.window, self.seed = max(cfg.seq_len), cfg.seed

@@ -51,9 +51,9 @@ PRECISION = {"int4": 0, "int8": 1, "bf16": 2, "f32": 3}  # fusing mixed parts ke
 SMALL_M = 8  # up to this many input rows run the JIT kernel; more dequantize tiles for torch's GEMM
 TILE = 64  # output rows per kernel tile (the unit of storage and of parallel work)
 TILE_ELEMS = 1 << 20  # f32 elements per dequantized tile on the GEMM path (4 MiB)
-# Multiply-adds (or dequantized weights) below which a kernel runs on one thread: waking numba's thread
-# pool costs more than that much work, while decode-sized layers stream weights from DRAM faster on
-# every core (measured: docs/decode.md).
+# Multiply-adds (or dequantized weights) below which a kernel runs on one thread: waking numba's
+# thread pool costs more than such work, while decode-sized layers stream weights from DRAM, which
+# two cores read faster than one (figures: docs/decode.md, "Steady speed").
 PARALLEL_MIN_WORK = 1 << 16
 
 
