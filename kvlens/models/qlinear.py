@@ -30,9 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..kernels.threads import run_serial_if
-from .blockquant import symmetric_blocks
-from .qkernels import (
+from ..kernels.qkernels import (
     G,
     _deq_bf16,
     _deq_int4,
@@ -45,6 +43,8 @@ from .qkernels import (
     _mv_int4,
     _mv_int8,
 )
+from ..kernels.threads import run_serial_if
+from .blockquant import symmetric_blocks
 
 WEIGHT_MODES = ("f32", "bf16", "int8", "int4")
 PRECISION = {"int4": 0, "int8": 1, "bf16": 2, "f32": 3}  # fusing mixed parts keeps the finest

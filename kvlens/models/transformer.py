@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import rowops
+from ..kernels import rowops
 from .config import ModelConfig
 from .qlinear import embedding, linear
 from .weights import LayerWeights, Weights
