@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from kvlens.kv.modes import MODES
-from kvlens.lab.greedy import compare, cut_prompts, first_divergence, greedy_continuation, run_greedy
-from kvlens.lab.layers import channel_ratio, flag_heads, run_layers
+from kvlens.lab.greedy import (
+    GreedyConfig,
+    compare,
+    cut_prompts,
+    first_divergence,
+    greedy_continuation,
+    run_greedy,
+)
+from kvlens.lab.layers import LayersConfig, channel_ratio, flag_heads, run_layers
 
 EXCERPT = Path(__file__).parent / "data" / "excerpt.txt"
 
@@ -80,7 +87,7 @@ def text() -> str:
 
 @pytest.mark.slow
 def test_greedy_base_equals_engine_generation_and_base_mode_agrees(smol_f32, text) -> None:
-    r = run_greedy(smol_f32, text, ["f32", "q8"], "f32", n_prompts=2, prompt_len=24, n_tokens=6)
+    r = run_greedy(smol_f32, text, GreedyConfig(kv=["f32", "q8"], base="f32", prompts=2, ctx=24, tokens=6))
     f32, q8 = r.modes
     assert f32.agreement == 1.0 and f32.first_div == [6, 6] and f32.identical == 2
     assert 0.0 <= q8.agreement <= 1.0 and all(0 <= d <= 6 for d in q8.first_div)
@@ -94,7 +101,7 @@ def test_greedy_base_equals_engine_generation_and_base_mode_agrees(smol_f32, tex
 
 @pytest.mark.slow
 def test_layers_f32_exact_q8_not_and_mirror_decode_reads_int8(smol_f32, text) -> None:
-    r = run_layers(smol_f32, text, ["f32", "q8", "q8-k", "q8-v", "q8+mirror"], ctx=48)
+    r = run_layers(smol_f32, text, LayersConfig(kv=["f32", "q8", "q8-k", "q8-v", "q8+mirror"], ctx=48))
     r.err = {m.name: e for m, e in r.err.items()}
     r.flagged = {m.name: f for m, f in r.flagged.items()}
     cfg = smol_f32.config
@@ -144,9 +151,8 @@ def smol_int8(smol_path):
 
 @pytest.mark.slow
 def test_greedy_int8_weights_vs_its_own_base_and_vs_f32_weights(smol_f32, smol_int8, text) -> None:
-    r = run_greedy(
-        smol_int8, text, ["f32", "q8"], "f32", n_prompts=2, prompt_len=16, n_tokens=4, ref_llm=smol_f32
-    )
+    cfg = GreedyConfig(kv=["f32", "q8"], base="f32", prompts=2, ctx=16, tokens=4)
+    r = run_greedy(smol_int8, text, cfg, ref_llm=smol_f32)
     f32, q8 = r.modes
     assert r.weights == "int8" and f32.agreement == 1.0  # the KV rows' base is the int8-weights run
     # the reference is f32 weights + f32 KV, continued on its own

@@ -16,7 +16,7 @@ import torch
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
 from ..kv.cache import BLOCK, KVCache
-from ..models.transformer import AttendFn
+from ..models.transformer import AttendFn, Profiler, timed
 
 BACKENDS = ("auto", "torch", "numba", "triton")
 
@@ -86,6 +86,7 @@ def make_attend(
     backend: str = "torch",
     window: int | None = None,
     sparse: SparseConfig | None = None,
+    profiler: Profiler | None = None,
 ) -> AttendFn:
     """An ``attend`` callback for one forward pass (``prefill`` says which phase the mirror mode sees).
 
@@ -100,7 +101,7 @@ def make_attend(
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         n = q.shape[1]
-        cache.write(layer, start, k, v)
+        timed(profiler, "kv_write", cache.write, layer, start, k, v)
         end = start + n
         decode = n == 1 and not prefill
         blocks = None

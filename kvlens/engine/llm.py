@@ -85,7 +85,14 @@ class LLM:
         ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
         self.check_fits(start + ids.shape[0])
         sparse = self.sparse if cache.bounds is not None and not prefill else None
-        attend = make_attend(cache, prefill, backend or self.attn_backend, self.config.sliding_window, sparse)
+        attend = make_attend(
+            cache,
+            prefill,
+            backend or self.attn_backend,
+            self.config.sliding_window,
+            sparse,
+            self.model.profiler,
+        )
         return self.model.forward(ids, start, attend)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -357,10 +357,9 @@ def decode_attention_q8(q, k_q8, k_max_abs, v_q8, v_max_abs, length: int, out, n
     """Attention of ``q [n_heads, hd]`` (f32) over the first ``length`` int8 rows ``[n_kv, cap, hd]``
     with ``max_abs [n_kv, cap]``; f32 math. Writes and returns ``out [n_heads, hd]`` (f32 numpy).
 
-    The default q8 kernel. It beat :func:`decode_attention_q8_intdot` 2.5-3x in
-    ``kvlens bench attention`` (numba types int8*int8 products as int64, so integer dots barely
-    vectorize, while int8 -> f32 converts + FMAs vectorize fully on AVX2; this CPU has no VNNI) and,
-    unlike it, it is exact up to f32 rounding.
+    The default q8 kernel: faster than :func:`decode_attention_q8_intdot` (numba types int8*int8
+    products as int64, so integer dots barely vectorize; docs/kernels.md) and, unlike it, exact up to
+    f32 rounding.
     """
     k, v = _raw(k_q8)[0], _raw(v_q8)[0]
     return _run(q, k, CODE_Q8, k_max_abs, v, CODE_Q8, v_max_abs, length, out, n_splits)

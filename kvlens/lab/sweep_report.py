@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..kv.modes import KVMode, StoreKind
-from .report import _figure, md_table, write_markdown
+from ..report import figure, md_table, write_markdown
 from .store import Store
 from .sweep_spec import cell_label
 
@@ -88,7 +88,7 @@ def _errbar(ax, x, y, err, label: str, linestyle: str = "-") -> None:
 
 def plot_frontier(model: str, rows: list[dict[str, Any]], path: Path) -> Path:
     """PPL ratio and KLD mean vs KV bytes/token, one line per (corpus, ctx, weights), modes labelled."""
-    plt = _figure()
+    plt = figure()
     fig, (ax_p, ax_k) = plt.subplots(1, 2, figsize=(11, 4.2))
     by = defaultdict(list)
     for r in rows:
@@ -119,7 +119,7 @@ def plot_frontier(model: str, rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def plot_kld_vs_ctx(rows: list[dict[str, Any]], path: Path) -> Path:
-    plt = _figure()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     by = defaultdict(list)
     for r in rows:
@@ -148,7 +148,7 @@ def side(kv: str) -> str | None:
 
 def plot_k_vs_v(rows: list[dict[str, Any]], path: Path) -> Path:
     """Grouped bars of KLD mean ± s.e. per (model, corpus, ctx, weights): K-only, V-only, both."""
-    plt = _figure()
+    plt = figure()
     groups = sorted({(_short(r["model"]), _series_key(r["config"])) for r in rows})
     modes = sorted({r["kv"] for r in rows}, key=lambda m: (["K only", "V only", "K and V"].index(side(m)), m))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * len(modes) / 2), 4.2))
@@ -171,7 +171,7 @@ def plot_k_vs_v(rows: list[dict[str, Any]], path: Path) -> Path:
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _figure().close(fig)
+    figure().close(fig)
     return path
 
 
