@@ -1,8 +1,9 @@
 """The ``kvlens`` command: generate, lab experiments and benchmarks.
 
-Commands stay thin: parse options, call the engine or the lab, print. User errors (bad files,
-unknown modes, over-long prompts, NaN/Inf) become one ``error: …`` line and exit code 2;
-set KVLENS_DEBUG=1 to see the traceback.
+Commands stay thin: parse options, call the engine or the lab, print. Option values are checked
+at parse time (:mod:`kvlens.cli_args`: a usage error, exit 2); :func:`main` turns any exception a
+command raises into one ``error: …`` line: exit 2 for bad input (files, modes, over-long prompts,
+NaN/Inf), 1 for a kvlens failure, 130 for Ctrl-C. ``--debug`` (or KVLENS_DEBUG=1) adds the traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import typer
 from . import cli_args
 from .cli_args import parse_sizes
 from .engine.attention import BACKENDS
+from .kernels.threads import set_threads
 
 app = typer.Typer(
     add_completion=False,
@@ -155,7 +157,9 @@ OPT_PREFILL = typer.Option(32, min=1, help="Prefill sub-chunk size in tokens (se
 OPT_SINK = typer.Option(0, min=0, help="Keep the first S positions exact.")
 OPT_RECENT = typer.Option(0, min=0, help="Keep the last R positions exact.")
 OPT_JSON = typer.Option(False, "--json", help="Print JSON instead of tables.")
-OPT_REPORT = typer.Option(None, help="Write Markdown + PNG plots into this directory.")
+OPT_REPORT = typer.Option(
+    None, help="Write Markdown + PNG plots into this directory.", callback=cli_args.output_dir_option
+)
 OPT_SPARSE = typer.Option(None, help="Sparse decode for the test modes: quest or probe (default: dense).")
 OPT_BUDGET = typer.Option(
     0.25,
@@ -202,7 +206,11 @@ def lab_unit(
     head: int | None = typer.Option(None, min=0, help="--dist real: one query head (default: all)."),
     text: str | None = typer.Option(None, help="--dist real: corpus name or UTF-8 file (default corpus)."),
     json_out: bool = OPT_JSON,
-    plot: str | None = typer.Option(None, help="Write a PNG: error vs L (sweep), else a histogram of Δ."),
+    plot: str | None = typer.Option(
+        None,
+        help="Write a PNG: error vs L (sweep), else a histogram of Δ.",
+        callback=cli_args.output_file_option,
+    ),
 ) -> None:
     """The seed's unit experiment: fp32 K/V vs quantized K/V through the same attention code."""
     from .lab import unit
@@ -325,7 +333,9 @@ def lab_needle(
     dense_layers: int = typer.Option(2, min=0, help="First layers kept dense."),
     seed: int = typer.Option(0, help="Seed of the secret numbers."),
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
-    plot: str | None = typer.Option(None, help="Write a PNG heat map (depth × context → recall)."),
+    plot: str | None = typer.Option(
+        None, help="Write a PNG heat map (depth × context → recall).", callback=cli_args.output_file_option
+    ),
 ) -> None:
     """Needle in a haystack: recall of f32 dense, q8 dense and q8 sparse at several budgets."""
     from .lab.needle import cli
@@ -391,6 +401,7 @@ def bench_attention(
     import json
 
     from .bench import attention as ba
+    from .bench.spread import LoadMeter
 
     if sparse:
         _bench_sparse(
@@ -404,27 +415,21 @@ def bench_attention(
         )
         return
 
-    _set_threads(threads)
+    set_threads(threads)
+    meter = LoadMeter()  # other processes' CPU during the run, named by the spread warnings
     rows, bw = ba.run_attention_bench(
         parse_sizes(ctx), [s for s in shape.split(",") if s], [m for m in kv.split(",") if m],
         [b for b in backend.split(",") if b] if backend else None, reps, mem_gib,
         progress=None if json_out else lambda s: typer.echo(f"  {s}", err=True),
     )  # fmt: skip
+    for line in ba.spread_warnings(rows, meter.read()):
+        typer.echo(line, err=True)
     if json_out:
         typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
         return
     ba.render(rows, bw)
     if prefill:
         ba.render_prefill("smollm2", 4096, 32, ba.time_prefill_read("smollm2", 4096, 32))
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads:
-        import numba
-        import torch
-
-        numba.set_num_threads(threads)
-        torch.set_num_threads(threads)
 
 
 def _bench_sparse(
@@ -435,7 +440,7 @@ def _bench_sparse(
 
     from .bench.sparse import run_sparse_bench
 
-    _set_threads(threads)
+    set_threads(threads)
     rows = run_sparse_bench(
         parse_sizes(ctx),
         [s for s in shape.split(",") if s],
@@ -461,7 +466,7 @@ def bench_decode(
     weights: str = typer.Option(
         "auto", help="Weight modes to compare (comma list of auto, f32, bf16, int8, int4)."
     ),
-    steps: int = typer.Option(12, min=3, help="Timed decode steps per mode and context."),
+    steps: int = typer.Option(12, min=3, help="Timed decode steps per round (5 rounds)."),
     attn_backend: str = typer.Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
     hf: bool = typer.Option(
         True, help="Also time HF transformers' generate (f32 weights; contexts ≤ --hf-max-ctx)."

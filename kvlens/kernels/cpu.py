@@ -15,9 +15,8 @@ Every storage kind runs through one compiled kernel: rows arrive as raw bytes an
 f32 per tile (int8 -> f32; bf16: ``bits << 16``; f16: an exact bit conversion, numba having no
 float16 arrays). So f32, f16, bf16, q8 and the mixed modes (q8-k, q8-v) all run fused.
 
-Threads: torch and numba's omp layer each run their own libgomp pool; with default spin-waiting the
-idle pool starves the busy one on a small box (2 cores: 0.5 ms calls took ~45 ms). Set
-``OMP_WAIT_POLICY=PASSIVE`` before importing torch (see kvlens bench attention).
+Threads: how many, and when one alone runs a small call, is decided in :mod:`.threads` (which also
+sets the OpenMP wait policy when kvlens is imported; docs/decode.md, "Steady speed").
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from numba import njit, prange
 from ..kv.cache import BLOCK
 from ..kv.modes import StoreKind
 from ..kv.quant import quantize_q8
+from .threads import run_serial_if
 
 QBLOCK = 32  # query block of the int-dot variant (the seed: 32 values, one scale)
 # positions per online-softmax step = the cache block, so sparse decode can pick tiles by block index;
@@ -349,14 +349,7 @@ def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_d
     if v_scale.dtype != np.float32 or not v_scale.flags.c_contiguous:
         v_scale = np.ascontiguousarray(v_scale, np.float32)
     args = (qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, int(length), tiles, n_splits, out)
-    if serial and n_threads > 1:  # waking the thread pool would cost more than the work
-        numba.set_num_threads(1)
-        try:
-            _decode_core(*args)
-        finally:
-            numba.set_num_threads(n_threads)
-    else:
-        _decode_core(*args)
+    run_serial_if(serial, _decode_core, *args)  # waking the thread pool would cost more than the work
     return out
 
 
