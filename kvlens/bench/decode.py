@@ -131,7 +131,7 @@ def time_decode(
             clock.reset()
             t0 = time.perf_counter()
             h = llm.forward([tok], cache, pos, prefill=False, backend=backend)
-            llm.model.logits(h)
+            llm.lm_head(h)
             if h.device.type == "cuda":  # the step's total is then right; its split is launch time only
                 torch.cuda.synchronize(h.device)
             if i >= warmup:
