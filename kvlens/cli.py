@@ -1,8 +1,9 @@
 """The ``kvlens`` command: generate, lab experiments and benchmarks.
 
-Commands stay thin: parse options, call the engine or the lab, print. User errors (bad files,
-unknown modes, over-long prompts, NaN/Inf) become one ``error: …`` line and exit code 2;
-set KVLENS_DEBUG=1 to see the traceback.
+Commands stay thin: parse options, call the engine or the lab, print. Option values are checked
+at parse time (:mod:`kvlens.cli_args`: a usage error, exit 2); :func:`main` turns any exception a
+command raises into one ``error: …`` line: exit 2 for bad input (files, modes, over-long prompts,
+NaN/Inf), 1 for a kvlens failure, 130 for Ctrl-C. ``--debug`` (or KVLENS_DEBUG=1) adds the traceback.
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ OPT_PREFILL = typer.Option(32, min=1, help="Prefill sub-chunk size in tokens (se
 OPT_SINK = typer.Option(0, min=0, help="Keep the first S positions exact.")
 OPT_RECENT = typer.Option(0, min=0, help="Keep the last R positions exact.")
 OPT_JSON = typer.Option(False, "--json", help="Print JSON instead of tables.")
-OPT_REPORT = typer.Option(None, help="Write Markdown + PNG plots into this directory.")
+OPT_REPORT = typer.Option(
+    None, help="Write Markdown + PNG plots into this directory.", callback=cli_args.output_dir_option
+)
 OPT_SPARSE = typer.Option(None, help="Sparse decode for the test modes: quest or probe (default: dense).")
 OPT_BUDGET = typer.Option(
     0.25,
@@ -203,7 +206,11 @@ def lab_unit(
     head: int | None = typer.Option(None, min=0, help="--dist real: one query head (default: all)."),
     text: str | None = typer.Option(None, help="--dist real: corpus name or UTF-8 file (default corpus)."),
     json_out: bool = OPT_JSON,
-    plot: str | None = typer.Option(None, help="Write a PNG: error vs L (sweep), else a histogram of Δ."),
+    plot: str | None = typer.Option(
+        None,
+        help="Write a PNG: error vs L (sweep), else a histogram of Δ.",
+        callback=cli_args.output_file_option,
+    ),
 ) -> None:
     """The seed's unit experiment: fp32 K/V vs quantized K/V through the same attention code."""
     from .lab import unit
@@ -326,7 +333,9 @@ def lab_needle(
     dense_layers: int = typer.Option(2, min=0, help="First layers kept dense."),
     seed: int = typer.Option(0, help="Seed of the secret numbers."),
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
-    plot: str | None = typer.Option(None, help="Write a PNG heat map (depth × context → recall)."),
+    plot: str | None = typer.Option(
+        None, help="Write a PNG heat map (depth × context → recall).", callback=cli_args.output_file_option
+    ),
 ) -> None:
     """Needle in a haystack: recall of f32 dense, q8 dense and q8 sparse at several budgets."""
     from .lab.needle import cli

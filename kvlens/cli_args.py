@@ -13,6 +13,7 @@ import re
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -92,10 +93,34 @@ def floats_option(minimum: float | None = None, maximum: float | None = None, ab
     return _option(lambda v: parse_floats(v, minimum, maximum, above))
 
 
+def check_output_path(value: str, directory: bool) -> Path:
+    """A path the command can write to later: a directory (``directory``) or a file, checked now so
+    a run does not print its results and then fail to save them."""
+    path = Path(value).expanduser()
+    if path.exists() and path.is_dir() != directory:
+        raise ValueError(f"{path} exists and is {'not ' if directory else ''}a directory")
+    ancestor = path if directory else path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"cannot create {path}: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write to {ancestor} (permission denied)")
+    return path
+
+
+def nonempty_text(value: str) -> str:
+    if not check_text(value):
+        raise ValueError("the prompt is empty")
+    return value
+
+
 # A sparse budget is a token count (≥ 1) or a fraction of the context (0 < b < 1).
 budget_option = finite_option(above=0.0)
 budgets_option = floats_option(above=0.0)
-text_argument = _option(check_text)
+text_argument = _option(nonempty_text)
+output_dir_option = _option(lambda v: check_output_path(v, directory=True))
+output_file_option = _option(lambda v: check_output_path(v, directory=False))
 device_option = _option(check_device)
 
 

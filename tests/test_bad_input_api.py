@@ -41,7 +41,7 @@ def test_token_ids_are_checked_at_every_entry(llm, ids, error, match):
         lambda: llm.logits(ids),
         lambda: llm.prefill(ids, llm.new_cache(8)),
         lambda: list(llm.generate_ids(ids, 2)),
-        lambda: llm.capture_qkv(ids, 0),
+        lambda: llm.capture_qkv(ids, [0]),
         lambda: llm.forward(ids, llm.new_cache(8), 0),
     ]
     for call in calls:
@@ -65,9 +65,11 @@ def test_counts_and_layers(llm):
         list(llm.generate_ids([1, 2], 1.5))
     assert list(llm.generate_ids([1, 2], 0)) == []
     with pytest.raises(ValueError, match="layer must be ≤ 1, got 2"):
-        llm.capture_qkv([1, 2], 2)
+        llm.capture_qkv([1, 2], [0, 2])
     with pytest.raises(TypeError, match="layer must be an integer, got bool"):
-        llm.capture_qkv([1, 2], True)
+        llm.capture_qkv([1, 2], [True])
+    with pytest.raises(TypeError, match="layers must be a sequence of layer indices, got int"):
+        llm.capture_qkv([1, 2], 1)
     with pytest.raises(ValueError, match="chunk must be ≥ 1, got 0"):
         llm.prefill([1, 2], llm.new_cache(4), chunk=0)
     with pytest.raises(ValueError, match="prefill_chunk must be ≥ 1"):
@@ -139,3 +141,44 @@ def test_devices():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device 'cuda' is not available"):
             kvlens.load("smollm2", device="cuda")
+
+
+def test_kv_cache_checks_what_it_is_given():
+    from kvlens.kv.cache import KVCache
+    from kvlens.kv.modes import MODES
+
+    with pytest.raises(ValueError, match="n_kv_heads must be ≥ 1, got 0"):
+        KVCache(2, 0, 16, 8, MODES["q8"])
+    with pytest.raises(ValueError, match="capacity must be ≥ 0, got -1"):
+        KVCache(2, 2, 16, -1, MODES["q8"])
+    cache = KVCache(2, 2, 16, 8, MODES["q8"])
+    rows = torch.randn(2, 3, 16)
+    cache.write(0, 0, rows, rows)  # the valid case
+    with pytest.raises(ValueError, match="layer must be ≤ 1, got 2"):
+        cache.write(2, 0, rows, rows)
+    with pytest.raises(ValueError, match="start must be ≥ 0"):
+        cache.write(1, -1, rows, rows)
+    with pytest.raises(ValueError, match=r"k must be \[n_kv_heads=2, n, head_dim=16\], got \(2, 3, 8\)"):
+        cache.write(1, 0, rows[..., :8], rows)
+    with pytest.raises(ValueError, match=r"k and v must have the same shape"):
+        cache.write(1, 0, rows, rows[:, :2])
+    with pytest.raises(TypeError, match="v must be a floating-point tensor"):
+        cache.write(1, 0, rows, rows.to(torch.int8))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"budget": math.inf}, ValueError, "the sparse budget must be a finite number"),
+        ({"budget": math.nan}, ValueError, "the sparse budget must be a finite number"),
+        ({"budget": 0}, ValueError, "the sparse budget must be > 0"),
+        ({"budget": "1k"}, TypeError, "the sparse budget must be a number"),
+        ({"dense_layers": -1}, ValueError, "dense_layers must be ≥ 0"),
+        ({"min_ctx": 1.5}, TypeError, "min_ctx must be an integer"),
+    ],
+)
+def test_sparse_config(kwargs, error, match):
+    from kvlens.kv.blocks import SparseConfig
+
+    with pytest.raises(error, match=match):
+        SparseConfig(**kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tiny_models import write_gguf, write_hf
 
 from kvlens.models.config import ModelConfig, ModelLoadError, check_readable
 from kvlens.models.loader import load_model
+from kvlens.models.tokenizer import TokenizerError
 
 GT = gguf.GGUFValueType
 DROP = None
@@ -317,3 +319,27 @@ def test_model_config_checks_the_python_api_too():
     ]:
         with pytest.raises(ModelLoadError):
             ModelConfig(**{**good, **change})
+
+
+def test_gguf_tokenizer_metadata_is_checked(tiny, tmp_path):
+    bos = rewrite_gguf(tiny[2], tmp_path / "a.gguf", meta={"tokenizer.ggml.bos_token_id": (9999, GT.UINT32)})
+    refused_tokenizer(bos, "the BOS token id 9999 is outside the tokenizer's 320 tokens")
+    no_tokens = rewrite_gguf(tiny[2], tmp_path / "b.gguf", meta={"tokenizer.ggml.tokens": DROP})
+    refused_tokenizer(no_tokens, "lacks tokenizer.ggml.tokens")
+
+
+def test_hf_tokenizer_files_are_checked(tiny, tmp_path):
+    d = hf_copy(tiny[0], tmp_path / "a")
+    (d / "tokenizer.json").write_text("{}")
+    refused_tokenizer(d, "tokenizer.json is not a valid tokenizer file")
+    d = hf_copy(tiny[0], tmp_path / "b")
+    (d / "tokenizer_config.json").write_text("{oops")
+    refused_tokenizer(d, "tokenizer_config.json is not valid JSON")
+    d = hf_copy(tiny[0], tmp_path / "c", eos_token_id=4000)
+    (d / "tokenizer_config.json").write_text("{}")
+    refused_tokenizer(d, "the EOS token id 4000 is outside")
+
+
+def refused_tokenizer(path: Path, needle: str) -> None:
+    with pytest.raises(TokenizerError, match=re.escape(needle)):
+        load_model(path)

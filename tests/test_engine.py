@@ -153,3 +153,21 @@ def test_single_token_jit_glue_equals_torch_layer(smol_f32):
         finally:
             smol_f32.model.row_ops = True
     assert (outs[0] - outs[1]).abs().max().item() <= 2 * f32_forward_tol(smol_f32.config, outs[1])
+
+
+@pytest.mark.parametrize("keep", ["keep_sink", "keep_recent"])
+def test_kept_exact_rows_are_what_decode_reads(smol_f32, keep):
+    """With every position kept exact, a q8 cache must read as the f32 one, in prefill and in the
+    default (numba) decode step: the kernel cannot serve these options and the torch path must."""
+    ids = smol_f32.tokenizer.encode(PROMPTS[0])
+    n = len(ids)
+    outs = []
+    for llm, cache in (
+        (
+            smol_f32.variant(attn_backend="numba"),
+            smol_f32.new_cache(n + 1, kv="q8", options=CacheOptions(**{keep: n + 1})),
+        ),
+        (smol_f32, smol_f32.new_cache(n + 1, kv="f32")),
+    ):
+        outs.append((llm.prefill(ids, cache), llm.forward([ids[-1]], cache, n, prefill=False)))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -234,11 +234,13 @@ class LLM:
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Exact post-RoPE (Q [H, n, d], K [KV, n, d], V [KV, n, d]) of each of ``layers`` (default:
         every layer), in that order, from one forward pass of the prompt through an f32 cache."""
+        ids = self.check_ids(ids)
         n_layers = self.config.n_layers
+        if layers is not None and not isinstance(layers, Sequence):
+            raise TypeError(f"layers must be a sequence of layer indices, got {type(layers).__name__}")
         wanted = list(range(n_layers)) if layers is None else list(layers)
         for i in wanted:
             check_int(i, "layer", minimum=0, maximum=n_layers - 1)
-        ids = self.check_ids(ids)
         self.check_fits(len(ids))
         cache = self.new_cache(len(ids), MODES["f32"], CacheOptions())
         inner = make_attend(cache, True, "torch", self.config.sliding_window)

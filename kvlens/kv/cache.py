@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int, check_tensor
 from .blocks import BlockBounds
 from .modes import CacheOptions, KVMode, StoreKind
 from .quant import dequantize_q8, first_nonfinite, store_q8
@@ -103,6 +104,9 @@ class KVCache:
             raise TypeError(f"KVCache takes a KVMode (KVMode.parse(name)), got {type(mode).__name__}")
         if not isinstance(options, CacheOptions):
             raise TypeError(f"KVCache takes CacheOptions, got {type(options).__name__}")
+        for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
+            check_int(value, name, minimum=1)
+        check_int(capacity, "capacity", minimum=0)
         self.mode, self.options = mode, options
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.device = torch.device(device)
@@ -143,6 +147,7 @@ class KVCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows ``[n_kv, n, head_dim]`` for positions ``start .. start+n-1`` of ``layer``."""
+        self._check_rows(layer, start, k, v)
         for name, rows in (("K", k), ("V", v)):
             bad = first_nonfinite(rows)
             if bad is not None:
@@ -164,6 +169,19 @@ class KVCache:
             )
         if layer == self.n_layers - 1:
             self.length = max(self.length, start + k.shape[1])
+
+    def _check_rows(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        check_int(layer, "layer", minimum=0, maximum=self.n_layers - 1)
+        check_int(start, "start", minimum=0)
+        for name, rows in (("k", k), ("v", v)):
+            check_tensor(rows, name, floating=True)
+            if rows.dim() != 3 or rows.shape[0] != self.n_kv_heads or rows.shape[2] != self.head_dim:
+                raise ValueError(
+                    f"{name} must be [n_kv_heads={self.n_kv_heads}, n, head_dim={self.head_dim}], "
+                    f"got {tuple(rows.shape)}"
+                )
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
 
     def read(self, layer: int, end: int, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions ``[0, end)`` as float32 ``[n_kv, end, head_dim]`` — what attention sees."""

@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..kv.modes import KVMode
 from .store import CellOutcome
 
 _ISA_FLAGS = (
@@ -132,7 +133,8 @@ def _models(model: str, weights: str) -> tuple[Any, Any, float]:
 
 def _measure(c: dict[str, Any], llm: Any, ref: Any, text: str, label: str) -> dict[str, Any]:
     """The lab's own run for the cell's measurement, as its JSON."""
-    m, kv, keep = c["measurement"], c["kv"], {k: c[k] for k in ("keep_sink", "keep_recent") if k in c}
+    m, kv = c["measurement"], KVMode.parse(c["kv"])
+    keep = {k: c[k] for k in ("keep_sink", "keep_recent") if k in c}
     if m == "ppl":
         from .ppl import run_ppl
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..kv.modes import KVMode
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -74,13 +76,14 @@ class Cell:
     measurement: str
     model: str
     weights: str
-    kv: str
+    kv: KVMode
     corpus: str
     ctx: int
     params: tuple[tuple[str, Any], ...]
 
     def config(self) -> dict[str, Any]:
-        fixed = {k: getattr(self, k) for k in ("measurement", "model", "weights", "kv", "corpus", "ctx")}
+        fixed = {k: getattr(self, k) for k in ("measurement", "model", "weights", "corpus", "ctx")}
+        fixed["kv"] = self.kv.name
         return fixed | {k: list(v) if isinstance(v, tuple) else v for k, v in self.params}
 
     def config_json(self) -> str:
@@ -131,9 +134,9 @@ def _list_of(where: str, value: Any, item: type, check: Callable[[str, Any], Any
     for i, v in enumerate(value):
         v = _check_type(f"{where}[{i}]", float(v) if item is float and isinstance(v, int) else v, item)
         out.append(check(f"{where}[{i}]", v) if check else v)
-    dup = {x for x in out if out.count(x) > 1}
-    if dup:
-        raise SpecError(f"{where} lists {sorted(dup)[0]!r} more than once")
+    dup = next((x for x in out if out.count(x) > 1), None)
+    if dup is not None:
+        raise SpecError(f"{where} lists {str(dup)!r} more than once")
     return out
 
 
@@ -156,14 +159,11 @@ def _table(where: str, raw: Any, allowed: dict[str, tuple[type, Any]]) -> dict[s
     return out
 
 
-def _mode(where: str, name: str) -> str:
-    from ..kv.cache import parse_mode
-
+def _mode(where: str, name: str) -> KVMode:
     try:
-        parse_mode(name)
+        return KVMode.parse(name)
     except ValueError as e:
         raise SpecError(f"{where}: {e}") from None
-    return name
 
 
 def _weights(where: str, name: str) -> str:

@@ -176,7 +176,7 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     def get(field_name: str, check: Callable[[Any, str], Any] = count, default: Any = REQUIRED) -> Any:
         return read_key(cfg, HF_KEYS[field_name], where, check, default)
 
-    hidden, n_heads = get("hidden"), get("n_heads")
+    hidden, n_heads, head_dim = read_head_size(get, HF_KEYS, where)
     scaling = read_key(cfg, "rope_scaling", where, _mapping, None) or read_key(
         cfg, "rope_parameters", where, _mapping, None
     )
@@ -185,11 +185,6 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     )
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
-    head_dim = get("head_dim", count, None)
-    if head_dim is None and hidden % n_heads:
-        raise ModelLoadError(
-            f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={n_heads}"
-        )
     windowed = read_key(cfg, "use_sliding_window", where, _flag, arch == "mistral")
     fields = dict(
         arch=arch,
@@ -197,7 +192,7 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
         hidden=hidden,
         n_heads=n_heads,
         n_kv_heads=get("n_kv_heads", count, n_heads),
-        head_dim=head_dim or hidden // n_heads,
+        head_dim=head_dim,
         ffn=get("ffn"),
         vocab=get("vocab"),
         rope_theta=theta,
@@ -211,6 +206,19 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
         name=str(cfg.get("_name_or_path", "")),
     )
     return build_config(fields, HF_KEYS, where)
+
+
+def read_head_size(get: Callable[..., Any], keys: dict[str, str], where: str) -> tuple[int, int, int]:
+    """``(hidden, n_heads, head_dim)``: the head size as given, else hidden / n_heads when that divides."""
+    hidden, n_heads = get("hidden"), get("n_heads")
+    head_dim = get("head_dim", count, None)
+    if head_dim is None:
+        if hidden % n_heads:
+            raise ModelLoadError(
+                f"{where}: {keys['hidden']}={hidden} is not a multiple of {keys['n_heads']}={n_heads}"
+            )
+        head_dim = hidden // n_heads
+    return hidden, n_heads, head_dim
 
 
 def build_config(fields: dict[str, Any], keys: dict[str, str], where: str) -> ModelConfig:

@@ -24,6 +24,7 @@ from .config import (
     check_readable,
     count,
     positive,
+    read_head_size,
     read_key,
 )
 from .weights import check_structure
@@ -146,13 +147,7 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
     def get(field_name: str, check: Any = count, default: Any = REQUIRED) -> Any:
         return read_key(meta, keys[field_name], where, check, default)
 
-    hidden, n_heads = get("hidden"), get("n_heads")
-    head_dim = get("head_dim", count, None)
-    if head_dim is None and hidden % n_heads:
-        raise ModelLoadError(
-            f"{where}: {keys['hidden']}={hidden} is not a multiple of {keys['n_heads']}={n_heads}"
-        )
-    head_dim = head_dim or hidden // n_heads
+    hidden, n_heads, head_dim = read_head_size(get, keys, where)
     for other in ("attention.value_length", "rope.dimension_count"):  # kvlens needs both = head_dim
         value = read_key(meta, f"{arch}.{other}", where, count, head_dim)
         if value != head_dim:

@@ -46,12 +46,8 @@ Shapes = dict[str, tuple[int, ...]]
 
 def expected_tensors(cfg: ModelConfig) -> tuple[Shapes, Shapes]:
     """``(required, optional)``: HF name → shape of every tensor the config implies."""
-    h, d, q_rows, kv_rows = (
-        cfg.hidden,
-        cfg.head_dim,
-        cfg.n_heads * cfg.head_dim,
-        cfg.n_kv_heads * cfg.head_dim,
-    )
+    h, d = cfg.hidden, cfg.head_dim
+    q_rows, kv_rows = cfg.n_heads * d, cfg.n_kv_heads * d
     required: Shapes = {"model.embed_tokens.weight": (cfg.vocab, h), "model.norm.weight": (h,)}
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
@@ -72,8 +68,19 @@ def expected_tensors(cfg: ModelConfig) -> tuple[Shapes, Shapes]:
         if cfg.qk_norm:
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
         required.update({p + k: v for k, v in layer.items()})
+    # lm_head: absent when tied (and unread when the config ties it); rope_freqs: GGUF's Llama-3 scaling
     optional: Shapes = {"lm_head.weight": (cfg.vocab, h), "rope_freqs": (d // 2,)}
     return required, optional
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _span(ids: list[int]) -> str:
+    """[28, 29] → "28..29" (a run), else the list."""
+    if len(ids) == 1:
+        return str(ids[0])
+    return f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else str(ids)
 
 
 # Tensors a checkpoint may carry that kvlens deliberately does not read.
@@ -103,7 +110,7 @@ def check_structure(cfg: ModelConfig, found: Shapes, label: Callable[[str], str]
     for name, shape in found.items():
         want = required.get(name) or optional.get(name)
         if want is None:
-            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tied_embeddings):
+            if name.endswith(IGNORED_SUFFIXES):
                 continue
             raise ModelLoadError(
                 f"unexpected tensor {label(name)!r} in the checkpoint ({cfg.arch} does not use it)"
@@ -112,19 +119,6 @@ def check_structure(cfg: ModelConfig, found: Shapes, label: Callable[[str], str]
             raise ModelLoadError(
                 f"tensor {label(name)!r} has shape {tuple(shape)}, the config implies {want}"
             )
-
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def _span(ids: list[int]) -> str:
-    return (
-        str(ids[0])
-        if len(ids) == 1
-        else f"{ids[0]}..{ids[-1]}"
-        if ids == list(range(ids[0], ids[-1] + 1))
-        else str(ids)
-    )
 
 
 def build_weights(
