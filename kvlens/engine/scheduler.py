@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..checks import check_int, check_token_ids
 from ..kv.cache import BLOCK
 from ..kv.modes import MODES
 from ..kv.pool import BlockPool, PagedKV, kv_bytes_per_token
@@ -164,15 +165,16 @@ class Engine:
         self.prompt_tokens += seq.n_prompt
 
     def _check(self, req: Request) -> None:
+        if not isinstance(req, Request):
+            raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
         if not req.prompt_ids:
             raise ValueError("the prompt is empty")
-        vocab = self.llm.config.vocab
-        if any(not 0 <= t < vocab for t in req.prompt_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        if req.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if req.logprobs is not None and req.logprobs < 0:
-            raise ValueError("logprobs must be >= 0")
+        req.prompt_ids = check_token_ids(req.prompt_ids, self.llm.config.vocab, "prompt token ids")
+        check_int(req.max_tokens, "max_tokens", minimum=1)
+        if req.logprobs is not None:
+            check_int(req.logprobs, "logprobs", minimum=0)
+        if not isinstance(req.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(req.sampling).__name__}")
         total = len(req.prompt_ids) + req.max_tokens
         self.llm.check_fits(total)
         if -(-total // BLOCK) > self.pool.n_blocks:
