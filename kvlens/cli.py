@@ -285,6 +285,19 @@ def _root(debug: bool = Option(False, "--debug", help="Print the traceback of an
         os.environ[cli_args.DEBUG_ENV] = "1"
 
 
+@app.command()
+def verify(
+    record: str = typer.Argument(..., help="A kvlens record (JSON), or a server response holding one."),
+    model: str | None = typer.Option(None, help="Model to re-run with (default: the record's source)."),
+) -> None:
+    """Re-run a recorded request alone and confirm its output bit for bit, or say where it diverges."""
+    from .engine.verify import verify_file
+
+    result = verify_file(record, model)
+    typer.echo(result.message)
+    raise typer.Exit(0 if result.ok else 1)
+
+
 def main() -> None:
     cli_args.run_guarded(app)
 
