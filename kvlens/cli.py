@@ -447,6 +447,19 @@ def bench_decode(
     cli(model, _csv_ints(ctx), kv, weights, steps, attn_backend, hf, hf_max_ctx, vs_llama_cpp, json_out)
 
 
+@app.command()
+def verify(
+    record: str = typer.Argument(..., help="A kvlens record (JSON), or a server response holding one."),
+    model: str | None = typer.Option(None, help="Model to re-run with (default: the record's source)."),
+) -> None:
+    """Re-run a recorded request alone and confirm its output bit for bit, or say where it diverges."""
+    from .engine.verify import verify_file
+
+    result = verify_file(record, model)
+    typer.echo(result.message)
+    raise typer.Exit(0 if result.ok else 1)
+
+
 def main() -> None:
     try:
         app()

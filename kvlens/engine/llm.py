@@ -37,6 +37,7 @@ class LLM:
         parse_mode(kv)  # fail early on an unknown mode
         self.sparse = sparse  # sparse decode policy (None: dense); caches then track block bounds
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
+        self.loaded = loaded  # the model file's digest (verifiable records) is cached on it
         self.weights_mode = loaded.weights_mode
         self.model = Transformer(loaded.config, loaded.weights)
         self.device = self.model.device
@@ -128,11 +129,24 @@ class LLM:
         stop_at_eos: bool = True,
         cache: KVCache | None = None,
     ) -> Iterator[int]:
-        """Yield new token ids one by one: chunked prefill, then one-token decode steps."""
+        """Yield new token ids one by one: chunked prefill, then one-token decode steps.
+
+        Runs as a batch of one through the serving engine (:mod:`kvlens.engine.scheduler`), so a
+        request alone and the same request among others are one computation (batch invariance).
+        Given a ``cache``, or with sparse decode, it runs this LLM's own loop over that cache.
+        """
         self.check_fits(len(prompt_ids) + max_new_tokens)
-        cache = cache or self.new_cache(len(prompt_ids) + max_new_tokens)
-        logits = self.prefill(prompt_ids, cache)
-        yield from self.decode(cache, logits, len(prompt_ids), max_new_tokens, sampling, stop_at_eos)
+        if cache is not None or self.sparse is not None:
+            cache = cache or self.new_cache(len(prompt_ids) + max_new_tokens)
+            logits = self.prefill(prompt_ids, cache)
+            yield from self.decode(cache, logits, len(prompt_ids), max_new_tokens, sampling, stop_at_eos)
+            return
+        from .scheduler import Request, run_alone
+
+        req = Request("0", list(prompt_ids), max_new_tokens, sampling or SamplingParams(),
+                      None if stop_at_eos else frozenset())  # fmt: skip
+        for event in run_alone(self, req):
+            yield event.token_id
 
     @torch.inference_mode()
     def decode(
@@ -155,6 +169,28 @@ class LLM:
             hidden = self.forward([tok], cache, pos, prefill=False)
             logits = self.model.logits(hidden)[0]
             pos += 1
+
+    def generate_batch(
+        self,
+        prompts: list[str],
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        chat: bool = False,
+    ) -> list[str]:
+        """Continuations of every prompt, in order, run together through the serving engine (each
+        output is what :meth:`generate` gives for that prompt alone). A seeded ``sampling`` seeds every
+        request's own generator with that seed."""
+        from .scheduler import Request, run_batch
+
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts must be a list of strings")
+        reqs = [
+            Request(str(i), self.encode_prompt(p, chat), max_new_tokens, sampling or SamplingParams())
+            for i, p in enumerate(prompts)
+        ]
+        outputs = run_batch(self, reqs)
+        eos = self.tokenizer.eos_ids
+        return [self.tokenizer.decode([t for t in outputs[r.request_id] if t not in eos]) for r in reqs]
 
     def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         if chat:

@@ -63,6 +63,17 @@ def parse_mode(mode: str) -> tuple[str, str, bool]:
     return MODES[mode]
 
 
+def check_kv_finite(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise :class:`NonFiniteKVError` naming the layer and position if K or V holds NaN/Inf."""
+    for name, rows in (("K", k), ("V", v)):
+        bad = first_nonfinite(rows)
+        if bad is not None:
+            pos = start + bad // rows.shape[2] % rows.shape[1]  # rows are [n_kv, n, head_dim]
+            raise NonFiniteKVError(
+                f"non-finite {name} value at layer {layer}, position {pos}; refusing to store it in the KV cache"
+            )
+
+
 def row_bytes(kind: str, head_dim: int) -> int:
     """Bytes of one stored (token, head) row: int8 codes + one fp32 max_abs, or head_dim floats."""
     return head_dim + 4 if kind == "q8" else head_dim * torch.finfo(FLOAT_DTYPES[kind]).bits // 8
@@ -187,14 +198,7 @@ class KVCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows ``[n_kv, n, head_dim]`` for positions ``start .. start+n-1`` of ``layer``."""
-        for name, rows in (("K", k), ("V", v)):
-            bad = first_nonfinite(rows)
-            if bad is not None:
-                pos = start + bad // rows.shape[2] % rows.shape[1]  # rows are [n_kv, n, head_dim]
-                raise NonFiniteKVError(
-                    f"non-finite {name} value at layer {layer}, position {pos}; "
-                    "refusing to store it in the KV cache"
-                )
+        check_kv_finite(layer, start, k, v)
         self.reserve(start + k.shape[1])
         self.k[layer].write(start, k)
         self.v[layer].write(start, v)

@@ -338,3 +338,9 @@ def make_matrix(
         return Int8Linear(c) if mode == "int8" else Int4Linear(c)
 
     return matrix
+
+
+def linear_rows(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear`` of a batch of independent rows ``x [B, k]``, each row's result bit-identical to a
+    one-row call (batch invariance)."""
+    return torch.cat([linear(x[b : b + 1], w, bias) for b in range(x.shape[0])])
