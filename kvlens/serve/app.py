@@ -207,7 +207,7 @@ def build_app(llm: LLM, engine: Engine, config: ServeConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         tok = llm.tokenizer
-        ids = runner.check_ids(body.prompt) if isinstance(body.prompt, list) else tok.encode(body.prompt)
+        ids = list(body.prompt) if isinstance(body.prompt, list) else tok.encode(body.prompt)
         job = await runner.submit("completions", new_id("cmpl"), ids, body.max_tokens, body, body.logprobs)
         return await respond(request, _Shapes(runner, False, config.model_name), job, body)
 

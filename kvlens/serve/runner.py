@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..engine.llm import LLM
@@ -61,15 +60,6 @@ class Runner:
         self.llm, self.engine, self.metrics = llm, engine, metrics
         self.retry_after_s = retry_after_s
 
-    def check_ids(self, ids: list[int]) -> list[int]:
-        vocab = self.llm.tokenizer.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise APIError(
-                400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt"
-            )
-        return ids
-
     async def submit(
         self,
         endpoint: str,
@@ -79,17 +69,14 @@ class Runner:
         body: Any,
         logprobs: int | None,
     ) -> Job:
-        """Admit a request to the engine; 400 for what the engine refuses, 429 when the queue is full."""
-        if not prompt_ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
+        """Admit a request to the engine; 400 for what the engine refuses (empty or over-long prompt,
+        ids outside the vocabulary, more tokens than the pool holds), 429 when its queue is full."""
         arrived = time.perf_counter()
         if max_tokens is None:  # OpenAI: as many as fit
             room = min(self.llm.config.max_ctx, self.engine.stats().tokens_capacity) - len(prompt_ids)
             max_tokens = max(1, room)
-        seed = body.seed
-        if seed is None and body.temperature > 0:
-            seed = secrets.randbits(63)  # chosen here so the response's record can be re-run
-        sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=seed)
+        # a sampled request without a seed gets one from the engine, recorded for verify
+        sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
         req = Request(rid, list(prompt_ids), max_tokens, sampling, logprobs=logprobs)
         try:
             events = await self.engine.add(req)
@@ -130,7 +117,7 @@ class Runner:
                     job.finish_reason = "stop" if job.out.stopped else ev.finish_reason
                 if job.finish_reason is not None:
                     delta += job.out.finish()
-                    job.record = make_record(self.llm, job.request, list(job.out.token_ids))
+                    job.record = self._record(job)
                 if delta:
                     yield delta
         finally:
@@ -154,6 +141,12 @@ class Runner:
                 task.cancel()
         await task  # re-raises EngineFault / CancelledError
         return "".join(pieces)
+
+    def _record(self, job: Job) -> dict[str, Any]:
+        req = job.request
+        if job.out.stopped:  # cut by a stop string: a re-run of exactly this many tokens reproduces it
+            req = replace(req, max_tokens=job.completion_tokens)
+        return make_record(self.llm, req, list(job.out.token_ids))
 
     def _observe(self, job: Job, at: float) -> None:
         if job.first_at is None:
