@@ -447,6 +447,31 @@ def bench_decode(
     cli(model, _csv_ints(ctx), kv, weights, steps, attn_backend, hf, hf_max_ctx, vs_llama_cpp, json_out)
 
 
+
+@bench_app.command("serve")
+def bench_serve(
+    url: str = typer.Option(None, help="Load an already running server instead of starting one per --kv."),
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    kv: str = typer.Option("q8,f16", help="Cache modes: one server each, compared in one run."),
+    weights: str = typer.Option("auto", help="Weights of the started servers."),
+    kv_budget: str = typer.Option(None, help="KV pool bytes of the started servers (e.g. 512MiB)."),
+    max_batch: int = typer.Option(16, min=1, help="Running sequences per step of the started servers."),
+    concurrency: str = typer.Option("1,4,8,16", help="Fixed concurrencies (comma list)."),
+    rate: float = typer.Option(None, min=0.001, help="Poisson arrival rate (requests/s) instead."),
+    requests: int = typer.Option(0, min=0, help="Requests per run (0: 2 x concurrency, at least 4)."),
+    prompt_len: int = typer.Option(128, min=1, help="Prompt tokens, cut from the corpus."),
+    output_len: int = typer.Option(64, min=1, help="Output tokens per request (ignore_eos)."),
+    corpus: str = typer.Option(None, help="Corpus name or UTF-8 file (default: the default corpus)."),
+    seed: int = typer.Option(0),
+    json_out: bool = typer.Option(False, "--json", help="Print the runs as JSON."),
+) -> None:
+    """Load generator for kvlens serve: output tokens/s, requests/s, TTFT and inter-token latency."""
+    from .bench.serve import cli
+
+    kvs = [m for m in kv.split(",") if m]
+    cli(url, model, kvs, weights, kv_budget, max_batch, _csv_ints(concurrency), rate, requests,
+        prompt_len, output_len, corpus, seed, json_out)  # fmt: skip
+
 @app.command()
 def verify(
     record: str = typer.Argument(..., help="A kvlens record (JSON), or a server response holding one."),

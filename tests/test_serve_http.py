@@ -10,17 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from kvlens.serve.process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -31,27 +27,7 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
-        self.proc, self.url, self.log = proc, url, log
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {
-            s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text)
-            for s in fam.samples
-        }
-
+class Server(ServerProcess):
     def wait_blocks_freed(self, timeout: float = 20.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout
         while True:
@@ -65,38 +41,17 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(smol_path):
-    port = _free_port()
-    log = Path(tempfile.mkstemp(prefix="kvlens-serve-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "kvlens.cli", "serve", "--model", str(smol_path), "--kv", KV,
-           "--weights", "f32", "--kv-budget", "64MiB", "--max-batch", str(MAX_BATCH), "--max-waiting", str(MAX_WAITING),
-           "--port", str(port), "--api-key", KEY, "--graceful-s", "30"]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    srv = Server(proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + 180
-    while True:  # bounded wait for /health
-        if proc.poll() is not None:
-            pytest.fail(f"kvlens serve exited with {proc.returncode}:\n{srv.output()}")
-        try:
-            if httpx.get(f"{srv.url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"kvlens serve did not become healthy:\n{srv.output()}")
-        time.sleep(0.25)
+    srv = Server(
+        ["--model", str(smol_path), "--kv", KV, "--weights", "f32", "--kv-budget", "64MiB",
+         "--max-batch", str(MAX_BATCH), "--max-waiting", str(MAX_WAITING), "--api-key", KEY,
+         "--graceful-s", "30"],
+        start_timeout=180,
+    )  # fmt: skip
     yield srv
-    if proc.poll() is None:
+    if srv.proc.poll() is None:
         srv.wait_blocks_freed()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail("kvlens serve did not stop within 60 s of SIGTERM")
-    assert proc.returncode == 0, srv.output()
-    log.unlink()
+    assert srv.stop() == 0, srv.output()
+    srv.close()
 
 
 @pytest.fixture(scope="module")

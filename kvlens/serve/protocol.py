@@ -3,7 +3,8 @@
 Field names, defaults and limits follow OpenAI's completions and chat-completions APIs. Fields
 kvlens cannot honour are accepted only at their neutral value (``n=1``, penalties 0, no
 ``logit_bias``, ``echo`` false), so a client never silently gets something it did not ask for;
-fields OpenAI does not know are refused, as OpenAI's API does ("Unrecognized request argument").
+fields OpenAI does not know are refused, as OpenAI's API does ("Unrecognized request argument"),
+except vLLM's ``ignore_eos`` (load generators use it to get exact output lengths).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    ignore_eos: StrictBool = False  # vLLM's extension (benchmarks): run to max_tokens whatever comes
 
     @field_validator("stop")
     @classmethod

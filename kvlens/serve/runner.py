@@ -77,7 +77,8 @@ class Runner:
             max_tokens = max(1, room)
         # a sampled request without a seed gets one from the engine, recorded for verify
         sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-        req = Request(rid, list(prompt_ids), max_tokens, sampling, logprobs=logprobs)
+        stop_ids = frozenset() if body.ignore_eos else None  # None: the tokenizer's EOS ids
+        req = Request(rid, list(prompt_ids), max_tokens, sampling, stop_ids, logprobs)
         try:
             events = await self.engine.add(req)
         except QueueFullError as e:
