@@ -468,13 +468,14 @@ def bench_serve(
     corpus: str = typer.Option(None, help="Corpus name or UTF-8 file (default: the default corpus)."),
     seed: int = typer.Option(0),
     json_out: bool = typer.Option(False, "--json", help="Print the runs as JSON."),
+    api_key: str = typer.Option(None, help="With --url: the server's API key."),
 ) -> None:
     """Load generator for kvlens serve: output tokens/s, requests/s, TTFT and inter-token latency."""
     from .bench.serve import cli
 
     kvs = [m for m in kv.split(",") if m]
     cli(url, model, kvs, weights, kv_budget, max_batch, _csv_ints(concurrency), rate, requests,
-        prompt_len, output_len, corpus, seed, json_out)  # fmt: skip
+        prompt_len, output_len, corpus, seed, json_out, api_key)  # fmt: skip
 
 
 @app.command()

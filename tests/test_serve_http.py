@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -307,6 +308,18 @@ def test_metrics_exposes_pool_queue_tokens_and_latency(server):
         assert name in m, name
     assert m["kvlens_kv_blocks_total"] > 0 and m["kvlens_requests_waiting"] == 0
     assert m["kvlens_generation_tokens_total"] > 0 and m["kvlens_time_to_first_token_seconds_count"] > 0
+
+
+def test_bench_serve_load_gets_exact_output_lengths(server, ref):
+    from kvlens.bench.serve import Load, runs_against
+
+    corpus = str(Path(__file__).parent / "data" / "excerpt.txt")
+    load = Load(requests=3, prompt_len=24, output_len=5, concurrency=3)
+    [res] = runs_against(server.url, KV, ref.tokenizer, [load], corpus, KEY)
+    assert (res.requests, res.failed, res.output_tokens) == (3, 0, 15), res.errors  # ignore_eos: 5 each
+    assert res.output_tok_s == pytest.approx(15 / res.duration_s)
+    assert 0 < res.ttft_p50 <= res.ttft_p99 < res.duration_s
+    assert res.peak_running <= MAX_BATCH
 
 
 def test_sigterm_finishes_in_flight_then_exits_0(server, client, smol_path):

@@ -121,12 +121,12 @@ async def _one(client, model: str, prompt: list[int], output_len: int) -> Sample
 
 
 async def run_load(
-    url: str, model: str, prompts: list[list[int]], load: Load
+    url: str, model: str, prompts: list[list[int]], load: Load, api_key: str | None = None
 ) -> tuple[list[Sample], float, dict]:
     """Send the requests; returns the samples, the wall time and the peaks seen on /metrics."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=3600)
     gate = asyncio.Semaphore(load.concurrency or len(prompts))
     rng = np.random.default_rng(load.seed)
     peaks = {"kvlens_requests_running": 0.0, "kvlens_requests_waiting": 0.0}
@@ -173,19 +173,21 @@ def _server_args(model: str, kv: str, weights: str, kv_budget: str | None, max_b
     return args + (["--kv-budget", kv_budget] if kv_budget else [])
 
 
-def _runs_against(
-    url: str, label: str, tok: Tokenizer, loads: list[Load], corpus: str | None
+def runs_against(
+    url: str, label: str, tok: Tokenizer, loads: list[Load], corpus: str | None, api_key: str | None = None
 ) -> list[RunResult]:
+    """Each load in turn against a running server (after one short warm-up request)."""
     import httpx
 
-    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     warm = corpus_prompts(tok, corpus, 1, 16, seed=12345)  # compiles the kernels before timing
-    asyncio.run(run_load(url, model, warm, Load(1, 16, 4, 1)))
+    asyncio.run(run_load(url, model, warm, Load(1, 16, 4, 1), api_key))
     results = []
     for load in loads:
         prompts = corpus_prompts(tok, corpus, load.requests, load.prompt_len, load.seed)
         before = scrape_metrics(url).get("kvlens_preemptions_total", 0.0)
-        samples, duration, peaks = asyncio.run(run_load(url, model, prompts, load))
+        samples, duration, peaks = asyncio.run(run_load(url, model, prompts, load, api_key))
         preempt = int(scrape_metrics(url).get("kvlens_preemptions_total", 0.0) - before)
         results.append(summarize(label, load, samples, duration, peaks, preempt))
     return results
@@ -230,7 +232,7 @@ def mode_ratios(results: list[RunResult]) -> list[str]:
 def cli(
     url: str | None, model: str, kv: list[str], weights: str, kv_budget: str | None, max_batch: int,
     concurrency: list[int], rate: float | None, requests: int, prompt_len: int, output_len: int,
-    corpus: str | None, seed: int, json_out: bool,
+    corpus: str | None, seed: int, json_out: bool, api_key: str | None = None,
 ) -> None:  # fmt: skip
     """The body of ``kvlens bench serve``."""
     import json
@@ -248,11 +250,11 @@ def cli(
     loads = [Load(requests or max(4, 2 * (c or 4)), prompt_len, output_len, c, rate, seed) for c in concs]
     results, budgets = [], {}
     if url:
-        results = _runs_against(url.rstrip("/"), "server", tok, loads, corpus)
+        results = runs_against(url.rstrip("/"), "server", tok, loads, corpus, api_key)
     for mode in [] if url else kv:
         with ServerProcess(_server_args(model, mode, weights, kv_budget, max_batch)) as srv:
             budgets[mode] = srv.budget_line()
-            results += _runs_against(srv.url, mode, tok, loads, corpus)
+            results += runs_against(srv.url, mode, tok, loads, corpus)
     if json_out:
         print(json.dumps({"budgets": budgets, "runs": [r.as_dict() for r in results]}, indent=1))
         return
