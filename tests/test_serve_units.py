@@ -116,6 +116,22 @@ def test_completion_request_refuses_what_it_cannot_honour(body, needle):
         CompletionRequest.model_validate(body)
 
 
+def test_chat_content_parts_are_joined():
+    msg = {
+        "role": "user",
+        "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}],
+    }
+    chat = ChatRequest.model_validate({"model": "m", "messages": [msg]})
+    assert chat.messages[0].for_template() == {"role": "user", "content": "Hello, world"}
+    with pytest.raises(ValueError):  # image parts: not a text model
+        ChatRequest.model_validate(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            }
+        )
+
+
 def test_requests_accept_openai_defaults():
     c = CompletionRequest.model_validate({"model": "m", "prompt": "x", "stop": "END", "user": "u", "n": 1})
     assert (c.max_tokens, c.temperature, c.stop_strings) == (16, 1.0, ["END"])

@@ -214,7 +214,7 @@ def build_app(llm: LLM, engine: Engine, config: ServeConfig) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: ChatRequest, request: Request) -> Response:
         check_model(body.model)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         try:  # the template writes any BOS itself
             ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_bos=False)
         except Exception as e:  # no template, or the template refuses the conversation

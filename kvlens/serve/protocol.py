@@ -122,11 +122,21 @@ class CompletionRequest(_Common):
         return self
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    content: str | list[TextPart]  # text, or OpenAI's list of content parts (text parts only)
     name: str | None = None
+
+    def for_template(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
 
 
 class ChatRequest(_Common):
