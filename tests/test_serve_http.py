@@ -256,8 +256,9 @@ def _counter(m: dict[str, float], name: str, **labels: str) -> float:
 def test_client_disconnect_mid_stream_frees_its_blocks(server, client, smol_path):
     before = server.metrics()
     stream = client.completions.create(
-        model=smol_path.stem, prompt=PROMPT, max_tokens=4000, temperature=0, stream=True
-    )
+        model=smol_path.stem, prompt=PROMPT, max_tokens=4000, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},  # it cannot end early by itself
+    )  # fmt: skip
     for i, _ in enumerate(stream):
         if i == 2:
             break
@@ -265,6 +266,8 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server, client, smol_path
     stream.close()
     # 4000 tokens would take minutes here: blocks freed within seconds means it was cancelled
     after = server.wait_blocks_freed(timeout=20)
+    time.sleep(0.5)
+    assert server.metrics()["kvlens_generation_tokens_total"] == after["kvlens_generation_tokens_total"]
     cancelled = _counter(after, "kvlens_requests_total", endpoint="completions", finish_reason="cancelled")
     assert (
         cancelled
