@@ -49,10 +49,13 @@ def server(smol_path):
         start_timeout=180,
     )  # fmt: skip
     yield srv
-    if srv.proc.poll() is None:
-        srv.wait_blocks_freed()
-    assert srv.stop() == 0, srv.output()
-    srv.close()
+    try:
+        if srv.proc.poll() is None:
+            srv.wait_blocks_freed()  # after every test above, whatever it did
+    finally:  # the server never outlives the module
+        code, output = srv.stop(), srv.output()
+        srv.close()
+    assert code == 0, output
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,16 @@ async def watch_peaks(url: str, peaks: dict[str, float], stop, period_s: float =
                 pass
 
 
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM if the process that started it dies (no orphaned servers)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class ServerProcess:
     """Start ``kvlens serve ARGS`` on 127.0.0.1, wait for ``/health``; ``stop()`` sends SIGTERM.
 
@@ -66,7 +76,12 @@ class ServerProcess:
         self.log = Path(name)
         cmd = [sys.executable, "-m", "kvlens.cli", "serve", *args, "--host", host, "--port", str(self.port)]
         with open(fd, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
         try:
             self._wait_healthy(start_timeout)
         except BaseException:
