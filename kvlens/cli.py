@@ -1,8 +1,9 @@
 """The ``kvlens`` command: generate, lab experiments and benchmarks.
 
-Commands stay thin: parse options, call the engine or the lab, print. User errors (bad files,
-unknown modes, over-long prompts, NaN/Inf) become one ``error: …`` line and exit code 2;
-set KVLENS_DEBUG=1 to see the traceback.
+Commands stay thin: parse options, call the engine or the lab, print. Option values are checked
+at parse time (:mod:`kvlens.cli_args`: a usage error, exit 2); :func:`main` turns any exception a
+command raises into one ``error: …`` line: exit 2 for bad input (files, modes, over-long prompts,
+NaN/Inf), 1 for a kvlens failure, 130 for Ctrl-C. ``--debug`` (or KVLENS_DEBUG=1) adds the traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import sys
 
 import typer
 
+from . import cli_args
+from .cli_args import parse_sizes
 from .engine.attention import BACKENDS
+from .kernels.threads import set_threads
 
 app = typer.Typer(
     add_completion=False,
@@ -38,33 +42,33 @@ def _sparse_policy(method: str | None, budget: float, dense_layers: int, min_ctx
     return SparseConfig(method, budget, dense_layers, min_ctx)
 
 
-def _err(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-
-
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., help="The prompt text."),
+    prompt: str = typer.Argument(..., help="The prompt text.", callback=cli_args.text_argument),
     model: str = typer.Option("smollm2", help=MODEL_HELP),
     kv: str = typer.Option("q8", help=KV_HELP),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="New tokens to generate at most."),
     chat: bool = typer.Option(False, help="Wrap the prompt in the model's chat template."),
-    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
+    temperature: float = typer.Option(0.0, help="0 = greedy.", callback=cli_args.finite_option(minimum=0.0)),
     top_k: int = typer.Option(0, min=0),
-    top_p: float = typer.Option(1.0),
+    top_p: float = typer.Option(1.0, callback=cli_args.finite_option(above=0.0, maximum=1.0)),
     seed: int | None = typer.Option(None),
     prefill_chunk: int = typer.Option(512, min=1, help="Prompt tokens per prefill chunk."),
     attn_backend: str = typer.Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
     mirror_prefill: str = typer.Option(
         "exact", help="q8+mirror only: prefill reads the 'exact' copy or the 'q8' rows."
     ),
-    device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
+    device: str | None = typer.Option(
+        None, help="cpu or cuda (default: cuda when available).", callback=cli_args.device_option
+    ),
     weights: str = typer.Option(
         "auto", help="Weights: f32, bf16, int8, int4 (kept quantized), or auto = the file's own precision."
     ),
     sparse: str | None = typer.Option(None, help="Sparse decode: quest or probe (default: dense)."),
     sparse_budget: float = typer.Option(
-        2048, help="Sparse budget: tokens (≥ 1) or a fraction of the context (< 1)."
+        2048,
+        help="Sparse budget: tokens (≥ 1) or a fraction of the context (< 1).",
+        callback=cli_args.budget_option,
     ),
     sparse_dense_layers: int = typer.Option(2, min=0, help="First layers kept dense under --sparse."),
     sparse_min_ctx: int = typer.Option(1024, min=0, help="Below this context decode stays dense."),
@@ -72,17 +76,20 @@ def generate(
     """Generate text, streaming it as it is produced."""
     import kvlens
 
+    from .kv.modes import CacheOptions
+
     llm = kvlens.load(
         model,
         kv=kv,
         device=device,
         attn_backend=attn_backend,
-        mirror_prefill=mirror_prefill,
+        cache_options=CacheOptions(mirror_prefill=mirror_prefill),
         prefill_chunk=prefill_chunk,
         weights=weights,
         sparse=_sparse_policy(sparse, sparse_budget, sparse_dense_layers, sparse_min_ctx),
     )
     params = kvlens.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    llm.check_fits(len(llm.encode_prompt(prompt, chat)) + max_tokens)  # refuse before printing anything
     if not chat:
         typer.echo(prompt, nl=False)
     llm.generate(
@@ -174,37 +181,60 @@ OPT_PREFILL = typer.Option(32, min=1, help="Prefill sub-chunk size in tokens (se
 OPT_SINK = typer.Option(0, min=0, help="Keep the first S positions exact.")
 OPT_RECENT = typer.Option(0, min=0, help="Keep the last R positions exact.")
 OPT_JSON = typer.Option(False, "--json", help="Print JSON instead of tables.")
-OPT_REPORT = typer.Option(None, help="Write Markdown + PNG plots into this directory.")
+OPT_REPORT = typer.Option(
+    None, help="Write Markdown + PNG plots into this directory.", callback=cli_args.output_dir_option
+)
 OPT_SPARSE = typer.Option(None, help="Sparse decode for the test modes: quest or probe (default: dense).")
-OPT_BUDGET = typer.Option(0.25, help="Sparse budget: tokens (≥ 1) or a fraction of the context (< 1).")
+OPT_BUDGET = typer.Option(
+    0.25,
+    help="Sparse budget: tokens (≥ 1) or a fraction of the context (< 1).",
+    callback=cli_args.budget_option,
+)
 OPT_DENSE = typer.Option(2, min=0, help="First layers kept dense under --sparse.")
 
 
 # == lab unit (kvlens.lab.unit) ==
 @lab_app.command("unit")
 def lab_unit(
-    seq_len: str = typer.Option("256", "--seq-len", help="Keys L; a comma list sweeps, e.g. 64,256,1024."),
-    head_dim: int | None = typer.Option(None, "--head-dim", help="Default 128 (real: the model's)."),
-    heads: int | None = typer.Option(None, "--heads", help="Query heads (default 1; real: the model's)."),
-    kv_heads: int | None = typer.Option(None, "--kv-heads", help="KV heads, GQA (default 1)."),
+    seq_len: str = typer.Option(
+        "256",
+        "--seq-len",
+        help="Keys L; a comma list sweeps, e.g. 64,256,1024.",
+        callback=cli_args.sizes_option(suffix=False),
+    ),
+    head_dim: int | None = typer.Option(None, "--head-dim", min=2, help="Default 128 (real: the model's)."),
+    heads: int | None = typer.Option(
+        None, "--heads", min=1, help="Query heads (default 1; real: the model's)."
+    ),
+    kv_heads: int | None = typer.Option(None, "--kv-heads", min=1, help="KV heads, GQA (default 1)."),
     dist: str = typer.Option(
         "normal", help="K/V: normal, uniform, student-t:NU, outlier-channels[:F], real."
     ),
-    k_amp: float = typer.Option(1.0, "--k-amp", help="Multiply K by this."),
-    v_amp: float = typer.Option(1.0, "--v-amp", help="Multiply V by this."),
+    k_amp: float = typer.Option(
+        1.0, "--k-amp", help="Multiply K by this.", callback=cli_args.finite_option()
+    ),
+    v_amp: float = typer.Option(
+        1.0, "--v-amp", help="Multiply V by this.", callback=cli_args.finite_option()
+    ),
     quantize: str = typer.Option("kv", help="Which tensors go through the quantizer: k, v or kv."),
     scheme: str = typer.Option("q8", help="q8 (seed), q8_0, q4, fp8, kivi (2-bit), kivi4."),
-    trials: int = typer.Option(1, help="Seeds seed..seed+N-1 (real: N text windows); mean ± std."),
+    trials: int = typer.Option(1, min=1, help="Seeds seed..seed+N-1 (real: N text windows); mean ± std."),
     seed: int = typer.Option(0, help="Seed of the synthetic data (real: first text window)."),
     amplitude: str | None = typer.Option(
-        None, help="Exercise A: factors, e.g. 1,3 (V×a and K×a separately)."
+        None,
+        help="Exercise A: factors, e.g. 1,3 (V×a and K×a separately).",
+        callback=cli_args.floats_option(),
     ),
     model: str = typer.Option("smollm2", help=MODEL_HELP + " (--dist real)."),
-    layer: int | None = typer.Option(None, help="--dist real: layer (default: the middle one)."),
-    head: int | None = typer.Option(None, help="--dist real: one query head (default: all)."),
+    layer: int | None = typer.Option(None, min=0, help="--dist real: layer (default: the middle one)."),
+    head: int | None = typer.Option(None, min=0, help="--dist real: one query head (default: all)."),
     text: str | None = typer.Option(None, help="--dist real: corpus name or UTF-8 file (default corpus)."),
     json_out: bool = OPT_JSON,
-    plot: str | None = typer.Option(None, help="Write a PNG: error vs L (sweep), else a histogram of Δ."),
+    plot: str | None = typer.Option(
+        None,
+        help="Write a PNG: error vs L (sweep), else a histogram of Δ.",
+        callback=cli_args.output_file_option,
+    ),
 ) -> None:
     """The seed's unit experiment: fp32 K/V vs quantized K/V through the same attention code."""
     from .lab import unit
@@ -311,28 +341,67 @@ def lab_layers(
 def lab_needle(
     model: str = OPT_MODEL,
     corpus: str | None = typer.Option(None, help="Filler text: built-in corpus name or a UTF-8 file."),
-    ctx: str = typer.Option("1024,2048,4096,8192", help="Contexts (comma list; 4k = 4096)."),
-    depth: str = typer.Option("0.1,0.5,0.9", help="Needle depths in [0, 1] (comma list)."),
+    ctx: str = typer.Option(
+        "1024,2048,4096,8192", help="Contexts (comma list; 4k = 4096).", callback=cli_args.sizes_option()
+    ),
+    depth: str = typer.Option(
+        "0.1,0.5,0.9", help="Needle depths in [0, 1] (comma list).", callback=cli_args.floats_option(0.0, 1.0)
+    ),
     kv: str = typer.Option("q8", help="Quantized cache mode compared with f32."),
     sparse: str = typer.Option("quest", help="Sparse selection: quest or probe."),
     sparse_budget: str = typer.Option(
-        "0.125,0.25", help="Budgets: tokens (≥ 1) or fractions of the context (< 1)."
+        "0.125,0.25",
+        help="Budgets: tokens (≥ 1) or fractions of the context (< 1).",
+        callback=cli_args.budgets_option,
     ),
     dense_layers: int = typer.Option(2, min=0, help="First layers kept dense."),
     seed: int = typer.Option(0, help="Seed of the secret numbers."),
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
-    plot: str | None = typer.Option(None, help="Write a PNG heat map (depth × context → recall)."),
+    plot: str | None = typer.Option(
+        None, help="Write a PNG heat map (depth × context → recall).", callback=cli_args.output_file_option
+    ),
 ) -> None:
     """Needle in a haystack: recall of f32 dense, q8 dense and q8 sparse at several budgets."""
     from .lab.needle import cli
 
-    cli(model, corpus, kv, _csv_ints(ctx), depth, sparse, sparse_budget, dense_layers, seed, plot, json_out)
+    cli(model, corpus, kv, parse_sizes(ctx), depth, sparse, sparse_budget, dense_layers, seed, plot, json_out)
+
+
+# == lab sweep / sweep-report (kvlens.lab.sweep, .sweep_report) ==
+@lab_app.command("sweep")
+def lab_sweep(
+    spec: str = typer.Argument(..., help="Sweep spec (TOML): see docs/sweep/README.md."),
+    db: str | None = typer.Option(None, help="Results store, SQLite (default: SPEC with suffix .sqlite)."),
+    workers: int | None = typer.Option(None, min=0, help="Local worker processes (0: in-process)."),
+    threads: int | None = typer.Option(None, min=1, help="Torch threads per cell (default: cores/workers)."),
+    ray: bool = typer.Option(False, "--ray", help="Run the cells as Ray tasks (local Ray)."),
+    ray_address: str | None = typer.Option(None, help="Ray cluster address (implies --ray)."),
+    force: bool = typer.Option(False, "--force", help="Redo cells already done."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+) -> None:
+    """Run a spec's grid of lab cells into a SQLite store; rerunning resumes (done cells are skipped)."""
+    from .lab.sweep import cli
+
+    cli(spec, db, workers, threads, ray, ray_address, force, quiet)
+
+
+@lab_app.command("sweep-report")
+def lab_sweep_report(
+    db: str = typer.Argument(..., help="A sweep's results store."),
+    out: str = typer.Option(..., help="Directory for the Markdown report and PNG plots."),
+) -> None:
+    """Markdown + PNG report of a sweep store: accuracy/memory frontier, KLD vs context, K vs V."""
+    from .lab.sweep_report import cli
+
+    cli(db, out)
 
 
 # == bench attention / decode (kvlens.bench) ==
 @bench_app.command("attention")
 def bench_attention(
-    ctx: str = typer.Option("1k,4k,16k,64k", help="Contexts (comma list; 4k = 4096)."),
+    ctx: str = typer.Option(
+        "1k,4k,16k,64k", help="Contexts (comma list; 4k = 4096).", callback=cli_args.sizes_option()
+    ),
     shape: str = typer.Option("smollm2,8b", help="Head shapes: smollm2 (9/3, hd 64), 8b (32/8, hd 128)."),
     kv: str = typer.Option("f32,f16,q8", help="Cache modes (f32, f16, bf16, q8, q8-k, q8-v)."),
     backend: str | None = typer.Option(
@@ -340,18 +409,23 @@ def bench_attention(
     ),
     threads: int | None = typer.Option(None, min=1, help="numba and torch threads (default: all cores)."),
     reps: int = typer.Option(5, min=1, help="Interleaved timing rounds (min and median reported)."),
-    mem_gib: float = typer.Option(3.0, help="Memory cap for the rotated layer caches, GiB."),
+    mem_gib: float = typer.Option(
+        3.0, help="Memory cap for the rotated layer caches, GiB.", callback=cli_args.finite_option(above=0.0)
+    ),
     prefill: bool = typer.Option(False, help="Also time the prefill path's whole-history read at 4K."),
     sparse: str | None = typer.Option(
         None, help="Compare dense q8 with sparse q8: quest,probe (comma list)."
     ),
-    sparse_budget: str = typer.Option("1024,2048", help="--sparse: budgets in tokens (comma list)."),
+    sparse_budget: str = typer.Option(
+        "1024,2048", help="--sparse: budgets in tokens (comma list).", callback=cli_args.sizes_option()
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """One layer's decode attention per call: µs, GB/s vs the measured copy bandwidth, × torch SDPA."""
     import json
 
     from .bench import attention as ba
+    from .bench.spread import LoadMeter
 
     if sparse:
         _bench_sparse(
@@ -365,27 +439,21 @@ def bench_attention(
         )
         return
 
-    _set_threads(threads)
+    set_threads(threads)
+    meter = LoadMeter()  # other processes' CPU during the run, named by the spread warnings
     rows, bw = ba.run_attention_bench(
-        _csv_ints(ctx), [s for s in shape.split(",") if s], [m for m in kv.split(",") if m],
+        parse_sizes(ctx), [s for s in shape.split(",") if s], [m for m in kv.split(",") if m],
         [b for b in backend.split(",") if b] if backend else None, reps, mem_gib,
         progress=None if json_out else lambda s: typer.echo(f"  {s}", err=True),
     )  # fmt: skip
+    for line in ba.spread_warnings(rows, meter.read()):
+        typer.echo(line, err=True)
     if json_out:
         typer.echo(json.dumps([r.as_dict() for r in rows], indent=1))
         return
     ba.render(rows, bw)
     if prefill:
         ba.render_prefill("smollm2", 4096, 32, ba.time_prefill_read("smollm2", 4096, 32))
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads:
-        import numba
-        import torch
-
-        numba.set_num_threads(threads)
-        torch.set_num_threads(threads)
 
 
 def _bench_sparse(
@@ -396,11 +464,11 @@ def _bench_sparse(
 
     from .bench.sparse import run_sparse_bench
 
-    _set_threads(threads)
+    set_threads(threads)
     rows = run_sparse_bench(
-        _csv_ints(ctx),
+        parse_sizes(ctx),
         [s for s in shape.split(",") if s],
-        _csv_ints(budgets),
+        parse_sizes(budgets),
         [m for m in methods.split(",") if m],
         reps=max(reps, 5),
     )
@@ -412,31 +480,22 @@ def _bench_sparse(
     render(rows)
 
 
-def _csv_ints(s: str) -> list[int]:
-    try:
-        return [
-            int(x.lower().replace("k", "")) * (1024 if x.lower().endswith("k") else 1)
-            for x in s.split(",")
-            if x
-        ]
-    except ValueError as e:
-        raise ValueError(f"expected a comma-separated list of integers (e.g. 512,2k,4k), got {s!r}") from e
-
-
 @bench_app.command("decode")
 def bench_decode(
     model: str = typer.Option("smollm2", help=MODEL_HELP),
-    ctx: str = typer.Option("512,2048,4096", help="Contexts (comma list; 4k = 4096)."),
+    ctx: str = typer.Option(
+        "512,2048,4096", help="Contexts (comma list; 4k = 4096).", callback=cli_args.sizes_option()
+    ),
     kv: str = typer.Option("f32,f16,q8", help="Cache modes to compare (comma list)."),
     weights: str = typer.Option(
         "auto", help="Weight modes to compare (comma list of auto, f32, bf16, int8, int4)."
     ),
-    steps: int = typer.Option(12, min=3, help="Timed decode steps per mode and context."),
+    steps: int = typer.Option(12, min=3, help="Timed decode steps per round (5 rounds)."),
     attn_backend: str = typer.Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
     hf: bool = typer.Option(
         True, help="Also time HF transformers' generate (f32 weights; contexts ≤ --hf-max-ctx)."
     ),
-    hf_max_ctx: int = typer.Option(2048, help="Largest context at which to run HF transformers."),
+    hf_max_ctx: int = typer.Option(2048, min=0, help="Largest context at which to run HF transformers."),
     vs_llama_cpp: str = typer.Option(
         None,
         "--vs-llama-cpp",
@@ -449,7 +508,13 @@ def bench_decode(
     transformers (and llama.cpp's llama-bench with --vs-llama-cpp) beside it."""
     from .bench.decode import cli
 
-    cli(model, _csv_ints(ctx), kv, weights, steps, attn_backend, hf, hf_max_ctx, vs_llama_cpp, json_out)
+    cli(model, parse_sizes(ctx), kv, weights, steps, attn_backend, hf, hf_max_ctx, vs_llama_cpp, json_out)
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Print the traceback of an error.")) -> None:
+    if debug:
+        os.environ[cli_args.DEBUG_ENV] = "1"
 
 
 @bench_app.command("serve")
@@ -492,13 +557,7 @@ def verify(
 
 
 def main() -> None:
-    try:
-        app()
-    except (ValueError, OSError, RuntimeError, ImportError, KeyError) as e:
-        if os.environ.get("KVLENS_DEBUG"):
-            raise
-        _err(str(e).strip() or type(e).__name__)
-        sys.exit(2)
+    cli_args.run_guarded(app)
 
 
 if __name__ == "__main__":

@@ -54,8 +54,9 @@ def smol_f32(smol_loaded):
 
 @pytest.fixture(scope="session")
 def hf_smol(smol_path):
+    """The default model in HF transformers, in float64: the independent reference for our f32 paths."""
     import torch
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(smol_path.parent, gguf_file=smol_path.name, dtype=torch.float32)
-    return m.eval()
+    return m.double().eval()

@@ -133,3 +133,14 @@ def test_smollm2_concurrent_requests_equal_alone(smol_loaded):
     batched = _together(llm, reqs, EngineConfig(kv_budget_bytes=64 << 20, keep_logits=True))
     for r in reqs:
         _assert_same(_alone(llm, r), batched[r.request_id], r.request_id)
+
+
+def test_torch_glue_path_is_batch_invariant(tmp_path):
+    """Qwen3 (q/k norms) runs the per-row glue in torch rather than the JIT row functions."""
+    write_hf("qwen3", tmp_path / "hf", seed=4)
+    llm = kvlens.load(tmp_path / "hf", kv="q8", attn_backend="numba", prefill_chunk=16)
+    assert not llm.model.row_ops
+    reqs = _requests([3, 17, 33, 8, 25, 1, 12, 40], [5] * 8)
+    batched = _together(llm, reqs, EngineConfig(kv_budget_bytes=1 << 22, keep_logits=True))
+    for r in reqs:
+        _assert_same(_alone(llm, r), batched[r.request_id], r.request_id)

@@ -34,7 +34,8 @@ def test_rows(bench):
         d = r.as_dict()
         assert KEYS <= d.keys()
         assert d["ctx"] == 64 and d["n_layers"] >= 1 and d["threads"] >= 1
-        assert math.isfinite(d["us_per_call"]) and 0 < d["us_per_call"] <= d["us_median"]
+        assert math.isfinite(d["us_per_call"]) and 0 < d["us_per_call"] <= d["us_median"] <= d["us_max"]
+        assert d["spread"] == pytest.approx(d["us_max"] / d["us_per_call"] - 1)
         assert d["gb_per_s"] > 0 and d["frac_of_copy_bw"] > 0
         assert d["x_vs_sdpa_f32"] > 0 and d["x_vs_dequant_sdpa"] > 0
         n_heads, n_kv, hd = ba.SHAPES[r.shape]

@@ -44,8 +44,9 @@ def int8_llm():
 def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
     exe, log = fake_llama_bench(tmp_path)
     rows = run_decode_bench(
-        [smol_f32, int8_llm], [64], ["f16", "q8", "q8-k"], steps=3, with_hf=False, llama_bench=str(exe)
-    )
+        [smol_f32, int8_llm], [64], ["f16", "q8", "q8-k"], steps=3, with_hf=False, llama_bench=str(exe),
+        rounds=3,
+    )  # fmt: skip
     ours = [r for r in rows if r.engine == "kvlens"]
     assert {(r.weights, r.mode) for r in ours} == {
         (w, m) for w in ("f32", "int8") for m in ("f16", "q8", "q8-k")
@@ -54,6 +55,8 @@ def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
         assert r.ctx == 64 and r.tok_per_s > 0 and r.ms_per_tok == pytest.approx(1e3 / r.tok_per_s)
         assert 0 < r.kv_write_ms <= r.attn_ms and r.weights_ms > 0 and r.other_ms >= 0
         assert r.weights_ms + r.attn_ms + r.other_ms == pytest.approx(r.ms_per_tok)  # one step's parts
+        assert r.rounds == 3 and r.tok_per_s_min <= r.tok_per_s <= r.tok_per_s_max  # the median round
+        assert r.as_dict()["spread"] == pytest.approx(r.tok_per_s_max / r.tok_per_s_min - 1)
     by = {(r.weights, r.mode): r for r in ours}
     assert by["int8", "q8"].kv_bytes < by["int8", "f16"].kv_bytes  # 68 vs 128 bytes per row
     # llama.cpp: one run per KV mode with a twin (q8-k has none), same depth and threads
@@ -67,6 +70,7 @@ def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
     assert set(lc) == {"f16", "q8"} and lc["q8"].tok_per_s == 42.5
     cfg = smol_f32.config
     assert lc["q8"].kv_bytes == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 64 * 34 // 32
+    assert all(r.spread is None for r in rows if r.engine != "kvlens")  # one figure, no rounds
     table = table_rows(rows, "f16")
     assert all(len(r) == len(TABLE_HEADERS) for r in table)
     col_base, col_lcpp = TABLE_HEADERS.index("× base KV"), TABLE_HEADERS.index("× llama.cpp")

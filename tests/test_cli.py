@@ -87,7 +87,6 @@ def test_generate_chat_streams_an_answer(smol_path):
         (["--weights", "f32,int3"], "unknown weights mode 'int3'"),
         (["--kv", "f16,q7"], "unknown KV cache mode 'q7'"),
         (["--vs-llama-cpp", "/nonexistent/llama-bench"], "llama-bench not found"),
-        (["--ctx", "4k,x"], "comma-separated list of integers"),
     ],
 )
 def test_bench_decode_bad_input(args, needle):

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from kvlens.kernels import cpu
 from kvlens.kernels.reference import reference_attention
 from kvlens.kv.cache import RowStore
+from kvlens.kv.modes import StoreKind
 from kvlens.kv.quant import dequantize_q8
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -46,7 +47,7 @@ def make_store(
     kind: str, n_kv: int, cap: int, hd: int, length: int, gen: torch.Generator, zero_rows=()
 ) -> RowStore:
     """A store with rows [0, length) random (per-row magnitudes vary) and garbage beyond."""
-    store = RowStore.empty(kind, n_kv, cap, hd, CPU)
+    store = RowStore.empty(StoreKind(kind), n_kv, cap, hd, CPU)
     rows = torch.randn(n_kv, length, hd, generator=gen) * torch.rand(n_kv, length, 1, generator=gen) * 4
     for t in zero_rows:
         rows[:, t] = 0.0
@@ -128,7 +129,10 @@ def test_f16_bf16_bit_conversion_is_exact():
     """The in-kernel f16/bf16 -> f32 conversions are exact: subnormals, signed zeros, extremes."""
     f16 = [0.0, -0.0, 6e-8, -6e-8, 3e-5, -1e-7, 65504.0, -65504.0, 1.0, -2.5]
     for kind, vals in (("f16", f16), ("bf16", [*f16, 1e38, -3e-38, 1e-40])):
-        ks, vs = RowStore.empty(kind, 1, 32, 64, CPU), RowStore.empty(kind, 1, 32, 64, CPU)
+        ks, vs = (
+            RowStore.empty(StoreKind(kind), 1, 32, 64, CPU),
+            RowStore.empty(StoreKind(kind), 1, 32, 64, CPU),
+        )
         row = torch.tensor(vals).to(vs.data.dtype)
         vs.data[0, 0, : len(vals)] = row
         out = cpu.decode_attention(torch.randn(2, 64), ks, vs, 1)  # one position: output = its V row
@@ -140,7 +144,7 @@ def test_all_zero_rows(kind):
     q, ks, vs = case(kind, kind, 9, 3, 64, 100, zero_rows=(0, 31, 32, 33, 99))
     assert_matches(cpu.decode_attention(q, ks, vs, 100, n_splits=4), reference(q, ks, vs, 100))
     # An all-zero cache: every score is 0, the output is exactly 0.
-    zk, zv = RowStore.empty(kind, 3, 64, 64, CPU), RowStore.empty(kind, 3, 64, 64, CPU)
+    zk, zv = RowStore.empty(StoreKind(kind), 3, 64, 64, CPU), RowStore.empty(StoreKind(kind), 3, 64, 64, CPU)
     assert torch.equal(cpu.decode_attention(q, zk, zv, 64), torch.zeros(9, 64))
 
 
@@ -204,7 +208,7 @@ def test_errors():
         cpu.decode_attention(q, ks, vs, 33)
     with pytest.raises(ValueError, match="shape"):
         cpu.decode_attention(torch.zeros(3, 64), ks, vs, 10)
-    fk = RowStore.empty("f32", 2, 32, 64, CPU)
+    fk = RowStore.empty(StoreKind.F32, 2, 32, 64, CPU)
     with pytest.raises(ValueError, match="int_dot"):
         cpu.decode_attention(q, fk, vs, 10, int_dot=True)
     with pytest.raises(TypeError):

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvlens.kv.modes import MODES
 from kvlens.lab.greedy import compare, cut_prompts, first_divergence, greedy_continuation, run_greedy
-from kvlens.lab.layers import capture_all, channel_ratio, flag_heads, run_layers
+from kvlens.lab.layers import channel_ratio, flag_heads, run_layers
 
 EXCERPT = Path(__file__).parent / "data" / "excerpt.txt"
 
@@ -94,21 +95,23 @@ def test_greedy_base_equals_engine_generation_and_base_mode_agrees(smol_f32, tex
 @pytest.mark.slow
 def test_layers_f32_exact_q8_not_and_mirror_decode_reads_int8(smol_f32, text) -> None:
     r = run_layers(smol_f32, text, ["f32", "q8", "q8-k", "q8-v", "q8+mirror"], ctx=48)
+    r.err = {m.name: e for m, e in r.err.items()}
+    r.flagged = {m.name: f for m, f in r.flagged.items()}
     cfg = smol_f32.config
     assert r.err["q8"].shape == (cfg.n_layers, cfg.n_kv_heads)
     assert np.all(r.err["f32"] == 0) and r.flagged["f32"] == []
     assert np.all(r.err["q8"] > 0) and np.all(r.err["q8-k"] > 0) and np.all(r.err["q8-v"] > 0)
     assert np.array_equal(r.err["q8+mirror"], r.err["q8"])
     assert np.all((r.sink >= 0) & (r.sink <= 1)) and np.all(r.k_ratio >= 1)
-    assert r.median("q8") < 0.2  # a few percent, not garbage
+    assert r.median(MODES["q8"]) < 0.2  # a few percent, not garbage
 
 
 @pytest.mark.slow
-def test_capture_all_matches_capture_qkv(smol_f32, text) -> None:
+def test_capture_of_one_layer_equals_that_layer_of_a_whole_capture(smol_f32, text) -> None:
     ids = smol_f32.tokenizer.encode(text)[:20]
     layer = smol_f32.config.n_layers // 2
-    q, k, v = smol_f32.capture_qkv(ids, layer)
-    q2, k2, v2 = capture_all(smol_f32, ids)[layer]
+    ((q, k, v),) = smol_f32.capture_qkv(ids, [layer])
+    q2, k2, v2 = smol_f32.capture_qkv(ids)[layer]
     assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
 
 
@@ -149,7 +152,7 @@ def test_greedy_int8_weights_vs_its_own_base_and_vs_f32_weights(smol_f32, smol_i
     # the reference is f32 weights + f32 KV, continued on its own
     assert r.ref_tokens == [greedy_continuation(smol_f32, p, 4, "f32", 32) for p in r.prompts]
     w, wq8 = r.vs_f32_weights
-    assert (w.mode, wq8.mode) == ("f32", "q8")
+    assert (w.mode.name, wq8.mode.name) == ("f32", "q8")
     assert w.tokens == r.base_tokens and wq8.tokens == q8.tokens
     assert w.first_div == [first_divergence(a, b) for a, b in zip(r.ref_tokens, r.base_tokens, strict=True)]
     out = r.to_json()

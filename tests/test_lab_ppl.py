@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlens.kv.cache import MODES
+from kvlens.kv.modes import MODES
 from kvlens.lab.ppl import (
     MIRROR_NOTE,
     BaseLogProbs,
@@ -56,8 +56,8 @@ def test_second_half_is_scored() -> None:
 
 
 def test_modes_come_from_the_cache_module() -> None:
-    assert parse_modes("all") == list(MODES)
-    assert parse_modes("q8, f16,q8") == ["q8", "f16"]
+    assert parse_modes("all") == list(MODES.values())
+    assert [m.name for m in parse_modes("q8, f16,q8")] == ["q8", "f16"]
     with pytest.raises(ValueError, match="unknown KV cache mode"):
         parse_modes("q3")
 
@@ -80,21 +80,20 @@ class _FakeLLM:
     (``wshift``: what the fake's weights add)."""
 
     def __init__(self, add_bos: bool, weights: str = "f32", wshift: float = 0.0) -> None:
-        self.tokenizer = SimpleNamespace(bos_id=7, add_bos=add_bos, encode=self._encode)
+        self.tokenizer = SimpleNamespace(bos_prefix=[7] if add_bos else [], encode=self._encode)
         self.config = SimpleNamespace(name="fake")
-        self.model = SimpleNamespace(logits=self._logits)
         self.weights_mode, self.wshift = weights, wshift
         self.seen: list[tuple[str, int, list[int]]] = []
 
     def _encode(self, text: str) -> list[int]:
         ids = [int(t) for t in text.split()]
-        return [7, *ids] if self.tokenizer.add_bos else ids
+        return self.tokenizer.bos_prefix + ids
 
     def check_fits(self, n: int) -> None:
         pass
 
-    def new_cache(self, capacity: int, kv: str, **options):
-        return SimpleNamespace(kv=kv, bytes_per_token=lambda: 1)
+    def new_cache(self, capacity: int, kv, options=None):
+        return SimpleNamespace(kv=str(kv), bytes_per_token=lambda: 1)
 
     def prefill(self, ids, cache, chunk, on_hidden):
         self.seen.append((cache.kv, chunk, list(ids)))
@@ -104,7 +103,7 @@ class _FakeLLM:
             on_hidden(s, torch.arange(s, s + n, dtype=torch.float64)[:, None] + shift)
 
     @staticmethod
-    def _logits(h: torch.Tensor) -> torch.Tensor:
+    def lm_head(h: torch.Tensor) -> torch.Tensor:
         return torch.cat([h, torch.zeros(h.shape[0], 3, dtype=h.dtype)], dim=1)
 
 
@@ -164,7 +163,7 @@ def test_weights_cost_rows_by_hand_with_a_fake_model() -> None:
     assert q8.stats["ppl_base"] == pytest.approx(math.exp(np.mean([_nll0(3.25), _nll0(4.25)])), rel=1e-12)
     # vs f32 weights + f32 KV: the base (weights alone), then q8 (combined); the f32 mode is the base's path
     w, wq8 = r.vs_f32_weights
-    assert [m.mode for m in r.vs_f32_weights] == ["f32", "q8"]
+    assert [m.mode.name for m in r.vs_f32_weights] == ["f32", "q8"]
     assert w.stats["ppl_base"] == pytest.approx(math.exp(np.mean([_nll0(3), _nll0(4)])), rel=1e-12)
     assert w.stats["ppl_q"] == pytest.approx(q8.stats["ppl_base"], rel=1e-12)  # the int8-weights base
     assert wq8.stats["ppl_q"] == pytest.approx(q8.stats["ppl_q"], rel=1e-12)  # the same q8 logits
@@ -274,7 +273,7 @@ def test_int8_weights_kv_rows_use_an_int8_base_and_reference_rows_use_f32(smol_f
     assert f32.stats["kld_mean"] == 0.0 and f32.stats["ppl_q"] == f32.stats["ppl_base"]
     assert q8.stats["kld_mean"] > 0
     w, wq8 = r.vs_f32_weights
-    assert (r.weights, w.mode, wq8.mode) == ("int8", "f32", "q8")
+    assert (r.weights, w.mode.name, wq8.mode.name) == ("int8", "f32", "q8")
     assert w.stats["kld_mean"] > 0 and wq8.stats["kld_mean"] >= 0  # int8 weights cost something
     assert w.stats["ppl_q"] == f32.stats["ppl_base"] and wq8.stats["ppl_q"] == q8.stats["ppl_q"]
     # the reference is f32 weights + f32 KV: the f32 lab's base

@@ -16,7 +16,8 @@ import torch
 
 from kvlens.kernels import cpu
 from kvlens.kernels.reference import reference_attention
-from kvlens.kv.cache import BLOCK, MODES, KVCache
+from kvlens.kv.cache import BLOCK, KVCache
+from kvlens.kv.modes import MODES
 from kvlens.kv.pool import BlockPool, PagedKV, PoolExhaustedError, kv_bytes_per_token
 
 N_KV, N_HEADS, HD = 2, 6, 64
@@ -32,6 +33,7 @@ def one_thread():
 
 def filled(mode: str, length: int, seed: int = 0):
     """A pool sequence and a contiguous cache holding the same rows [0, length) of one layer."""
+    mode = MODES[mode]
     pool = BlockPool(1, N_KV, HD, mode, 12 * BLOCK * kv_bytes_per_token(mode, 1, N_KV, HD))
     for store in (*pool.k, *pool.v):  # garbage everywhere a sequence has not written
         store.data.fill_(127 if store.kind == "q8" else 3e4)
@@ -107,7 +109,7 @@ def test_triton_reads_through_the_table(monkeypatch, mode):
 
 
 def test_pool_accounting_and_refcounts():
-    pool = BlockPool(2, N_KV, HD, "q8", 5 * BLOCK * kv_bytes_per_token("q8", 2, N_KV, HD) + 7)
+    pool = BlockPool(2, N_KV, HD, MODES["q8"], 5 * BLOCK * kv_bytes_per_token(MODES["q8"], 2, N_KV, HD) + 7)
     assert pool.n_blocks == 5 and pool.blocks_used == 0
     a, b = PagedKV(pool), PagedKV(pool)
     a.grow(70)  # 3 blocks
@@ -123,4 +125,4 @@ def test_pool_accounting_and_refcounts():
     b.free()
     assert pool.blocks_used == 1
     with pytest.raises(ValueError, match="no block"):
-        BlockPool(1, N_KV, HD, "f32", 100)
+        BlockPool(1, N_KV, HD, MODES["f32"], 100)

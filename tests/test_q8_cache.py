@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from kvlens.kv import (
+    MODES,
+    CacheOptions,
     KVCache,
+    KVMode,
     NonFiniteError,
     NonFiniteKVError,
     UnknownKVModeError,
@@ -129,7 +132,7 @@ def test_non_finite_raises():
 
 
 def test_cache_refuses_non_finite_naming_layer_and_position():
-    cache = KVCache(n_layers=4, n_kv_heads=2, head_dim=8, capacity=64, mode="q8")
+    cache = KVCache(n_layers=4, n_kv_heads=2, head_dim=8, capacity=64, mode=MODES["q8"])
     k = torch.randn(2, 5, 8)
     v = torch.randn(2, 5, 8)
     v[1, 3, 2] = float("nan")
@@ -145,7 +148,7 @@ def test_cache_modes_store_what_they_say():
         ("q8-k", False, True),
         ("q8-v", True, False),
     ):
-        c = KVCache(1, 3, 16, 8, mode)  # capacity 8 → grows block by block to 64
+        c = KVCache(1, 3, 16, 8, MODES[mode])  # capacity 8 → grows block by block to 64
         c.write(0, 0, k, v)
         assert c.capacity == 64 and c.length == 40
         rk, rv = c.read(0, 40)
@@ -155,15 +158,28 @@ def test_cache_modes_store_what_they_say():
             assert torch.equal(rk, dequantize_q8(qk, mk))
 
 
-def test_keep_sink_and_recent_splice_exact_rows():
+@pytest.mark.parametrize("sink,recent", [(4, 10), (1, 1), (0, 3), (5, 0), (30, 30)])
+@pytest.mark.parametrize("end", [1, 6, 37, 50])
+def test_keep_sink_and_recent_exact_boundaries(sink, recent, end):
+    """Exactly positions [0, sink) and [end - recent, end) are exact; every other row is its int8 row."""
     k, v = torch.randn(2, 50, 8), torch.randn(2, 50, 8)
-    c = KVCache(1, 2, 8, 64, "q8", keep_sink=4, keep_recent=10)
-    c.write(0, 0, k, v)
-    rk, _ = c.read(0, 50)
-    assert torch.equal(rk[:, :4], k[:, :4]) and torch.equal(rk[:, 40:], k[:, 40:])
-    assert not torch.equal(rk[:, 4:40], k[:, 4:40])
+    c = KVCache(2, 2, 8, 64, MODES["q8"], options=CacheOptions(keep_sink=sink, keep_recent=recent))
+    for layer in range(2):
+        c.write(layer, 0, k, v)
+    kq, vq = (dequantize_q8(*quantize_q8(x)) for x in (k, v))
+    assert ((kq != k).any(-1) & (vq != v).any(-1)).all()  # no random row survives int8 unchanged
+    exact = torch.zeros(end, dtype=torch.bool)
+    exact[: min(sink, end)] = True
+    exact[max(end - recent, 0) :] = True
+    for layer in range(2):
+        rk, rv = c.read(layer, end)
+        for pos in range(end):
+            want_k, want_v = (k, v) if exact[pos] else (kq, vq)
+            assert torch.equal(rk[:, pos], want_k[:, pos]) and torch.equal(rv[:, pos], want_v[:, pos]), pos
 
 
 def test_unknown_mode():
     with pytest.raises(UnknownKVModeError, match="q7"):
-        KVCache(1, 1, 8, 8, "q7")
+        KVMode.parse("q7")
+    with pytest.raises(TypeError, match="KVMode"):
+        KVCache(1, 1, 8, 8, "q8")  # names are parsed at the edge, not inside

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import gguf
 import pytest
 import torch
+from bounds import f32_forward_tol
 from conftest import PROMPTS
 from tiny_models import write_gguf, write_hf
 
@@ -116,16 +118,45 @@ def test_tiny_gguf_auto_weights_repack_exactly(tmp_path, qtype):
     assert (auto.logits(ids) - f32.logits(ids)).abs().max().item() < 1e-4
 
 
-def test_safetensors_quantized_weights_load(tmp_path):
-    hf_dir = tmp_path / "hf"
-    write_hf("qwen2", hf_dir)
-    f32 = kvlens.load(hf_dir, kv="f32", attn_backend="torch")
-    assert isinstance(f32.model.w.layers[0].wqkv, torch.Tensor)  # auto = f32 for safetensors
-    ids = [5, 17, 200, 33]
-    for mode, tol in [("bf16", 0.05), ("int8", 0.05), ("int4", 1.0)]:
-        q = kvlens.load(hf_dir, kv="f32", attn_backend="torch", weights=mode)
-        assert q.model.w.layers[0].wqkv.kind == mode
-        assert (q.logits(ids) - f32.logits(ids)).abs().max().item() < tol
+def hf_with_weights(hf, w, cfg) -> torch.nn.Module:
+    """A float64 copy of the HF model carrying our (dequantized) weights: the reference forward for
+    a kept-quantized model is transformers' own, over exactly the values the kernels multiply by."""
+    ref = copy.deepcopy(hf).double()
+
+    def deq(m):
+        return (m if isinstance(m, torch.Tensor) else m.dequantize()).double()
+
+    q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    with torch.no_grad():
+        ref.model.embed_tokens.weight.copy_(deq(w.embed))
+        ref.lm_head.weight.copy_(deq(w.lm_head))
+        for L, hl in zip(w.layers, ref.model.layers, strict=True):
+            q, k, v = deq(L.wqkv).split((q_rows, kv_rows, kv_rows))
+            gate, up = deq(L.w_gate_up).chunk(2)
+            for mod, val in ((hl.self_attn.q_proj, q), (hl.self_attn.k_proj, k), (hl.self_attn.v_proj, v)):
+                mod.weight.copy_(val)
+            hl.self_attn.o_proj.weight.copy_(deq(L.wo))
+            hl.mlp.gate_proj.weight.copy_(gate)
+            hl.mlp.up_proj.weight.copy_(up)
+            hl.mlp.down_proj.weight.copy_(deq(L.w_down))
+    return ref
+
+
+@pytest.mark.parametrize("mode", ["f32", "bf16", "int8", "int4"])
+def test_safetensors_quantized_weights_equal_float64_reference(tmp_path, mode):
+    """Each weights mode's logits = transformers in float64 over the same dequantized weights, within
+    an f32 forward's rounding (bounds.f32_forward_tol): the kernels add nothing but f32 rounding."""
+    hf = write_hf("qwen2", tmp_path / "hf")
+    llm = kvlens.load(tmp_path / "hf", kv="f32", attn_backend="torch", weights=mode)
+    w = llm.model.w
+    assert isinstance(w.layers[0].wqkv, torch.Tensor) if mode == "f32" else w.layers[0].wqkv.kind == mode
+    ids = [5, 17, 200, 33, 41, 9, 128]
+    with torch.no_grad():
+        ref = hf_with_weights(hf, w, llm.config)(torch.tensor([ids])).logits[0]
+    cache = llm.new_cache(len(ids))
+    decode = [llm.model.logits(llm.forward([t], cache, i, prefill=i == 0)) for i, t in enumerate(ids)]
+    for out in (llm.logits(ids), torch.cat(decode)):  # GEMM path, then the one-row kernels
+        assert (out.double() - ref).abs().max().item() <= f32_forward_tol(llm.config, ref)
 
 
 def test_unknown_weights_mode_is_refused():

@@ -129,7 +129,7 @@ def test_refusals(llm):
         engine.add_request(req("c", 10, llm.config.max_ctx))
     with pytest.raises(ValueError, match="never fit"):
         engine.add_request(req("f", 90, 10))
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="vocabulary"):
         engine.add_request(Request("v", [llm.config.vocab], 4))
     with pytest.raises(ValueError, match="max_tokens"):
         engine.add_request(Request("m", [5], 0))

@@ -43,7 +43,7 @@ def write_tokenizer_json(out: Path) -> None:
     )
 
 
-def hf_config(arch: str):
+def hf_config(arch: str, sliding_window: int | None = None):
     import transformers as tf
 
     common = dict(
@@ -72,7 +72,7 @@ def hf_config(arch: str):
             },
         )
     if arch == "mistral":
-        return tf.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+        return tf.MistralConfig(**common, sliding_window=sliding_window, tie_word_embeddings=False)
     if arch == "qwen2":
         return tf.Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "qwen3":
@@ -80,12 +80,13 @@ def hf_config(arch: str):
     raise ValueError(arch)
 
 
-def write_hf(arch: str, out: Path, seed: int = 0):
-    """Random-weight HF model saved as safetensors (sharded when ``shard``); returns the HF model."""
+def write_hf(arch: str, out: Path, seed: int = 0, sliding_window: int | None = None):
+    """Random-weight HF model saved as safetensors (several shards); returns the HF model.
+    ``sliding_window`` (Mistral only): each query attends its last ``sliding_window`` positions."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(hf_config(arch, sliding_window), dtype=torch.float32)
     with torch.no_grad():  # larger-than-init norms and biases so every feature matters
         for name, p in model.named_parameters():
             if "norm" in name:

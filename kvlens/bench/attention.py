@@ -18,7 +18,8 @@ GB/s counts the cache's bytes for ``ctx`` positions (K, V rows and int8 row scal
 implementation must read. The limit is measured in the same run: copy = torch ``dst.copy_(src)``,
 2 x bytes / time (the issue's yardstick, ``frac_of_copy_bw``), and read = a numba parallel sum
 (``frac_of_read_bw``, the real limit of a read-only kernel). Times: min over ``reps`` interleaved
-rounds (the run least disturbed by neighbours), median beside it. Results: docs/kernels.md.
+rounds (the run least disturbed by neighbours), median and max beside it; a warning names the likely
+cause when the rounds disagree by more than 10% (:mod:`.spread`). Results: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from numba import njit, prange
 from ..kernels.cpu import decode_attention
 from ..kernels.gpu import decode_attention_triton  # imports triton only when called
 from ..kernels.reference import sdpa_attention
-from ..kv.cache import MODES, RowStore, parse_mode, row_bytes
+from ..kv.cache import RowStore
+from ..kv.modes import MODES, KVMode, StoreKind
+from .spread import OtherLoad, Spread, spread, spread_warning
 
 SHAPES: dict[str, tuple[int, int, int]] = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}  # heads, kv, hd
 CPU_BACKENDS = ("numba", "numba-intdot", "torch-sdpa", "dequant-sdpa")
@@ -57,6 +60,7 @@ class AttnRow:
     backend: str
     us_per_call: float  # min over rounds
     us_median: float
+    us_max: float  # the slowest round: with the min, how steady the figure is (Spread)
     bytes_read: int  # cache bytes for ctx positions (K + V rows + int8 scales)
     gb_per_s: float
     frac_of_copy_bw: float
@@ -67,8 +71,18 @@ class AttnRow:
     threads: int
     device: str
 
+    @property
+    def spread(self) -> Spread:
+        return Spread(self.us_per_call, self.us_median, self.us_max)
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"spread": self.spread.rel}
+
+
+def spread_warnings(rows: list[AttnRow], load: OtherLoad | None) -> list[str]:
+    """A warning line for every row whose rounds disagree by more than :data:`WIDE_SPREAD`."""
+    lines = (spread_warning(f"{r.shape} {r.ctx} {r.mode} {r.backend} µs/call", r.spread, load) for r in rows)
+    return [line for line in lines if line]
 
 
 @dataclass
@@ -132,8 +146,8 @@ def measure_bandwidth(n_bytes: int = 512 * MiB, reps: int = 5, device: str = "cp
 
 
 def layer_bytes(mode: str, n_kv: int, ctx: int, hd: int) -> int:
-    k_kind, v_kind, _ = parse_mode(mode)
-    return n_kv * ctx * (row_bytes(k_kind, hd) + row_bytes(v_kind, hd))
+    m = KVMode.parse(mode)
+    return n_kv * ctx * (m.k.row_bytes(hd) + m.v.row_bytes(hd))
 
 
 def plan_layers(modes: list[str], n_kv: int, ctx: int, hd: int, llc: int, mem_gib: float) -> dict[str, int]:
@@ -152,9 +166,9 @@ def build_layers(mode: str, n_layers: int, n_kv: int, ctx: int, hd: int, device:
     One layer is written (so int8 rows are really quantized), the others are copies: the cost of a
     call depends on where the bytes are, not on their values."""
     gen = torch.Generator().manual_seed(seed)
-    k_kind, v_kind, _ = parse_mode(mode)
+    m = KVMode.parse(mode)
     kf, vf = (torch.randn(n_kv, ctx, hd, generator=gen).to(device) for _ in range(2))
-    k0, v0 = RowStore.empty(k_kind, n_kv, ctx, hd, device), RowStore.empty(v_kind, n_kv, ctx, hd, device)
+    k0, v0 = RowStore.empty(m.k, n_kv, ctx, hd, device), RowStore.empty(m.v, n_kv, ctx, hd, device)
     k0.write(0, kf)
     v0.write(0, vf)
     del kf, vf
@@ -175,8 +189,8 @@ def make_call(backend: str, layers, q: torch.Tensor, ctx: int) -> Callable[[int]
         "dequant-sdpa": lambda i: sdpa_attention(q3, layers[i][0].read(0, ctx), layers[i][1].read(0, ctx)),
         "triton": lambda i: decode_attention_triton(q, *layers[i], ctx),
     }
-    applies = {"numba-intdot": kinds[0] == "q8", "torch-sdpa": kinds == ("f32", "f32"),
-               "dequant-sdpa": kinds != ("f32", "f32")}  # fmt: skip
+    exact = kinds == (StoreKind.F32, StoreKind.F32)
+    applies = {"numba-intdot": kinds[0].quantized, "torch-sdpa": exact, "dequant-sdpa": not exact}
     return calls[backend] if applies.get(backend, True) else None
 
 
@@ -230,7 +244,7 @@ def run_attention_bench(
     """Time every (shape, ctx, mode, backend) cell; returns the rows and the bandwidths per device.
 
     ``llc`` overrides the last-level cache size the working set is sized from (tests: 1 = one layer)."""
-    bad_mode = next((m for m in modes if m not in MODES or parse_mode(m)[2]), None)
+    bad_mode = next((m for m in modes if m not in MODES or MODES[m].mirror), None)
     if bad_mode:
         raise ValueError(f"mode {bad_mode!r}: bench attention takes f32, f16, bf16, q8, q8-k, q8-v")
     if any(s not in SHAPES for s in shapes):
@@ -289,7 +303,7 @@ def run_attention_bench(
                 gbs = nbytes / t / 1e9
                 rows.append(
                     AttnRow(
-                        shape, ctx, m, b, 1e6 * t, 1e6 * float(np.median(ts)), nbytes, gbs,
+                        shape, ctx, m, b, 1e6 * t, 1e6 * spread(ts).median, 1e6 * max(ts), nbytes, gbs,
                         gbs / bw.copy_gb_per_s, gbs / bw.read_gb_per_s,
                         sdpa / t if sdpa else None, base / t if base else None,
                         n_layers[m, b], threads, device_of[m, b].type,
@@ -353,8 +367,10 @@ def render(rows: list[AttnRow], bw: dict[str, Bandwidth]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="decode attention, one layer per call (min over rounds)", caption=machine_line(bw))
-    cols = ("shape", "ctx", "mode", "backend", "layers", "µs/call", "median", "GB/s", "% copy", "% read",
+    t = Table(
+        title="decode attention, one layer per call (min, median, max over rounds)", caption=machine_line(bw)
+    )
+    cols = ("shape", "ctx", "mode", "backend", "layers", "µs/call", "median", "max", "spread", "GB/s", "% copy", "% read",
             "× sdpa f32", "× dequant+sdpa")  # fmt: skip
     for col in cols:
         t.add_column(col, justify="right")
@@ -364,7 +380,7 @@ def render(rows: list[AttnRow], bw: dict[str, Bandwidth]) -> None:
 
     for r in rows:
         t.add_row(r.shape, str(r.ctx), r.mode, r.backend, str(r.n_layers), f"{r.us_per_call:.0f}",
-                  f"{r.us_median:.0f}", f"{r.gb_per_s:.2f}", f"{100 * r.frac_of_copy_bw:.0f}",
+                  f"{r.us_median:.0f}", f"{r.us_max:.0f}", f"{r.spread.rel:.0%}", f"{r.gb_per_s:.2f}", f"{100 * r.frac_of_copy_bw:.0f}",
                   f"{100 * r.frac_of_read_bw:.0f}", x(r.x_vs_sdpa_f32), x(r.x_vs_dequant_sdpa))  # fmt: skip
     Console(width=max(Console().width, 130)).print(t)
 

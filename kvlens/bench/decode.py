@@ -18,6 +18,9 @@ import torch
 
 from ..engine.llm import LLM
 from ..kv.cache import KVCache
+from .spread import LoadMeter, Spread, spread, spread_warning
+
+ROUNDS = 5  # timed rounds per (weights, mode, context) in ``kvlens bench decode``
 
 
 @dataclass
@@ -36,9 +39,20 @@ class DecodeRow:
     kv_write_ms: float | None = None  # the KV-write part of attn_ms (finite check, quantize, store)
     weights_ms: float | None = None  # inside the weight matmuls (QKV, O, gate/up, down, LM head)
     other_ms: float | None = None  # everything else: norms, RoPE, residuals, Python
+    # tok/s over the rounds (kvlens rows; tok_per_s is their median): how steady the figure is
+    tok_per_s_min: float | None = None
+    tok_per_s_max: float | None = None
+    rounds: int | None = None
+
+    @property
+    def spread(self) -> Spread | None:
+        if self.tok_per_s_min is None or self.tok_per_s_max is None:
+            return None
+        return Spread(self.tok_per_s_min, self.tok_per_s, self.tok_per_s_max)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        s = self.spread
+        return asdict(self) | {"spread": None if s is None else s.rel}
 
 
 def corpus_ids(llm: LLM, n: int) -> list[int]:
@@ -176,14 +190,17 @@ def run_decode_bench(
     llms: list[LLM],
     contexts: list[int],
     modes: list[str],
-    steps: int = 16,
+    steps: int = 12,
     backend: str | None = None,
     with_hf: bool = True,
     llama_bench: str | None = None,
     progress=None,
+    rounds: int = 5,
 ) -> list[DecodeRow]:
     """Rows for every (weights, KV mode) at every context: ``llms`` are the weight modes (one loaded
-    model each); at one context all of them run interleaved, then HF and llama-bench if asked."""
+    model each); at one context all of them run interleaved, ``rounds`` times ``steps`` timed steps
+    each (the row's tok/s is the median round, its min and max show the spread), then HF and
+    llama-bench if asked."""
     rows: list[DecodeRow] = []
     first = llms[0]
     for ctx in contexts:
@@ -198,31 +215,20 @@ def run_decode_bench(
         gc.collect()
         runs = [(llm, m) for llm in llms for m in modes]
         per_run: list[list[tuple[float, ...]]] = [[] for _ in runs]
-        for _ in range(3):  # interleave every run so drift hits them alike
+        for _ in range(rounds):  # interleave every run so drift hits them alike
             for i, (llm, m) in enumerate(runs):
-                per_run[i].append(
-                    time_decode(llm, caches[m], ctx - 1, max(steps // 3, 2), backend or llm.attn_backend)
-                )
+                per_run[i].append(time_decode(llm, caches[m], ctx - 1, steps, backend or llm.attn_backend))
         rss = psutil.Process().memory_info().rss
         for (llm, m), timed in zip(runs, per_run, strict=True):
-            t, attn, write, lin = median_step(timed)  # the median of 3 rounds
+            t, attn, write, lin = median_step(timed)  # the median round
+            s = spread([1 / r[0] for r in timed])
             rows.append(
                 DecodeRow(
-                    "kvlens",
-                    llm.weights_mode,
-                    m,
-                    ctx,
-                    1 / t,
-                    1e3 * t,
-                    caches[m].bytes_per_token() * ctx,
-                    rss,
-                    backend or llm.attn_backend,
-                    1e3 * attn,
-                    1e3 * write,
-                    1e3 * lin,
-                    1e3 * (t - attn - lin),
-                )  # fmt: skip
-            )
+                    "kvlens", llm.weights_mode, m, ctx, 1 / t, 1e3 * t, caches[m].bytes_per_token() * ctx,
+                    rss, backend or llm.attn_backend, 1e3 * attn, 1e3 * write, 1e3 * lin,
+                    1e3 * (t - attn - lin), s.low, s.high, len(timed),
+                )
+            )  # fmt: skip
         del caches
         gc.collect()
         if with_hf:
@@ -277,7 +283,7 @@ def llama_cpp_rows(llm: LLM, binary: str, modes: list[str], ctx: int, steps: int
 
 
 TABLE_HEADERS = (
-    "engine", "weights", "KV", "ctx", "tok/s", "ms/tok", "× base KV", "× llama.cpp",
+    "engine", "weights", "KV", "ctx", "tok/s", "min–max", "spread", "ms/tok", "× base KV", "× llama.cpp",
     "weights ms", "attn ms", "(KV write)", "other ms", "KV MiB", "RSS MiB",
 )  # fmt: skip
 
@@ -301,6 +307,8 @@ def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
                 r.mode,
                 str(r.ctx),
                 f"{r.tok_per_s:.1f}",
+                "" if r.spread is None else f"{r.spread.low:.1f}–{r.spread.high:.1f}",
+                "" if r.spread is None else f"{r.spread.rel:.0%}",
                 f"{r.ms_per_tok:.2f}",
                 f"{r.tok_per_s / b:.2f}" if b else "",
                 f"{r.tok_per_s / ref:.2f}" if ref else "",
@@ -333,7 +341,7 @@ def cli(
 
     import kvlens
 
-    from ..kv.cache import parse_mode
+    from ..kv.modes import KVMode
     from ..lab.report import print_table
     from ..models.loader import check_weights_mode
     from .llama_cpp import find_binary
@@ -341,7 +349,7 @@ def cli(
     modes = [m for m in kv.split(",") if m]
     weight_modes = [w for w in weights.split(",") if w]
     for m in modes:
-        parse_mode(m)
+        KVMode.parse(m)
     for w in weight_modes:
         check_weights_mode(w)
     if llama_bench:
@@ -350,14 +358,24 @@ def cli(
     if llama_bench and llms[0].source.suffix != ".gguf":
         raise ValueError("--vs-llama-cpp needs a GGUF model")
     rows: list[DecodeRow] = []
+    meter = LoadMeter()
     for c in contexts:
         rows += run_decode_bench(
-            llms, [c], modes, steps, with_hf=hf and c <= hf_max_ctx, llama_bench=llama_bench,
+            llms, [c], modes, steps, rounds=ROUNDS, with_hf=hf and c <= hf_max_ctx, llama_bench=llama_bench,
             progress=None if json_out else lambda c: print(f"  ctx {c} done", file=sys.stderr),
         )  # fmt: skip
+    load = meter.read()
     if json_out:
         print(json.dumps([r.as_dict() for r in rows], indent=1))
-        return
-    first = llms[0]
-    title = f"decode, {first.source.name}, {first.config.n_layers} layers, {torch.get_num_threads()} threads"
-    print_table(title, TABLE_HEADERS, table_rows(rows, modes[0]), width=170)
+    else:
+        first = llms[0]
+        title = (
+            f"decode, {first.source.name}, {first.config.n_layers} layers, {torch.get_num_threads()} threads; "
+            f"tok/s = median of {ROUNDS} rounds of {steps} steps, min–max over the rounds"
+        )
+        print_table(title, TABLE_HEADERS, table_rows(rows, modes[0]), width=190)
+    for r in rows:
+        if r.spread is not None:
+            line = spread_warning(f"{r.engine} {r.weights} {r.mode} ctx {r.ctx} tok/s", r.spread, load)
+            if line:
+                print(line, file=sys.stderr)

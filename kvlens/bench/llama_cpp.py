@@ -31,7 +31,7 @@ KV_TYPES = {"f16": "f16", "bf16": "bf16", "q8": "q8_0"}
 BYTES_PER_VALUE = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 int8 + an fp16 scale
 
 
-class LlamaBenchError(RuntimeError):
+class LlamaBenchError(ValueError):
     """llama-bench is missing, failed, or printed something that is not its JSON report."""
 
 

@@ -16,6 +16,7 @@ from ..engine.attention import select_blocks
 from ..kernels.cpu import decode_attention
 from ..kv.blocks import SparseConfig
 from ..kv.cache import KVCache
+from ..kv.modes import MODES, CacheOptions
 
 SHAPES = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}
 
@@ -36,7 +37,7 @@ class SparseRow:
 def _cache(shape: str, ctx: int, seed: int = 0) -> KVCache:
     _, n_kv, d = SHAPES[shape]
     g = torch.Generator().manual_seed(seed)
-    cache = KVCache(1, n_kv, d, ctx, "q8", track_blocks=True)
+    cache = KVCache(1, n_kv, d, ctx, MODES["q8"], options=CacheOptions(track_blocks=True))
     for s in range(0, ctx, 4096):  # write in slices: bounded temporary memory
         n = min(4096, ctx - s)
         cache.write(0, s, torch.randn(n_kv, n, d, generator=g), torch.randn(n_kv, n, d, generator=g))

@@ -95,7 +95,7 @@ def make_attend(
     """
     kernel = _fused_kernel(backend)
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
-    use_kernel = kernel is not None and not cache.keep_sink and not cache.keep_recent and window is None
+    use_kernel = kernel is not None and not cache.options.keeps_exact and window is None
     if sparse is not None and cache.bounds is None:
         raise ValueError("sparse decode needs a cache created with track_blocks=True")
     paged = isinstance(cache, PagedKV)  # the kernels then read through its block table

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from ..checks import check_device, check_int, check_text, check_token_ids
 from ..kv.blocks import SparseConfig
-from ..kv.cache import KVCache, parse_mode
+from ..kv.cache import KVCache
+from ..kv.modes import MODES, CacheOptions, KVMode
 from ..models.loader import LoadedModel, check_weights_mode, load_model
 from ..models.transformer import Transformer
 from .attention import make_attend, resolve_backend
@@ -23,35 +26,46 @@ class ContextOverflowError(ValueError):
 
 
 class LLM:
-    """A model ready to run with a given KV-cache mode (``kv``) and attention backend."""
+    """A model ready to run with a given KV-cache mode (``kv``: a name or a :class:`KVMode`), cache
+    options and attention backend."""
 
     def __init__(
         self,
         loaded: LoadedModel,
-        kv: str = "q8",
+        kv: str | KVMode = "q8",
         attn_backend: str = "auto",
-        mirror_prefill: str = "exact",
+        cache_options: CacheOptions | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         sparse: SparseConfig | None = None,
     ) -> None:
-        parse_mode(kv)  # fail early on an unknown mode
+        self.kv = KVMode.parse(kv)
+        self.cache_options = cache_options or CacheOptions()
+        check_int(prefill_chunk, "prefill_chunk", minimum=1)
         self.sparse = sparse  # sparse decode policy (None: dense); caches then track block bounds
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
         self.loaded = loaded  # the model file's digest (verifiable records) is cached on it
         self.weights_mode = loaded.weights_mode
         self.model = Transformer(loaded.config, loaded.weights)
         self.device = self.model.device
-        self.kv, self.mirror_prefill, self.prefill_chunk = kv, mirror_prefill, prefill_chunk
+        self.prefill_chunk = prefill_chunk
         self.attn_backend = resolve_backend(attn_backend, self.device)
 
     # -- cache and forward -------------------------------------------------------------------
-    def new_cache(self, capacity: int, kv: str | None = None, **options) -> KVCache:
+    def new_cache(
+        self, capacity: int, kv: str | KVMode | None = None, options: CacheOptions | None = None
+    ) -> KVCache:
+        """An empty cache for ``capacity`` positions: mode ``kv`` (default: the engine's) and ``options``
+        (default: the engine's). With sparse decode on, the cache tracks block bounds."""
+        mode = self.kv if kv is None else KVMode.parse(kv)
+        options = self.cache_options if options is None else options
+        if self.sparse is not None and not options.track_blocks:
+            options = dataclasses.replace(options, track_blocks=True)
         cfg = self.config
-        options.setdefault("mirror_prefill", self.mirror_prefill)
-        options.setdefault("track_blocks", self.sparse is not None)
-        return KVCache(
-            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, kv or self.kv, self.device, **options
-        )
+        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, mode, self.device, options)
+
+    def check_ids(self, ids: list[int] | torch.Tensor) -> list[int]:
+        """``ids`` as a non-empty list of ints in [0, vocab); TypeError/ValueError otherwise."""
+        return check_token_ids(ids, self.config.vocab)
 
     def check_fits(self, n_tokens: int) -> None:
         if n_tokens > self.config.max_ctx:
@@ -69,11 +83,15 @@ class LLM:
         backend: str | None = None,
     ) -> torch.Tensor:
         """Run tokens at positions start.. through the model, writing the cache; returns hidden [n, hidden]."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
         self.check_fits(start + ids.shape[0])
         sparse = self.sparse if cache.bounds is not None and not prefill else None
         attend = make_attend(cache, prefill, backend or self.attn_backend, self.config.sliding_window, sparse)
         return self.model.forward(ids, start, attend)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] of final hidden states [n, hidden] (what :meth:`forward` returns)."""
+        return self.model.logits(hidden)
 
     def variant(self, **changes) -> LLM:
         """The same loaded model with other engine settings (kv, sparse, attn_backend, ...), weights shared."""
@@ -82,7 +100,7 @@ class LLM:
             if not hasattr(self, name):
                 raise AttributeError(f"LLM has no setting {name!r}")
             setattr(other, name, value)
-        parse_mode(other.kv)
+        other.kv = KVMode.parse(other.kv)
         other.attn_backend = resolve_backend(other.attn_backend, other.device)
         return other
 
@@ -98,25 +116,29 @@ class LLM:
 
         Returns the last position's logits; ``on_hidden(chunk_start, hidden)`` sees every chunk.
         """
-        if not ids:
-            raise ValueError("cannot prefill an empty prompt")
-        chunk = chunk or self.prefill_chunk
+        ids = self.check_ids(ids)
+        chunk = self.prefill_chunk if chunk is None else check_int(chunk, "chunk", minimum=1)
         hidden = None
         for s in range(0, len(ids), chunk):
             hidden = self.forward(ids[s : s + chunk], cache, start + s, prefill=True)
             if on_hidden is not None:
                 on_hidden(start + s, hidden)
-        return self.model.logits(hidden[-1:])[0]
+        return self.lm_head(hidden[-1:])[0]
 
     @torch.inference_mode()
     def logits(
-        self, ids: list[int], kv: str | None = None, prefill_chunk: int | None = None, **cache_options
+        self,
+        ids: list[int],
+        kv: str | KVMode | None = None,
+        prefill_chunk: int | None = None,
+        options: CacheOptions | None = None,
     ) -> torch.Tensor:
         """Logits [len(ids), vocab] for a fresh cache, prefilling in chunks of ``prefill_chunk``."""
+        ids = self.check_ids(ids)
         self.check_fits(len(ids))
-        cache = self.new_cache(len(ids), kv, **cache_options)
+        cache = self.new_cache(len(ids), kv, options)
         out: list[torch.Tensor] = []
-        self.prefill(ids, cache, prefill_chunk, on_hidden=lambda _s, h: out.append(self.model.logits(h)))
+        self.prefill(ids, cache, prefill_chunk, on_hidden=lambda _s, h: out.append(self.lm_head(h)))
         return torch.cat(out)
 
     # -- generation --------------------------------------------------------------------------
@@ -128,25 +150,41 @@ class LLM:
         sampling: SamplingParams | None = None,
         stop_at_eos: bool = True,
         cache: KVCache | None = None,
+        prefill_chunk: int | None = None,
     ) -> Iterator[int]:
-        """Yield new token ids one by one: chunked prefill, then one-token decode steps.
+        """Yield new token ids one by one: chunked prefill (chunks of ``prefill_chunk``, default the
+        engine's), then one-token decode steps.
 
         Runs as a batch of one through the serving engine (:mod:`kvlens.engine.scheduler`), so a
         request alone and the same request among others are one computation (batch invariance).
-        Given a ``cache``, or with sparse decode, it runs this LLM's own loop over that cache.
-        """
+        Given a ``cache``, or with sparse decode or cache options the paged pool does not implement
+        (keep-sink/recent), it runs this LLM's own loop over a contiguous cache instead."""
+        prompt_ids = self.check_ids(prompt_ids)
+        check_int(max_new_tokens, "max_new_tokens", minimum=0)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         self.check_fits(len(prompt_ids) + max_new_tokens)
-        if cache is not None or self.sparse is not None:
+        if cache is not None or not self.servable:
             cache = cache or self.new_cache(len(prompt_ids) + max_new_tokens)
-            logits = self.prefill(prompt_ids, cache)
+            logits = self.prefill(prompt_ids, cache, prefill_chunk)
             yield from self.decode(cache, logits, len(prompt_ids), max_new_tokens, sampling, stop_at_eos)
+            return
+        if max_new_tokens == 0:
             return
         from .scheduler import Request, run_alone
 
-        req = Request("0", list(prompt_ids), max_new_tokens, sampling or SamplingParams(),
-                      None if stop_at_eos else frozenset())  # fmt: skip
-        for event in run_alone(self, req):
+        llm = (
+            self if prefill_chunk in (None, self.prefill_chunk) else self.variant(prefill_chunk=prefill_chunk)
+        )
+        stop = None if stop_at_eos else frozenset()
+        req = Request("0", prompt_ids, max_new_tokens, sampling or SamplingParams(), stop)
+        for event in run_alone(llm, req):
             yield event.token_id
+
+    @property
+    def servable(self) -> bool:
+        """Whether the serving engine can run this LLM (dense decode, no keep-sink/recent splicing)."""
+        return self.sparse is None and not self.cache_options.keeps_exact
 
     @torch.inference_mode()
     def decode(
@@ -159,6 +197,9 @@ class LLM:
         stop_at_eos: bool = True,
     ) -> Iterator[int]:
         """Decode after a prefill: ``logits`` of the last prompt position, ``pos`` = prompt length."""
+        check_int(max_new_tokens, "max_new_tokens", minimum=0)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         self.check_fits(pos + max_new_tokens)
         sample = Sampler(sampling or SamplingParams())
         for i in range(max_new_tokens):
@@ -167,7 +208,7 @@ class LLM:
             if (stop_at_eos and tok in self.tokenizer.eos_ids) or i == max_new_tokens - 1:
                 return
             hidden = self.forward([tok], cache, pos, prefill=False)
-            logits = self.model.logits(hidden)[0]
+            logits = self.lm_head(hidden)[0]
             pos += 1
 
     def generate_batch(
@@ -184,6 +225,7 @@ class LLM:
 
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of strings")
+        check_int(max_new_tokens, "max_new_tokens", minimum=1)
         reqs = [
             Request(str(i), self.encode_prompt(p, chat), max_new_tokens, sampling or SamplingParams())
             for i, p in enumerate(prompts)
@@ -193,6 +235,7 @@ class LLM:
         return [self.tokenizer.decode([t for t in outputs[r.request_id] if t not in eos]) for r in reqs]
 
     def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+        check_text(prompt)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
@@ -227,30 +270,38 @@ class LLM:
 
     # -- lab hooks ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture_qkv(self, ids: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Exact post-RoPE Q [H, n, d], K and V [KV, n, d] of one layer for a prompt (f32 cache)."""
-        if not 0 <= layer < self.config.n_layers:
-            raise ValueError(f"layer {layer} out of range: the model has {self.config.n_layers} layers")
-        cache = self.new_cache(len(ids), "f32")
-        captured: dict[str, torch.Tensor] = {}
+    def capture_qkv(
+        self, ids: list[int], layers: Sequence[int] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Exact post-RoPE (Q [H, n, d], K [KV, n, d], V [KV, n, d]) of each of ``layers`` (default:
+        every layer), in that order, from one forward pass of the prompt through an f32 cache."""
+        ids = self.check_ids(ids)
+        n_layers = self.config.n_layers
+        if layers is not None and not isinstance(layers, Sequence):
+            raise TypeError(f"layers must be a sequence of layer indices, got {type(layers).__name__}")
+        wanted = list(range(n_layers)) if layers is None else list(layers)
+        for i in wanted:
+            check_int(i, "layer", minimum=0, maximum=n_layers - 1)
+        self.check_fits(len(ids))
+        cache = self.new_cache(len(ids), MODES["f32"], CacheOptions())
         inner = make_attend(cache, True, "torch", self.config.sliding_window)
+        captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-            if i == layer:
-                captured.update(q=q.clone(), k=k.clone(), v=v.clone())
+            if i in wanted:
+                captured[i] = (q.clone(), k.clone(), v.clone())
             return inner(i, q, k, v, start)
 
-        self.check_fits(len(ids))
-        self.model.forward(torch.as_tensor(ids, device=self.device), 0, attend)
-        return captured["q"], captured["k"], captured["v"]
+        self.model.forward(torch.as_tensor(ids, dtype=torch.long, device=self.device), 0, attend)
+        return [captured[i] for i in wanted]
 
 
 def load(
     model: str | Path = "smollm2",
-    kv: str = "q8",
+    kv: str | KVMode = "q8",
     device: str | None = None,
     attn_backend: str = "auto",
-    mirror_prefill: str = "exact",
+    cache_options: CacheOptions | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     weights: str | None = None,
     sparse: SparseConfig | None = None,
@@ -260,8 +311,8 @@ def load(
     ``weights``: f32, bf16, int8 or int4 (kept quantized); None/"auto" = closest to the file's
     own precision for a GGUF (SmolLM2 Q4_1: int4 layers, int8 embedding/head), f32 otherwise.
     """
-    parse_mode(kv)
+    kv = KVMode.parse(kv)  # fail before the (slow) load
     check_weights_mode(weights or "auto")
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     loaded = load_model(model, dev, weights=weights or "auto")
-    return LLM(loaded, kv, attn_backend, mirror_prefill, prefill_chunk, sparse)
+    return LLM(loaded, kv, attn_backend, cache_options, prefill_chunk, sparse)

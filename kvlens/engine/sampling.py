@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_float, check_int
+
 
 @dataclass
 class SamplingParams:
@@ -15,12 +17,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be ≥ 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be ≥ 0")
+        self.temperature = check_float(self.temperature, "temperature", minimum=0.0)
+        self.top_p = check_float(self.top_p, "top_p", above=0.0, maximum=1.0)
+        self.top_k = check_int(self.top_k, "top_k", minimum=0)
+        if self.seed is not None:
+            self.seed = check_int(self.seed, "seed", minimum=-(2**63), maximum=2**64 - 1)
 
 
 class Sampler:

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..kv.cache import BLOCK, row_bytes
+from ..checks import check_int, check_token_ids
+from ..kv.cache import BLOCK
+from ..kv.modes import MODES
 from ..kv.pool import BlockPool, PagedKV, kv_bytes_per_token
 from .budget import default_kv_budget
 from .llm import LLM
@@ -125,15 +127,23 @@ class Engine:
     """Continuous-batching engine over one :class:`LLM` (not thread-safe: drive it from one thread)."""
 
     def __init__(self, llm: LLM, config: EngineConfig = EngineConfig()) -> None:
-        if llm.sparse is not None:
-            raise ValueError("the serving engine runs dense decode; load the model without sparse")
+        if not llm.servable:
+            raise ValueError(
+                "the serving engine runs dense decode without keep-sink/recent; load the model without them"
+            )
         self.llm, self.config = llm, config
         cfg = llm.config
         budget = config.kv_budget_bytes
         if budget is None:
             budget = default_kv_budget(llm, config.max_batch)
         self.pool = BlockPool(
-            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, llm.kv, budget, llm.device, llm.mirror_prefill
+            cfg.n_layers,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            llm.kv,
+            budget,
+            llm.device,
+            llm.cache_options.mirror_prefill,
         )
         self.runner = ModelRunner(llm)
         self.waiting: deque[Sequence] = deque()
@@ -155,15 +165,16 @@ class Engine:
         self.prompt_tokens += seq.n_prompt
 
     def _check(self, req: Request) -> None:
+        if not isinstance(req, Request):
+            raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
         if not req.prompt_ids:
             raise ValueError("the prompt is empty")
-        vocab = self.llm.config.vocab
-        if any(not 0 <= t < vocab for t in req.prompt_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        if req.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if req.logprobs is not None and req.logprobs < 0:
-            raise ValueError("logprobs must be >= 0")
+        req.prompt_ids = check_token_ids(req.prompt_ids, self.llm.config.vocab, "prompt token ids")
+        check_int(req.max_tokens, "max_tokens", minimum=1)
+        if req.logprobs is not None:
+            check_int(req.logprobs, "logprobs", minimum=0)
+        if not isinstance(req.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(req.sampling).__name__}")
         total = len(req.prompt_ids) + req.max_tokens
         self.llm.check_fits(total)
         if -(-total // BLOCK) > self.pool.n_blocks:
@@ -189,7 +200,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         p, cfg = self.pool, self.llm.config
-        f16_per_token = 2 * row_bytes("f16", cfg.head_dim) * cfg.n_kv_heads * cfg.n_layers
+        f16_per_token = kv_bytes_per_token(MODES["f16"], cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
         return EngineStats(
             p.n_blocks, p.blocks_used, BLOCK, p.n_blocks * BLOCK, p.bytes_total // f16_per_token,
             p.bytes_per_token, len(self.running), len(self.waiting), self.preemptions,

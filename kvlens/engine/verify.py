@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..kv.modes import CacheOptions
 from .llm import LLM, load
 from .sampling import SamplingParams
 from .scheduler import Request, run_alone
@@ -42,11 +43,11 @@ def host_cpu() -> str:
 def settings(llm: LLM) -> dict:
     """The engine settings a record pins (see :data:`SETTINGS`)."""
     return {
-        "kv": llm.kv,
+        "kv": str(llm.kv),
         "weights": llm.weights_mode,
         "attn_backend": llm.attn_backend,
         "prefill_chunk": llm.prefill_chunk,
-        "mirror_prefill": llm.mirror_prefill,
+        "mirror_prefill": llm.cache_options.mirror_prefill,
         "device": llm.device.type,
         "cpu": host_cpu(),
     }
@@ -153,7 +154,7 @@ def verify_file(path: str | Path, model: str | None = None, device: str | None =
         kv=record["kv"],
         device=device or record["device"],
         attn_backend=record["attn_backend"],
-        mirror_prefill=record["mirror_prefill"],
+        cache_options=CacheOptions(mirror_prefill=record["mirror_prefill"]),
         prefill_chunk=int(record["prefill_chunk"]),
         weights=record["weights"],
     )

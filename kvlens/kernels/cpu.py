@@ -15,9 +15,8 @@ Every storage kind runs through one compiled kernel: rows arrive as raw bytes an
 f32 per tile (int8 -> f32; bf16: ``bits << 16``; f16: an exact bit conversion, numba having no
 float16 arrays). So f32, f16, bf16, q8 and the mixed modes (q8-k, q8-v) all run fused.
 
-Threads: torch and numba's omp layer each run their own libgomp pool; with default spin-waiting the
-idle pool starves the busy one on a small box (2 cores: 0.5 ms calls took ~45 ms). Set
-``OMP_WAIT_POLICY=PASSIVE`` before importing torch (see kvlens bench attention).
+Threads: how many, and when one alone runs a small call, is decided in :mod:`.threads` (which also
+sets the OpenMP wait policy when kvlens is imported; docs/decode.md, "Steady speed").
 """
 
 from __future__ import annotations
@@ -30,7 +29,9 @@ import torch
 from numba import njit, prange
 
 from ..kv.cache import BLOCK
+from ..kv.modes import StoreKind
 from ..kv.quant import quantize_q8
+from .threads import run_serial_if
 
 QBLOCK = 32  # query block of the int-dot variant (the seed: 32 values, one scale)
 # positions per online-softmax step = the cache block, so sparse decode can pick tiles by block index;
@@ -39,7 +40,13 @@ TILE = BLOCK
 SERIAL_ROWS = 2048  # below this many (kv_head, position) rows one thread runs it all (~0.1 ms of work)
 MIN_SPLIT = 256  # shortest split worth a thread: below it the merge and scheduling cost dominate
 CODE_Q8, CODE_F16, CODE_BF16, CODE_F32 = 0, 1, 2, 3
-_KIND_CODE = {"q8": CODE_Q8, "f16": CODE_F16, "bf16": CODE_BF16, "f32": CODE_F32}
+# the one place a StoreKind becomes the int code the compiled core branches on
+_KIND_CODE = {
+    StoreKind.Q8: CODE_Q8,
+    StoreKind.F16: CODE_F16,
+    StoreKind.BF16: CODE_BF16,
+    StoreKind.F32: CODE_F32,
+}
 # reassoc+contract let LLVM vectorize the dot-product / sum reductions (and use FMA). No nnan/ninf:
 # -inf is the "no score yet" running max of an empty split, and the merge relies on exp(-inf) = 0.
 _FM = {"reassoc", "contract", "nsz"}
@@ -288,8 +295,12 @@ def quantize_query_blocks(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 _NO_SCALE = np.ones((1, 1), np.float32)
 _NO_Q8 = np.zeros((1, 1), np.int8)
-_ITEMSIZE = {CODE_Q8: 1, CODE_F16: 2, CODE_BF16: 2, CODE_F32: 4}
-_NP_CODE = {np.dtype(np.int8): CODE_Q8, np.dtype(np.float16): CODE_F16, np.dtype(np.float32): CODE_F32}
+_ITEMSIZE = {_KIND_CODE[kind]: kind.dtype.itemsize for kind in StoreKind}
+_NP_CODE = {
+    np.dtype(np.int8): _KIND_CODE[StoreKind.Q8],
+    np.dtype(np.float16): _KIND_CODE[StoreKind.F16],
+    np.dtype(np.float32): _KIND_CODE[StoreKind.F32],
+}
 
 
 def _raw(a: np.ndarray) -> tuple[np.ndarray, int]:
@@ -361,14 +372,7 @@ def _run(
     args = (
         qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, int(length), tiles, table, n_splits, out
     )  # fmt: skip
-    if serial and n_threads > 1:  # waking the thread pool would cost more than the work
-        numba.set_num_threads(1)
-        try:
-            _decode_core(*args)
-        finally:
-            numba.set_num_threads(n_threads)
-    else:
-        _decode_core(*args)
+    run_serial_if(serial, _decode_core, *args)  # waking the thread pool would cost more than the work
     return out
 
 
@@ -412,7 +416,7 @@ def _store_arrays(store) -> tuple[np.ndarray, int, np.ndarray]:
     if memo is not None and memo[0] is store.data and memo[1] is store.scale:
         return memo[2]
     raw = store.data.view(torch.uint8).numpy()  # bf16 too: numpy has no bfloat16, the kernel shifts bits
-    scale = store.scale.numpy() if store.kind == "q8" else _NO_SCALE
+    scale = store.scale.numpy() if store.kind.quantized else _NO_SCALE
     views = (raw, _KIND_CODE[store.kind], scale)
     store.__dict__["_numba_views"] = (store.data, store.scale, views)
     return views

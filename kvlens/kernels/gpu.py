@@ -205,14 +205,14 @@ def decode_attention_triton(
     acc = torch.empty(n_kv, n_splits, g_pad, d_pad, dtype=torch.float32, device=dev)
     m = torch.empty(n_kv, n_splits, g_pad, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
-    ks = k_store.scale if k_store.kind == "q8" else m  # any f32 tensor: unread when the kind is float
-    vs = v_store.scale if v_store.kind == "q8" else m
+    ks = k_store.scale if k_store.kind.quantized else m  # any f32 tensor: unread when the kind is float
+    vs = v_store.scale if v_store.kind.quantized else m
     qc = q.detach().to(device=dev, dtype=torch.float32).contiguous()
     kernel[(n_kv, n_splits)](
         qc, k, ks, v, vs, acc, m, lsum, selected, n_sel, page,
         length, split_len, k.stride(0), k.stride(1), v.stride(0), v.stride(1), ks.stride(0), vs.stride(0), LOG2E / math.sqrt(hd),
         GROUP=group, G_PAD=g_pad, HD=hd, D_PAD=d_pad, BLOCK_N=block_n,
-        K_Q8=k_store.kind == "q8", V_Q8=v_store.kind == "q8", SPARSE=blocks is not None,
+        K_Q8=k_store.kind.quantized, V_Q8=v_store.kind.quantized, SPARSE=blocks is not None,
         PAGED=table is not None,
     )  # fmt: skip
     # Exact merge of the splits (base 2): empty splits have m = -inf, l = 0 and weigh exp2(-inf) = 0.

@@ -1,15 +1,18 @@
-"""KV-cache quantizers and storage."""
+"""KV-cache modes, quantizers and storage."""
 
-from .cache import BLOCK, MODES, KVCache, NonFiniteKVError, UnknownKVModeError, parse_mode
+from .cache import BLOCK, KVCache, NonFiniteKVError
+from .modes import MODES, CacheOptions, KVMode, StoreKind, UnknownKVModeError
 from .quant import NonFiniteError, dequantize_q8, q8_step, quantize_q8
 
 __all__ = [
     "BLOCK",
     "MODES",
+    "CacheOptions",
     "KVCache",
+    "KVMode",
     "NonFiniteKVError",
+    "StoreKind",
     "UnknownKVModeError",
-    "parse_mode",
     "NonFiniteError",
     "dequantize_q8",
     "q8_step",

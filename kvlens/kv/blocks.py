@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_float, check_int
+
 METHODS = ("quest", "probe")
 PROBES = 8  # keys per block the probe looks at
 
@@ -57,8 +59,10 @@ class SparseConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown sparse method {self.method!r}; choose one of: {', '.join(METHODS)}")
-        if self.budget <= 0:
-            raise ValueError("the sparse budget must be > 0 (tokens, or a fraction of the context < 1)")
+        # tokens (≥ 1) or a fraction of the context (< 1); inf would overflow the block count
+        self.budget = check_float(self.budget, "the sparse budget", above=0.0)
+        self.dense_layers = check_int(self.dense_layers, "dense_layers", minimum=0)
+        self.min_ctx = check_int(self.min_ctx, "min_ctx", minimum=0)
 
     def budget_blocks(self, length: int, block: int) -> int:
         tokens = self.budget * length if self.budget < 1 else self.budget

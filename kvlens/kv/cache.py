@@ -6,14 +6,8 @@ Layout of one layer (``cap`` = capacity, a multiple of BLOCK)::
     K.scale [n_kv_heads, cap]             float32 max_abs per row (int8 stores only)
     V.*     the same
 
-Modes (``mode`` string → how K and V are stored):
-
-    f32, f16, bf16    both K and V in that float type
-    q8                both int8 by the seed's rule (kvlens.kv.quant)
-    q8-k, q8-v        only K (resp. V) int8, the other f32 — to split the cost between K and V
-    q8+mirror         int8 rows *and* an exact f32 copy, like the seed's engine; decode reads int8,
-                      prefill reads the exact copy when ``mirror_prefill="exact"`` (the seed's
-                      default) or the int8 rows when ``mirror_prefill="q8"``
+The mode (:class:`~kvlens.kv.modes.KVMode`) says how K and V are stored; :class:`~kvlens.kv.modes.CacheOptions`
+holds the rest (mirror prefill, keep-sink / keep-recent, block tracking).
 
 Attention over a quantized store always reads the quantized values of every cached position,
 including earlier chunks of a chunked prefill. The only exceptions are explicit: the mirror option
@@ -32,35 +26,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int, check_tensor
 from .blocks import BlockBounds
+from .modes import CacheOptions, KVMode, StoreKind
 from .quant import dequantize_q8, first_nonfinite, store_q8
 
 BLOCK = 32
-FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-# mode -> (K storage, V storage, keeps an exact f32 mirror)
-MODES: dict[str, tuple[str, str, bool]] = {
-    "f32": ("f32", "f32", False),
-    "f16": ("f16", "f16", False),
-    "bf16": ("bf16", "bf16", False),
-    "q8": ("q8", "q8", False),
-    "q8-k": ("q8", "f32", False),
-    "q8-v": ("f32", "q8", False),
-    "q8+mirror": ("q8", "q8", True),
-}
+F32 = StoreKind.F32  # the exact copy's storage
 
 
 class NonFiniteKVError(ValueError):
     """NaN or Inf reached the KV cache."""
-
-
-class UnknownKVModeError(ValueError):
-    """A KV mode name that kvlens does not implement."""
-
-
-def parse_mode(mode: str) -> tuple[str, str, bool]:
-    if mode not in MODES:
-        raise UnknownKVModeError(f"unknown KV cache mode {mode!r}; choose one of: {', '.join(MODES)}")
-    return MODES[mode]
 
 
 def check_kv_finite(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -74,11 +50,6 @@ def check_kv_finite(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) ->
             )
 
 
-def row_bytes(kind: str, head_dim: int) -> int:
-    """Bytes of one stored (token, head) row: int8 codes + one fp32 max_abs, or head_dim floats."""
-    return head_dim + 4 if kind == "q8" else head_dim * torch.finfo(FLOAT_DTYPES[kind]).bits // 8
-
-
 def round_up(n: int, multiple: int = BLOCK) -> int:
     return -(-n // multiple) * multiple
 
@@ -87,19 +58,15 @@ def round_up(n: int, multiple: int = BLOCK) -> int:
 class RowStore:
     """One of K or V of one layer."""
 
-    kind: str
+    kind: StoreKind
     data: torch.Tensor
     scale: torch.Tensor | None  # max_abs per row, int8 stores only
 
     @classmethod
-    def empty(cls, kind: str, n_kv: int, cap: int, head_dim: int, device: torch.device) -> RowStore:
-        if kind == "q8":
-            return cls(
-                kind,
-                torch.zeros(n_kv, cap, head_dim, dtype=torch.int8, device=device),
-                torch.ones(n_kv, cap, dtype=torch.float32, device=device),
-            )
-        return cls(kind, torch.zeros(n_kv, cap, head_dim, dtype=FLOAT_DTYPES[kind], device=device), None)
+    def empty(cls, kind: StoreKind, n_kv: int, cap: int, head_dim: int, device: torch.device) -> RowStore:
+        data = torch.zeros(n_kv, cap, head_dim, dtype=kind.dtype, device=device)
+        scale = torch.ones(n_kv, cap, dtype=torch.float32, device=device) if kind.quantized else None
+        return cls(kind, data, scale)
 
     def grow(self, cap: int) -> None:
         n_kv, old, d = self.data.shape
@@ -112,20 +79,20 @@ class RowStore:
             self.scale = scale
 
     def write(self, start: int, rows: torch.Tensor) -> None:
-        if self.kind == "q8":
+        if self.kind.quantized:
             store_q8(rows, self.data, self.scale, start)
         else:
             self.data[:, start : start + rows.shape[1]] = rows
 
     def read_index(self, pos: torch.Tensor) -> torch.Tensor:
         """Rows at positions ``pos`` as float32 [n_kv, len(pos), head_dim]."""
-        if self.kind == "q8":
+        if self.kind.quantized:
             return dequantize_q8(self.data[:, pos], self.scale[:, pos])
         return self.data[:, pos].to(torch.float32)
 
     def read(self, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) as float32 — the values attention sees."""
-        if self.kind == "q8":
+        if self.kind.quantized:
             return dequantize_q8(self.data[:, start:end], self.scale[:, start:end])
         return self.data[:, start:end].to(torch.float32)
 
@@ -139,53 +106,46 @@ class KVCache:
         n_kv_heads: int,
         head_dim: int,
         capacity: int,
-        mode: str = "q8",
+        mode: KVMode,
         device: torch.device | str = "cpu",
-        mirror_prefill: str = "exact",
-        keep_sink: int = 0,
-        keep_recent: int = 0,
-        track_blocks: bool = False,
+        options: CacheOptions | None = None,
     ) -> None:
-        k_kind, v_kind, mirror = parse_mode(mode)
-        if mirror_prefill not in ("exact", "q8"):
-            raise ValueError("mirror_prefill must be 'exact' or 'q8'")
-        self.mode, self.n_layers, self.n_kv_heads, self.head_dim = mode, n_layers, n_kv_heads, head_dim
+        options = CacheOptions() if options is None else options
+        if not isinstance(mode, KVMode):
+            raise TypeError(f"KVCache takes a KVMode (KVMode.parse(name)), got {type(mode).__name__}")
+        if not isinstance(options, CacheOptions):
+            raise TypeError(f"KVCache takes CacheOptions, got {type(options).__name__}")
+        for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
+            check_int(value, name, minimum=1)
+        check_int(capacity, "capacity", minimum=0)
+        self.mode, self.options = mode, options
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.device = torch.device(device)
-        self.mirror_prefill, self.keep_sink, self.keep_recent = mirror_prefill, keep_sink, keep_recent
         # An exact copy is kept for the mirror mode and for the lab's keep-sink / keep-recent options.
-        self.has_mirror = mirror or keep_sink > 0 or keep_recent > 0
+        self.has_mirror = mode.mirror or options.keeps_exact
         cap = round_up(max(capacity, 1))
-        self.k = [RowStore.empty(k_kind, n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
-        self.v = [RowStore.empty(v_kind, n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
-        self.k_exact = (
-            [RowStore.empty("f32", n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
-            if self.has_mirror
-            else []
-        )
-        self.v_exact = (
-            [RowStore.empty("f32", n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
-            if self.has_mirror
-            else []
-        )
+
+        def stores(kind: StoreKind) -> list[RowStore]:
+            return [RowStore.empty(kind, n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
+
+        self.k, self.v = stores(mode.k), stores(mode.v)
+        self.k_exact = stores(F32) if self.has_mirror else []
+        self.v_exact = stores(F32) if self.has_mirror else []
         self.length = 0  # positions written in every layer
         # per-block key min/max for sparse decode's block selection (kv.blocks)
         self.bounds = (
-            BlockBounds(n_layers, n_kv_heads, head_dim, BLOCK, self.device) if track_blocks else None
+            BlockBounds(n_layers, n_kv_heads, head_dim, BLOCK, self.device) if options.track_blocks else None
         )
 
     @property
     def capacity(self) -> int:
         return self.k[0].data.shape[1]
 
-    @property
-    def quantized(self) -> bool:
-        return "q8" in (self.k[0].kind, self.v[0].kind)
-
     def bytes_per_token(self) -> int:
         """Stored KV bytes per token position over all layers (mirror included)."""
-        per_layer = row_bytes(self.k[0].kind, self.head_dim) + row_bytes(self.v[0].kind, self.head_dim)
+        per_layer = self.mode.k.row_bytes(self.head_dim) + self.mode.v.row_bytes(self.head_dim)
         if self.has_mirror:
-            per_layer += 2 * row_bytes("f32", self.head_dim)
+            per_layer += 2 * F32.row_bytes(self.head_dim)
         return per_layer * self.n_kv_heads * self.n_layers
 
     def reserve(self, capacity: int) -> None:
@@ -198,6 +158,7 @@ class KVCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows ``[n_kv, n, head_dim]`` for positions ``start .. start+n-1`` of ``layer``."""
+        self._check_rows(layer, start, k, v)
         check_kv_finite(layer, start, k, v)
         self.reserve(start + k.shape[1])
         self.k[layer].write(start, k)
@@ -213,13 +174,27 @@ class KVCache:
         if layer == self.n_layers - 1:
             self.length = max(self.length, start + k.shape[1])
 
+    def _check_rows(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        check_int(layer, "layer", minimum=0, maximum=self.n_layers - 1)
+        check_int(start, "start", minimum=0)
+        for name, rows in (("k", k), ("v", v)):
+            check_tensor(rows, name, floating=True)
+            if rows.dim() != 3 or rows.shape[0] != self.n_kv_heads or rows.shape[2] != self.head_dim:
+                raise ValueError(
+                    f"{name} must be [n_kv_heads={self.n_kv_heads}, n, head_dim={self.head_dim}], "
+                    f"got {tuple(rows.shape)}"
+                )
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+
     def read(self, layer: int, end: int, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions ``[0, end)`` as float32 ``[n_kv, end, head_dim]`` — what attention sees."""
-        if prefill and self.mode == "q8+mirror" and self.mirror_prefill == "exact":
+        if prefill and self.mode.mirror and self.options.mirror_prefill == "exact":
             return self.k_exact[layer].read(0, end), self.v_exact[layer].read(0, end)
         k, v = self.k[layer].read(0, end), self.v[layer].read(0, end)
-        if self.keep_sink or self.keep_recent:
-            for lo, hi in ((0, min(self.keep_sink, end)), (max(end - self.keep_recent, 0), end)):
+        sink, recent = self.options.keep_sink, self.options.keep_recent
+        if sink or recent:
+            for lo, hi in ((0, min(sink, end)), (max(end - recent, 0), end)):
                 if hi > lo:
                     k[:, lo:hi] = self.k_exact[layer].read(lo, hi)
                     v[:, lo:hi] = self.v_exact[layer].read(lo, hi)

@@ -19,15 +19,15 @@ from collections import deque
 import numpy as np
 import torch
 
-from .cache import BLOCK, RowStore, check_kv_finite, parse_mode, row_bytes
+from .cache import BLOCK, F32, RowStore, check_kv_finite
+from .modes import MIRROR_PREFILL, CacheOptions, KVMode, StoreKind
 
 
-def kv_bytes_per_token(mode: str, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+def kv_bytes_per_token(mode: KVMode, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
     """Stored KV bytes per token position over all layers in ``mode`` (the mirror copy included)."""
-    k_kind, v_kind, mirror = parse_mode(mode)
-    per_layer = row_bytes(k_kind, head_dim) + row_bytes(v_kind, head_dim)
-    if mirror:
-        per_layer += 2 * row_bytes("f32", head_dim)
+    per_layer = mode.k.row_bytes(head_dim) + mode.v.row_bytes(head_dim)
+    if mode.mirror:
+        per_layer += 2 * F32.row_bytes(head_dim)
     return per_layer * n_kv_heads * n_layers
 
 
@@ -43,16 +43,17 @@ class BlockPool:
         n_layers: int,
         n_kv_heads: int,
         head_dim: int,
-        mode: str,
+        mode: KVMode,
         budget_bytes: int,
         device: torch.device | str = "cpu",
         mirror_prefill: str = "exact",
     ) -> None:
-        k_kind, v_kind, mirror = parse_mode(mode)
-        if mirror_prefill not in ("exact", "q8"):
+        if not isinstance(mode, KVMode):
+            raise TypeError(f"BlockPool takes a KVMode (KVMode.parse(name)), got {type(mode).__name__}")
+        if mirror_prefill not in MIRROR_PREFILL:
             raise ValueError("mirror_prefill must be 'exact' or 'q8'")
         self.mode, self.n_layers, self.n_kv_heads, self.head_dim = mode, n_layers, n_kv_heads, head_dim
-        self.mirror_prefill, self.has_mirror = mirror_prefill, mirror
+        self.mirror_prefill, self.has_mirror = mirror_prefill, mode.mirror
         self.device = torch.device(device)
         self.bytes_per_token = kv_bytes_per_token(mode, n_layers, n_kv_heads, head_dim)
         self.n_blocks = int(budget_bytes) // (self.bytes_per_token * BLOCK)
@@ -63,11 +64,11 @@ class BlockPool:
             )
         cap = self.n_blocks * BLOCK
 
-        def stores(kind: str) -> list[RowStore]:
+        def stores(kind: StoreKind) -> list[RowStore]:
             return [RowStore.empty(kind, n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
 
-        self.k, self.v = stores(k_kind), stores(v_kind)
-        self.k_exact, self.v_exact = (stores("f32"), stores("f32")) if mirror else ([], [])
+        self.k, self.v = stores(mode.k), stores(mode.v)
+        self.k_exact, self.v_exact = (stores(F32), stores(F32)) if mode.mirror else ([], [])
         self.refcount = np.zeros(self.n_blocks, np.int32)
         self._free: deque[int] = deque(range(self.n_blocks))
 
@@ -112,12 +113,12 @@ class PagedKV:
     """One sequence's view of a :class:`BlockPool`: the KV-cache interface attention uses
     (``write`` / ``read`` / stores ``k``, ``v``) over the sequence's block table."""
 
-    keep_sink = keep_recent = 0
     bounds = None  # no sparse-decode block metadata in the pool
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.mode, self.n_layers, self.head_dim = pool.mode, pool.n_layers, pool.head_dim
+        self.options = CacheOptions(mirror_prefill=pool.mirror_prefill)  # what attention asks a cache
         self.k, self.v = pool.k, pool.v
         self.has_mirror, self.mirror_prefill = pool.has_mirror, pool.mirror_prefill
         self.blocks: list[int] = []

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from numba import njit
 
+from ..checks import check_tensor
+
 Q8_MAX = 127.0
 TINY_MAX_ABS = 1e-6
 
@@ -39,7 +41,7 @@ def row_max_abs(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_q8(x: torch.Tensor, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize over the last dimension. Returns ``(q int8, max_abs float32)``; max_abs lacks the last dim."""
-    x = x.to(torch.float32)
+    x = check_tensor(x, "x", floating=True, min_dim=1).to(torch.float32)
     if check:
         check_finite(x)
     max_abs = row_max_abs(x)
@@ -50,6 +52,8 @@ def quantize_q8(x: torch.Tensor, *, check: bool = True) -> tuple[torch.Tensor, t
 
 def dequantize_q8(q: torch.Tensor, max_abs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_q8`: ``q * (max_abs / 127)`` in float32."""
+    check_tensor(q, "q", dtypes=(torch.int8,), min_dim=1)
+    check_tensor(max_abs, "max_abs", floating=True, shape=q.shape[:-1])
     step = (max_abs.to(torch.float32) / Q8_MAX).unsqueeze(-1)
     return (q.to(torch.float32) * step).to(dtype)
 

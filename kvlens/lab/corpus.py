@@ -193,6 +193,8 @@ def load_corpus(
     path = Path(key).expanduser()
     if path.is_file():
         text, label = _read_utf8(path), str(path)
+    elif path.exists():
+        raise CorpusError(f"corpus {key!r} is not a regular file")
     elif os.sep in key or "/" in key or path.suffix:
         # Looks like a path, not a name: say so instead of fetching the sdist to report "unknown name".
         raise CorpusError(f"corpus file {key!r} does not exist")

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from .report import md_table, mode_label, model_name, parse_modes
+from ..engine.llm import LLM
+from ..kv.modes import MODES, CacheOptions, KVMode
+from .report import md_table, model_name, parse_modes
 
-REF_KV = "f32"  # the reference's KV mode (with f32 weights)
+REF_KV = MODES["f32"]  # the reference's KV mode (with f32 weights)
 VS_F32_TITLE = "cost vs f32 weights + f32 KV"
 
 
@@ -48,24 +49,20 @@ def cut_prompts(ids: list[int], n: int, length: int, bos_id: int | None = None) 
     return prompts
 
 
-@torch.inference_mode()
 def greedy_continuation(
-    llm: Any, prompt: list[int], n_tokens: int, kv: str, prefill_chunk: int, **cache_options: Any
+    llm: LLM,
+    prompt: list[int],
+    n_tokens: int,
+    kv: str | KVMode,
+    prefill_chunk: int,
+    options: CacheOptions | None = None,
 ) -> list[int]:
-    """``n_tokens`` greedy tokens (EOS does not stop: both sides always have n_tokens to compare)."""
-    llm.check_fits(len(prompt) + n_tokens)
-    cache = llm.new_cache(len(prompt) + n_tokens, kv, **cache_options)
-    logits = llm.prefill(prompt, cache, prefill_chunk)
-    out: list[int] = []
-    pos = len(prompt)
-    for i in range(n_tokens):
-        tok = int(logits.argmax())
-        out.append(tok)
-        if i == n_tokens - 1:
-            break
-        logits = llm.model.logits(llm.forward([tok], cache, pos, prefill=False))[0]
-        pos += 1
-    return out
+    """``n_tokens`` greedy tokens from the engine's generation loop through a fresh ``kv`` cache (EOS
+    does not stop: both sides always have n_tokens to compare)."""
+    cache = llm.new_cache(len(prompt) + n_tokens, kv, options)
+    return list(
+        llm.generate_ids(prompt, n_tokens, stop_at_eos=False, cache=cache, prefill_chunk=prefill_chunk)
+    )
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -75,7 +72,7 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class GreedyMode:
-    mode: str
+    mode: KVMode
     tokens: list[list[int]]
     agreement: float  # fraction of generated positions equal to the base's
     first_div: list[int]
@@ -96,7 +93,7 @@ class GreedyMode:
         }
 
 
-def compare(mode: str, tokens: list[list[int]], ref: list[list[int]], seconds: float) -> GreedyMode:
+def compare(mode: KVMode, tokens: list[list[int]], ref: list[list[int]], seconds: float) -> GreedyMode:
     """``tokens`` (one continuation per prompt) against ``ref``'s: agreement and first divergences."""
     same = sum(x == y for a, b in zip(tokens, ref, strict=True) for x, y in zip(a, b, strict=True))
     divs = [first_divergence(b, a) for a, b in zip(tokens, ref, strict=True)]
@@ -107,7 +104,7 @@ def compare(mode: str, tokens: list[list[int]], ref: list[list[int]], seconds: f
 class GreedyResult:
     model: str
     corpus: str
-    base: str
+    base: KVMode
     n_prompts: int
     prompt_len: int
     n_tokens: int
@@ -127,9 +124,10 @@ class GreedyResult:
     def to_json(self) -> dict[str, Any]:
         skip = ("modes", "prompts", "base_tokens", "ref_tokens", "vs_f32_weights")
         d = {k: v for k, v in self.__dict__.items() if k not in skip}
-        d["modes"] = {m.mode: m.to_json(self.n_tokens) for m in self.modes}
+        d["base"] = self.base.name
+        d["modes"] = {m.mode.name: m.to_json(self.n_tokens) for m in self.modes}
         d["vs_f32_weights"] = [
-            {"label": weights_label(self, m), "weights": self.weights, "kv": m.mode}
+            {"label": weights_label(self, m), "weights": self.weights, "kv": m.mode.name}
             | m.to_json(self.n_tokens)
             for m in self.vs_f32_weights
         ]
@@ -143,10 +141,10 @@ def weights_label(r: GreedyResult, m: GreedyMode, short: bool = False) -> str:
 
 
 def run_greedy(
-    llm: Any,
+    llm: LLM,
     text: str,
-    modes: list[str] | str = "q8",
-    base: str = "f32",
+    modes: list[str | KVMode] | str = "q8",
+    base: str | KVMode = "f32",
     n_prompts: int = 16,
     prompt_len: int = 64,
     n_tokens: int = 32,
@@ -156,18 +154,18 @@ def run_greedy(
     corpus_label: str = "",
     on_step: Any = None,
     sparse: Any = None,
-    ref_llm: Any = None,
+    ref_llm: LLM | None = None,
 ) -> GreedyResult:
     """Greedy continuations of prompts cut from ``text`` under ``base`` and each mode; with ``ref_llm``
     (the model with f32 weights, ``llm`` having others) also under f32 weights + f32 KV, compared with
     the base and each mode into ``vs_f32_weights``."""
-    modes = parse_modes(modes, base)
+    modes, base = parse_modes(modes), KVMode.parse(base)
     if n_tokens < 1:
         raise ValueError(f"--tokens must be at least 1 (got {n_tokens})")
     tok = llm.tokenizer
-    bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
+    bos = tok.bos_prefix[0] if tok.bos_prefix else None
     prompts = cut_prompts(tok.encode(text, add_bos=False), n_prompts, prompt_len, bos)
-    keep = {"keep_sink": keep_sink, "keep_recent": keep_recent} if keep_sink or keep_recent else {}
+    test_options = CacheOptions(keep_sink=keep_sink, keep_recent=keep_recent)
     t0 = time.perf_counter()
     base_tokens = []
     for p in prompts:
@@ -188,11 +186,11 @@ def run_greedy(
     results = []
     vs_ref = [compare(base, base_tokens, ref_tokens, base_s)] if ref_tokens else []
     for m in modes:
-        opts = {} if m == base and not keep else {"mirror_prefill": "exact", **keep}
+        opts = None if m == base and not test_options.keeps_exact else test_options
         t0 = time.perf_counter()
         toks = []
         for p in prompts:
-            toks.append(greedy_continuation(test_llm, p, n_tokens, m, prefill_chunk, **opts))
+            toks.append(greedy_continuation(test_llm, p, n_tokens, m, prefill_chunk, opts))
             if on_step:
                 on_step(m)
         secs = time.perf_counter() - t0
@@ -222,8 +220,8 @@ def summary_rows(r: GreedyResult, vs_f32_weights: bool = False) -> tuple[list[st
         tps = r.n_prompts * r.n_tokens / m.seconds if m.seconds else float("nan")
         rows.append(
             [
-                weights_label(r, m, short=True) if vs_f32_weights else m.mode,
-                mode_label(m.mode),
+                weights_label(r, m, short=True) if vs_f32_weights else m.mode.name,
+                m.mode.label,
                 f"{100 * m.agreement:.1f}%",
                 f"{m.identical}/{r.n_prompts}",
                 f"{np.median(m.first_div):.1f}",
@@ -287,7 +285,7 @@ def write_report(r: GreedyResult, tokenizer: Any, out_dir: str | Path, command: 
 
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    plot_divergence({m.mode: m.first_div for m in r.modes}, r.n_tokens, d / "greedy_divergence.png")
+    plot_divergence({m.mode.name: m.first_div for m in r.modes}, r.n_tokens, d / "greedy_divergence.png")
     headers, rows = summary_rows(r)
     md = ["# kvlens lab greedy", ""] + (["```", command, "```", ""] if command else [])
     md += [f"- {line}" for line in describe(r)] + [""]

@@ -1,7 +1,7 @@
 """``kvlens lab layers``: per layer and KV head, how much a KV mode changes the attention output.
 
 Real Q/K/V come from one exact (f32) forward pass over a corpus window (every layer captured in the
-same pass through an ``attend`` callback, like ``LLM.capture_qkv``). For each mode, K/V go through a
+same pass, :meth:`~kvlens.engine.llm.LLM.capture_qkv`). For each mode, K/V go through a
 real :class:`~kvlens.kv.cache.KVCache` of that mode (write, then read: one quantizer implementation)
 and the causal attention output of ``reference_attention`` in float64 is compared with the exact one:
 
@@ -23,39 +23,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engine.attention import make_attend
+from ..engine.llm import LLM
 from ..kernels.reference import reference_attention
-from ..kv.cache import parse_mode
+from ..kv.modes import CacheOptions, KVMode, StoreKind
 from .ppl import make_chunks
-from .report import MIRROR_MODE, md_table, mode_label, model_name, parse_modes
+from .report import md_table, model_name, parse_modes
 
 FLAG_FACTOR = 3.0  # a head this many times the mode's median error is flagged
 OUTLIER_FACTOR = 2.0  # channel ratio this many times the model-wide median = "outlier channels"
 SINK_WEIGHT = 0.5  # mean attention on position 0 at or above this = "attention sink"
 
 
-@torch.inference_mode()
-def capture_all(llm: Any, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Exact post-RoPE (Q [H, n, d], K [KV, n, d], V [KV, n, d]) of every layer, one forward pass."""
-    llm.check_fits(len(ids))
-    cache = llm.new_cache(len(ids), "f32")
-    inner = make_attend(cache, True, "torch", llm.config.sliding_window)
-    captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-        captured.append((q.clone(), k.clone(), v.clone()))
-        return inner(i, q, k, v, start)
-
-    llm.model.forward(torch.as_tensor(ids, dtype=torch.long, device=llm.device), 0, attend)
-    return captured
-
-
 def stored_kv(
-    llm: Any, qkv: list, mode: str, **cache_options: Any
+    llm: LLM, qkv: list, mode: KVMode, options: CacheOptions | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """K/V of every layer as a ``mode`` cache returns them after writing the exact rows (decode view)."""
     n = qkv[0][1].shape[1]
-    cache = llm.new_cache(n, mode, **cache_options)
+    cache = llm.new_cache(n, mode, options)
     for i, (_q, k, v) in enumerate(qkv):
         cache.write(i, 0, k, v)
     return [cache.read(i, n, prefill=False) for i in range(len(qkv))]
@@ -68,7 +52,12 @@ def channel_ratio(x: torch.Tensor) -> torch.Tensor:
 
 
 def flag_heads(
-    err: np.ndarray, k_ratio: np.ndarray, v_ratio: np.ndarray, sink: np.ndarray, k_kind: str, v_kind: str
+    err: np.ndarray,
+    k_ratio: np.ndarray,
+    v_ratio: np.ndarray,
+    sink: np.ndarray,
+    k_kind: StoreKind,
+    v_kind: StoreKind,
 ) -> list[dict[str, Any]]:
     """Heads with error > FLAG_FACTOR × median (all arrays [layers, kv_heads]) and their likely causes."""
     nz = err[err > 0]
@@ -79,11 +68,11 @@ def flag_heads(
     flagged = []
     for layer, head in zip(*np.nonzero(err > FLAG_FACTOR * med), strict=True):
         causes = []
-        if k_kind != "f32" and k_ratio[layer, head] >= OUTLIER_FACTOR * k_med:
+        if k_kind != StoreKind.F32 and k_ratio[layer, head] >= OUTLIER_FACTOR * k_med:
             causes.append(
                 f"outlier K channels (max/median channel {k_ratio[layer, head]:.1f}, model median {k_med:.1f})"
             )
-        if v_kind != "f32" and v_ratio[layer, head] >= OUTLIER_FACTOR * v_med:
+        if v_kind != StoreKind.F32 and v_ratio[layer, head] >= OUTLIER_FACTOR * v_med:
             causes.append(
                 f"outlier V channels (max/median channel {v_ratio[layer, head]:.1f}, model median {v_med:.1f})"
             )
@@ -109,16 +98,16 @@ class LayersResult:
     windows: int
     keep_sink: int
     keep_recent: int
-    err: dict[str, np.ndarray]  # mode -> [layers, kv_heads]
-    max_abs: dict[str, float]  # mode -> max |Δout| over everything
-    mean_abs: dict[str, float]  # mode -> mean |Δout|
+    err: dict[KVMode, np.ndarray]  # mode -> [layers, kv_heads]
+    max_abs: dict[KVMode, float]  # mode -> max |Δout| over everything
+    mean_abs: dict[KVMode, float]  # mode -> mean |Δout|
     k_ratio: np.ndarray
     v_ratio: np.ndarray
     sink: np.ndarray
-    flagged: dict[str, list[dict[str, Any]]]
+    flagged: dict[KVMode, list[dict[str, Any]]]
     seconds: float
 
-    def median(self, mode: str) -> float:
+    def median(self, mode: KVMode) -> float:
         e = self.err[mode]
         return float(np.median(e[e > 0])) if np.any(e > 0) else 0.0
 
@@ -130,7 +119,7 @@ class LayersResult:
         d["k_channel_ratio"], d["v_channel_ratio"] = self.k_ratio.tolist(), self.v_ratio.tolist()
         d["sink_weight"] = self.sink.tolist()
         d["modes"] = {
-            m: {
+            m.name: {
                 "rel_err": e.tolist(),
                 "rel_err_median": self.median(m),
                 "rel_err_max": float(e.max()),
@@ -145,9 +134,9 @@ class LayersResult:
 
 @torch.inference_mode()
 def run_layers(
-    llm: Any,
+    llm: LLM,
     text: str,
-    modes: list[str] | str = "q8",
+    modes: list[str | KVMode] | str = "q8",
     ctx: int = 512,
     n_windows: int = 1,
     keep_sink: int = 0,
@@ -160,8 +149,7 @@ def run_layers(
     t0 = time.perf_counter()
     modes = parse_modes(modes)
     tok = llm.tokenizer
-    bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
-    windows = make_chunks(tok.encode(text), ctx, n_windows, bos)
+    windows = make_chunks(tok.encode(text), ctx, n_windows, tok.bos_prefix[0] if tok.bos_prefix else None)
     cfg = llm.config
     n_l, n_kv = cfg.n_layers, cfg.n_kv_heads
     group = cfg.n_heads // n_kv
@@ -169,10 +157,10 @@ def run_layers(
     den = np.zeros((n_l, n_kv))
     max_abs, sum_abs, count = dict.fromkeys(modes, 0.0), dict.fromkeys(modes, 0.0), 0
     k_ratio, v_ratio, sink = (np.zeros((n_l, n_kv)) for _ in range(3))
-    keep = {"keep_sink": keep_sink, "keep_recent": keep_recent} if keep_sink or keep_recent else {}
+    options = CacheOptions(keep_sink=keep_sink, keep_recent=keep_recent)
     for ids in windows:
-        qkv = capture_all(llm, ids)
-        stored = {m: stored_kv(llm, qkv, m, **keep) for m in modes}
+        qkv = llm.capture_qkv(ids)
+        stored = {m: stored_kv(llm, qkv, m, options) for m in modes}
         n = len(ids)
         pos = torch.arange(n, device=llm.device)
         for layer, (q, k, v) in enumerate(qkv):
@@ -195,7 +183,7 @@ def run_layers(
             if on_step:
                 on_step(f"layer {layer}")
     err = {m: np.sqrt(num[m] / np.maximum(den, 1e-300)) for m in modes}
-    flagged = {m: flag_heads(err[m], k_ratio, v_ratio, sink, *parse_mode(m)[:2]) for m in modes}
+    flagged = {m: flag_heads(err[m], k_ratio, v_ratio, sink, m.k, m.v) for m in modes}
     return LayersResult(
         model_name(llm), corpus_label, ctx, len(windows), keep_sink, keep_recent, err, max_abs,
         {m: sum_abs[m] / max(count, 1) for m in modes}, k_ratio, v_ratio, sink, flagged,
@@ -212,8 +200,9 @@ def describe(r: LayersResult) -> list[str]:
         f"flagged: > {FLAG_FACTOR:g}× the mode's median; outlier channels: max/median channel |K| or |V| "
         f"≥ {OUTLIER_FACTOR:g}× the model's median ratio; sink: mean weight on position 0 ≥ {SINK_WEIGHT:g}",
     ]
-    if any(m == MIRROR_MODE for m in r.err):
-        lines.append(f"{MIRROR_MODE}: decode view (int8 rows); its prefill reads the exact copy (error 0)")
+    for m in r.err:
+        if m.mirror:
+            lines.append(f"{m}: decode view (int8 rows); its prefill reads the exact copy (error 0)")
     if r.keep_sink or r.keep_recent:
         lines.append(f"kept exact: first {r.keep_sink} / last {r.keep_recent} positions of the window")
     return lines
@@ -234,7 +223,7 @@ def summary_rows(r: LayersResult) -> tuple[list[str], list[list[str]]]:
     for m, e in r.err.items():
         li, hi = np.unravel_index(int(e.argmax()), e.shape)
         rows.append(
-            [m, mode_label(m), f"{r.median(m):.2e}", f"{e.max():.2e} ({li}.{hi})",
+            [m.name, m.label, f"{r.median(m):.2e}", f"{e.max():.2e} ({li}.{hi})",
              f"{e.max() / r.median(m):.2f}×" if r.median(m) > 0 else "-", len(r.flagged[m]),
              f"{r.max_abs[m]:.2e}", f"{r.mean_abs[m]:.2e}"]
         )  # fmt: skip
@@ -243,7 +232,7 @@ def summary_rows(r: LayersResult) -> tuple[list[str], list[list[str]]]:
 
 def layer_rows(r: LayersResult) -> tuple[list[str], list[list[str]]]:
     """Per layer: RMS error over KV heads for each mode, plus the K channel ratio and the sink weight."""
-    headers = ["layer", *r.err, "K ch. ratio (max head)", "sink w (max head)"]
+    headers = ["layer", *(m.name for m in r.err), "K ch. ratio (max head)", "sink w (max head)"]
     rows = []
     for layer in range(r.k_ratio.shape[0]):
         rows.append(
@@ -271,7 +260,7 @@ def write_report(r: LayersResult, out_dir: str | Path, command: str = "") -> Pat
 
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    plot_layers(r.err, d / "layers_error.png")
+    plot_layers({m.name: e for m, e in r.err.items()}, d / "layers_error.png")
     md = ["# kvlens lab layers", ""] + (["```", command, "```", ""] if command else [])
     md += [f"- {line}" for line in describe(r)] + [""]
     md += [md_table(*summary_rows(r)), "![per-layer error](layers_error.png)", ""]

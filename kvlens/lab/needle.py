@@ -16,6 +16,7 @@ import torch
 
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
+from ..kv.modes import MODES, CacheOptions, KVMode
 
 QUESTION = "\n\nQuestion: What is the special magic number mentioned in the text above?\nAnswer: The special magic number is"
 ANSWER_TOKENS = 8
@@ -39,7 +40,7 @@ def build_prompt(llm: LLM, filler_ids: list[int], ctx: int, depth: float, secret
     tok = llm.tokenizer
     fact = tok.encode(f" The special magic number is {secret}. Remember it: {secret}. ", add_bos=False)
     question = tok.encode(QUESTION, add_bos=False)
-    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    bos = tok.bos_prefix
     n_filler = ctx - len(fact) - len(question) - len(bos)
     if n_filler < 16:
         raise ValueError(
@@ -64,11 +65,12 @@ def run_needle(
     depths: list[float],
     budgets: list[float],
     method: str = "quest",
-    kv: str = "q8",
+    kv: str | KVMode = "q8",
     seed: int = 0,
     dense_layers: int = 2,
     progress=None,
 ) -> list[NeedleRow]:
+    kv = KVMode.parse(kv)
     if not contexts or not depths:
         raise ValueError("give at least one context and one depth")
     for d in depths:
@@ -83,8 +85,8 @@ def run_needle(
             secret = str(rng.randint(10_000, 99_999))
             # the answer's tokens count in the context: the prompt takes the rest
             ids = build_prompt(llm, filler_ids, ctx - ANSWER_TOKENS, depth, secret)
-            runs: list[tuple[str, LLM, str]] = [
-                ("f32 dense", llm.variant(kv="f32", sparse=None), "f32"),
+            runs: list[tuple[str, LLM, KVMode]] = [
+                ("f32 dense", llm.variant(kv=MODES["f32"], sparse=None), MODES["f32"]),
                 (f"{kv} dense", llm.variant(kv=kv, sparse=None), kv),
             ]
             runs += [
@@ -95,10 +97,10 @@ def run_needle(
                 )
                 for b in budgets
             ]
-            prefilled: dict[str, tuple] = {}
+            prefilled: dict[KVMode, tuple] = {}
             for name, variant, mode in runs:
                 if mode not in prefilled:  # one prefill per cache type; decode variants share it
-                    cache = variant.new_cache(len(ids) + ANSWER_TOKENS, mode, track_blocks=True)
+                    cache = variant.new_cache(len(ids) + ANSWER_TOKENS, mode, CacheOptions(track_blocks=True))
                     prefilled[mode] = (cache, variant.prefill(ids, cache))
                 cache, logits = prefilled[mode]
                 text = answer(variant, cache, logits, len(ids))

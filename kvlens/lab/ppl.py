@@ -29,7 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .report import MIRROR_MODE, model_name, parse_modes
+from ..engine.llm import LLM
+from ..kv.modes import MODES, CacheOptions, KVMode
+from .report import model_name, parse_modes
 from .stats import summarize
 
 MIRROR_NOTE = (
@@ -37,7 +39,7 @@ MIRROR_NOTE = (
     "int8 rows (the seed engine's behaviour), so this perplexity cannot see q8"
 )
 _METRIC_KEYS = ("nll_q", "nll_base", "kld", "top_q", "top_base")
-REF_KV = "f32"  # the reference's KV mode (with f32 weights)
+REF_KV = MODES["f32"]  # the reference's KV mode (with f32 weights)
 
 
 def make_chunks(
@@ -71,7 +73,12 @@ def scored_span(ctx: int) -> tuple[int, int]:
 
 @torch.inference_mode()
 def scored_logits(
-    llm: Any, chunk: list[int], kv: str, prefill_chunk: int, first: int, **cache_options: Any
+    llm: LLM,
+    chunk: list[int],
+    kv: KVMode,
+    prefill_chunk: int,
+    first: int,
+    options: CacheOptions | None = None,
 ) -> torch.Tensor:
     """Logits [len(chunk)-1-first, vocab] of the scored positions, the chunk prefilled through a fresh
     ``kv`` cache in sub-chunks of ``prefill_chunk``; the LM head runs on the scored rows only.
@@ -79,7 +86,7 @@ def scored_logits(
     With sparse decode (``llm.sparse``), only the prefix up to ``first`` is prefilled; the scored
     positions are then run one decode step each (teacher-forced), since sparse attention is a decode
     path: that is what a sparse engine would compute for them."""
-    cache = llm.new_cache(len(chunk), kv, **cache_options)
+    cache = llm.new_cache(len(chunk), kv, options)
     end = len(chunk) - 1
     kept: list[torch.Tensor] = []
     if getattr(llm, "sparse", None) is not None:
@@ -91,7 +98,7 @@ def scored_logits(
         )
         for pos in range(first + 1, end):
             kept.append(llm.forward([chunk[pos]], cache, pos, prefill=False))
-        return llm.model.logits(torch.cat(kept))
+        return llm.lm_head(torch.cat(kept))
 
     def keep(start: int, hidden: torch.Tensor) -> None:
         lo, hi = max(first - start, 0), min(end - start, hidden.shape[0])
@@ -99,7 +106,7 @@ def scored_logits(
             kept.append(hidden[lo:hi])
 
     llm.prefill(chunk, cache, prefill_chunk, on_hidden=keep)
-    return llm.model.logits(torch.cat(kept))
+    return llm.lm_head(torch.cat(kept))
 
 
 class BaseLogProbs:
@@ -129,7 +136,7 @@ def chunk_metrics(
 
 @dataclass
 class ModeResult:
-    mode: str
+    mode: KVMode
     stats: dict[str, float]
     bytes_per_token: int
     seconds: float  # forward time (cache + model + LM head), not the statistics
@@ -171,7 +178,7 @@ class PplResult:
     chunks_available: int
     corpus_tokens: int
     bos_id: int | None
-    base: str
+    base: KVMode
     base_prefill_chunk: int
     prefill_chunk: int
     keep_sink: int
@@ -192,11 +199,12 @@ class PplResult:
 
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k not in ("modes", "vs_f32_weights")}
+        d["base"] = self.base.name
         d["tokens_scored"] = self.tokens_scored
         d["base_tokens_per_s"] = self.chunks * self.ctx / self.base_seconds if self.base_seconds else None
-        d["modes"] = {m.mode: m.to_json() for m in self.modes}
+        d["modes"] = {m.mode.name: m.to_json() for m in self.modes}
         d["vs_f32_weights"] = [
-            {"label": weights_label(self, m), "weights": self.weights, "kv": m.mode} | m.to_json()
+            {"label": weights_label(self, m), "weights": self.weights, "kv": m.mode.name} | m.to_json()
             for m in self.vs_f32_weights
         ]
         return d
@@ -214,11 +222,11 @@ def _summarize(acc: dict[str, list[np.ndarray]]) -> tuple[dict[str, float], np.n
 
 
 def run_ppl(
-    llm: Any,
+    llm: LLM,
     text: str,
     ctx: int = 512,
-    modes: list[str] | str = "q8",
-    base: str = "f32",
+    modes: list[str | KVMode] | str = "q8",
+    base: str | KVMode = "f32",
     n_chunks: int | None = None,
     prefill_chunk: int = 32,
     keep_sink: int = 0,
@@ -226,7 +234,7 @@ def run_ppl(
     corpus_label: str = "",
     on_step: Any = None,
     sparse: Any = None,
-    ref_llm: Any = None,
+    ref_llm: LLM | None = None,
 ) -> PplResult:
     """Score ``text`` under ``base`` and every mode of ``modes`` (one model, chunk-outer loop so each
     chunk's base logits are computed once). ``on_step(label)`` is called after every forward.
@@ -234,26 +242,26 @@ def run_ppl(
     ``ref_llm``: the same model with f32 weights (``llm`` having other weights): the base and each
     mode are also scored against it with an f32 cache, into ``vs_f32_weights``."""
     t_wall = time.perf_counter()
-    modes = parse_modes(modes, base)
+    modes, base = parse_modes(modes), KVMode.parse(base)
     if prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be at least 1 (got {prefill_chunk})")
     if keep_sink < 0 or keep_recent < 0:
         raise ValueError("--keep-sink / --keep-recent must be >= 0")
     tok = llm.tokenizer
-    bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
+    bos = tok.bos_prefix[0] if tok.bos_prefix else None
     ids = tok.encode(text)  # whole text at once; BOS first where the tokenizer adds one
     chunks = make_chunks(ids, ctx, n_chunks, bos)
     llm.check_fits(ctx)
     first, _ = scored_span(ctx)
-    base_pc = ctx if base == "f32" else prefill_chunk
-    keep = {"keep_sink": keep_sink, "keep_recent": keep_recent} if keep_sink or keep_recent else {}
+    base_pc = ctx if base == MODES["f32"] else prefill_chunk
+    test_options = CacheOptions(keep_sink=keep_sink, keep_recent=keep_recent)
 
-    def same_as_base(m: str) -> bool:
+    def same_as_base(m: KVMode) -> bool:
         # A mode equal to the base runs the base's exact path: KLD is then exactly 0 (determinism check).
-        return m == base and not keep
+        return m == base and not test_options.keeps_exact
 
-    def plan(m: str) -> tuple[int, dict[str, Any]]:
-        return (base_pc, {}) if same_as_base(m) else (prefill_chunk, {"mirror_prefill": "exact", **keep})
+    def plan(m: KVMode) -> tuple[int, CacheOptions | None]:
+        return (base_pc, None) if same_as_base(m) else (prefill_chunk, test_options)
 
     # test modes with sparse decode (kvlens.kv.blocks.SparseConfig); the base stays dense
     test_llm = llm if sparse is None else llm.variant(sparse=sparse)
@@ -287,7 +295,7 @@ def run_ppl(
         for m in modes:
             pc, opts = plan(m)
             t0 = time.perf_counter()
-            lq = scored_logits(test_llm, chunk, m, pc, first, **opts)
+            lq = scored_logits(test_llm, chunk, m, pc, first, opts)
             secs[m] += time.perf_counter() - t0
             add(acc[m], chunk_metrics(lb, lq, targets))
             if m in ref_acc and m != base:
@@ -298,7 +306,7 @@ def run_ppl(
     results = []
     for m in modes:
         stats, kld = _summarize(acc[m])
-        note = MIRROR_NOTE if m == MIRROR_MODE else ""
+        note = MIRROR_NOTE if m.mirror else ""
         if same_as_base(m):
             note = "same path as the base (determinism check)"
         bpt = llm.new_cache(1, m).bytes_per_token()

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .ppl import MIRROR_NOTE, REF_KV, ModeResult, PplResult, run_ppl, scored_span, weights_label
-from .report import MIRROR_MODE, md_table, mode_label, parse_modes
+from .report import md_table, parse_modes
 from .stats import format_kld_report
 
 HEADERS = ["mode", "KV B/token", "PPL", "ΔPPL", "PPL ratio", "KLD mean", "KLD 99%", "same top p", "tok/s"]
@@ -72,7 +72,7 @@ def summary_rows(r: PplResult) -> tuple[list[str], list[list[str]]]:
     rows = [
         [f"{r.base} (base)", r.base_bytes_per_token, ppl_base, "", "", "", "", "", _tps(r, r.base_seconds)]
     ]
-    rows += [_row(m.mode + (" *" if m.mode == MIRROR_MODE else ""), m) for m in r.modes]
+    rows += [_row(f"{m.mode}{' *' if m.mode.mirror else ''}", m) for m in r.modes]
     return HEADERS, rows
 
 
@@ -89,7 +89,7 @@ def weights_rows(r: PplResult) -> tuple[list[str], list[list[str]]]:
 
 def mode_header(r: PplResult, m: ModeResult) -> str:
     return (
-        f"=== {m.mode} ({mode_label(m.mode)}; {m.bytes_per_token} KV bytes/token; prefill sub-chunk "
+        f"=== {m.mode} ({m.mode.label}; {m.bytes_per_token} KV bytes/token; prefill sub-chunk "
         f"{m.prefill_chunk}; base {r.base}) ==="
     )
 
@@ -117,7 +117,7 @@ def write_report(r: PplResult, out_dir: str | Path, command: str = "") -> Path:
 
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    plot_kld({m.mode: m.kld for m in r.modes}, d / "ppl_kld.png")
+    plot_kld({m.mode.name: m.kld for m in r.modes}, d / "ppl_kld.png")
     headers, rows = summary_rows(r)
     md = ["# kvlens lab ppl", ""]
     if command:
@@ -188,8 +188,9 @@ def cli(
         print_table(main_title, *summary_rows(r))
         if r.vs_f32_weights:
             print_table(ref_title, *weights_rows(r))
-        if any(m.mode == MIRROR_MODE for m in r.modes):
-            print(f"* {MIRROR_MODE} {MIRROR_NOTE}")
+        for m in r.modes:
+            if m.mode.mirror:
+                print(f"* {m.mode} {MIRROR_NOTE}")
         print(f"wall time {r.wall_seconds:.1f} s")
     if report is not None:
         path = write_report(r, report, "kvlens " + " ".join(sys.argv[1:]))

@@ -15,37 +15,23 @@ from typing import Any
 
 import numpy as np
 
-from ..kv.cache import MODES, parse_mode
-
-MIRROR_MODE = "q8+mirror"
+from ..kv.modes import MODES, KVMode
 
 
-def parse_modes(spec: str | Sequence[str], base: str | None = None) -> list[str]:
-    """KV modes from a comma list (``all`` = every mode of kvlens.kv.cache.MODES; validated, de-duplicated)
-    or a list (validated, kept as given); ``base``, when given, is validated too."""
-    if base is not None:
-        parse_mode(base)
+def parse_modes(spec: str | Sequence[str | KVMode]) -> list[KVMode]:
+    """KV modes from a comma list (``all`` = every mode of kvlens.kv.modes.MODES; de-duplicated) or a
+    list (kept as given)."""
     if not isinstance(spec, str):
-        for n in spec:
-            parse_mode(n)
-        return list(spec)
+        return [KVMode.parse(m) for m in spec]
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if names == ["all"]:
-        return list(MODES)
+        return list(MODES.values())
     if not names:
         raise ValueError(f"no KV mode given; choose from: {', '.join(MODES)}")
-    for n in names:
-        parse_mode(n)
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(KVMode.parse(n) for n in names))
 
 
-def mode_label(mode: str) -> str:
-    """What the mode stores, e.g. ``K q8 / V f32``."""
-    k, v, mirror = parse_mode(mode)
-    return f"K {k} / V {v}" + (" + exact f32 mirror" if mirror else "")
-
-
-def load_lab(model: str, corpus: str | None, base: str, weights: str = "f32"):
+def load_lab(model: str, corpus: str | None, base: str | KVMode, weights: str = "f32"):
     """(llm, corpus text, corpus label): one model load for every mode; the torch (reference) backend.
 
     By default weights are dequantized to f32 (what HF transformers runs): the lab isolates the KV
@@ -57,7 +43,7 @@ def load_lab(model: str, corpus: str | None, base: str, weights: str = "f32"):
     from ..models.loader import check_weights_mode
     from .corpus import load_corpus
 
-    parse_mode(base)
+    base = KVMode.parse(base)
     check_weights_mode(weights)
     llm = kvlens.load(model, kv=base, attn_backend="torch", weights=weights)
     text, label = load_corpus(corpus)

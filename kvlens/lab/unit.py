@@ -170,7 +170,7 @@ class RealSource:
     def get(self, seq_len: int, trial: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if trial not in self._cache:
             start = (self.seed + trial) * self.window
-            self._cache[trial] = self.llm.capture_qkv(self.ids[start : start + self.window], self.layer)
+            (self._cache[trial],) = self.llm.capture_qkv(self.ids[start : start + self.window], [self.layer])
         q, k, v = (t.float().cpu() for t in self._cache[trial])
         q, k, v = q[:, seq_len - 1 : seq_len], k[:, :seq_len], v[:, :seq_len]  # causal: a prefix is exact
         if self.head is not None:

@@ -1,13 +1,22 @@
-"""Model configuration shared by the loaders and the transformer."""
+"""Model configuration shared by the loaders and the transformer.
+
+Every count and constant is checked when a :class:`ModelConfig` is built (positive, finite,
+consistent), so a config.json or GGUF header that does not add up is refused before any weight is
+read; the loaders read each key through :func:`read_key`, which names the key in its error.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from ..checks import check_float, check_int
 
 
 class ModelLoadError(ValueError):
-    """A model file or directory that is missing, truncated, corrupt or unsupported."""
+    """A model file or directory that is missing, truncated, corrupt, inconsistent or unsupported."""
 
 
 # Architectures the transformer implements, with the features each one switches on.
@@ -17,6 +26,37 @@ ARCHITECTURES = {
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
 }
+# RoPE scaling kinds the transformer implements, with the numbers each one needs.
+ROPE_SCALING = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_COUNTS = ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "max_ctx")
+REQUIRED = object()
+
+
+def read_key(
+    source: Mapping[str, Any], key: str, where: str, check: Callable[[Any, str], Any], default: Any = REQUIRED
+) -> Any:
+    """``check(source[key])``, or ``default`` when absent; a bad or missing value names ``key``."""
+    value = source.get(key)
+    if value is None:
+        if default is REQUIRED:
+            raise ModelLoadError(f"{where} lacks {key}")
+        return default
+    try:
+        return check(value, f"{where}: {key}")
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(str(e)) from None
+
+
+def count(value: Any, name: str) -> int:
+    return check_int(value, name, minimum=1)
+
+
+def positive(value: Any, name: str) -> float:
+    return check_float(value, name, above=0.0)
 
 
 @dataclass
@@ -41,14 +81,54 @@ class ModelConfig:
     sliding_window: int | None = None
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # field -> the key it was read from (config.json / GGUF), so errors name what the user can see
+    keys: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ModelLoadError(
                 f"unsupported architecture {self.arch!r}; kvlens implements: {', '.join(ARCHITECTURES)}"
             )
+        try:
+            self._check()
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"inconsistent model config: {e}") from None
+
+    def _label(self, name: str) -> str:
+        key = self.keys.get(name, name)
+        return name if key == name else f"{name} ({key})"
+
+    def _check(self) -> None:
+        for name in _COUNTS:
+            count(getattr(self, name), self._label(name))
+        self.rope_theta = positive(self.rope_theta, self._label("rope_theta"))
+        self.rms_eps = positive(self.rms_eps, self._label("rms_eps"))
+        if self.sliding_window is not None:
+            count(self.sliding_window, self._label("sliding_window"))
         if self.n_heads % self.n_kv_heads:
-            raise ModelLoadError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise ValueError(
+                f"{self._label('n_heads')}={self.n_heads} is not a multiple of "
+                f"{self._label('n_kv_heads')}={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"{self._label('head_dim')}={self.head_dim} must be even (RoPE rotates pairs)")
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        s = self.rope_scaling
+        if s is None:
+            return
+        if not isinstance(s, dict):
+            raise TypeError(f"rope_scaling must be a mapping, got {type(s).__name__}")
+        kind = s.get("rope_type", s.get("type", "default"))
+        if kind not in ROPE_SCALING:
+            raise ValueError(
+                f"unsupported rope scaling {kind!r}; kvlens implements: {', '.join(ROPE_SCALING)}"
+            )
+        for key in ROPE_SCALING[kind]:
+            positive(s.get(key), f"rope_scaling.{key}")
+        if kind == "llama3" and not s["high_freq_factor"] > s["low_freq_factor"]:
+            raise ValueError("rope_scaling.high_freq_factor must be > low_freq_factor")
 
     @property
     def group(self) -> int:
@@ -56,35 +136,106 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
 
-def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    """Build a :class:`ModelConfig` from an HF ``config.json`` dict."""
+HF_KEYS = {
+    "n_layers": "num_hidden_layers",
+    "hidden": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "ffn": "intermediate_size",
+    "vocab": "vocab_size",
+    "rope_theta": "rope_theta",
+    "rms_eps": "rms_norm_eps",
+    "max_ctx": "max_position_embeddings",
+    "sliding_window": "sliding_window",
+}
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _mapping(value: Any, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a JSON object, got {value!r}")
+    return value
+
+
+def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """Build a :class:`ModelConfig` from an HF ``config.json`` dict; a bad value names its key."""
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{where} must hold a JSON object, got {type(cfg).__name__}")
     arch = cfg.get("model_type", "")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
-            f"unsupported model_type {arch!r} in config.json; kvlens implements: {', '.join(ARCHITECTURES)}"
+            f"unsupported model_type {arch!r} in {where}; kvlens implements: {', '.join(ARCHITECTURES)}"
         )
-    n_heads = cfg["num_attention_heads"]
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    theta = cfg.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0
+
+    def get(field_name: str, check: Callable[[Any, str], Any] = count, default: Any = REQUIRED) -> Any:
+        return read_key(cfg, HF_KEYS[field_name], where, check, default)
+
+    hidden, n_heads, head_dim = read_head_size(get, HF_KEYS, where)
+    scaling = read_key(cfg, "rope_scaling", where, _mapping, None) or read_key(
+        cfg, "rope_parameters", where, _mapping, None
+    )
+    theta = get("rope_theta", positive, None) or read_key(
+        scaling or {}, "rope_theta", where, positive, 10000.0
+    )
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
-    return ModelConfig(
+    windowed = read_key(cfg, "use_sliding_window", where, _flag, arch == "mistral")
+    fields = dict(
         arch=arch,
-        n_layers=cfg["num_hidden_layers"],
-        hidden=cfg["hidden_size"],
+        n_layers=get("n_layers"),
+        hidden=hidden,
         n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-        ffn=cfg["intermediate_size"],
-        vocab=cfg["vocab_size"],
-        rope_theta=float(theta),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        max_ctx=int(cfg.get("max_position_embeddings", 4096)),
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bool(cfg.get("attention_bias", ARCHITECTURES[arch]["qkv_bias"])),
+        n_kv_heads=get("n_kv_heads", count, n_heads),
+        head_dim=head_dim,
+        ffn=get("ffn"),
+        vocab=get("vocab"),
+        rope_theta=theta,
+        rms_eps=get("rms_eps", positive, 1e-5),
+        max_ctx=get("max_ctx", count, 4096),
+        tied_embeddings=read_key(cfg, "tie_word_embeddings", where, _flag, False),
+        qkv_bias=read_key(cfg, "attention_bias", where, _flag, ARCHITECTURES[arch]["qkv_bias"]),
         qk_norm=ARCHITECTURES[arch]["qk_norm"],
         rope_scaling=dict(scaling) if scaling else None,
-        sliding_window=window,
-        name=cfg.get("_name_or_path", ""),
+        sliding_window=get("sliding_window", count, None) if windowed else None,
+        name=str(cfg.get("_name_or_path", "")),
     )
+    return build_config(fields, HF_KEYS, where)
+
+
+def read_head_size(get: Callable[..., Any], keys: dict[str, str], where: str) -> tuple[int, int, int]:
+    """``(hidden, n_heads, head_dim)``: the head size as given, else hidden / n_heads when that divides."""
+    hidden, n_heads = get("hidden"), get("n_heads")
+    head_dim = get("head_dim", count, None)
+    if head_dim is None:
+        if hidden % n_heads:
+            raise ModelLoadError(
+                f"{where}: {keys['hidden']}={hidden} is not a multiple of {keys['n_heads']}={n_heads}"
+            )
+        head_dim = hidden // n_heads
+    return hidden, n_heads, head_dim
+
+
+def build_config(fields: dict[str, Any], keys: dict[str, str], where: str) -> ModelConfig:
+    """:class:`ModelConfig` from loader-read fields; an inconsistency names the source and its keys."""
+    try:
+        return ModelConfig(**fields, keys=dict(keys))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{where}: {e}") from None
+
+
+def check_readable(path: Path) -> Path:
+    """``path`` opened for reading once, so a permission problem is called what it is."""
+    try:
+        with open(path, "rb"):
+            pass
+    except IsADirectoryError:
+        raise ModelLoadError(f"{path} is a directory, expected a file") from None
+    except OSError as e:
+        raise ModelLoadError(f"cannot open {path}: {e.strerror or e}") from None
+    return path

@@ -15,7 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ARCHITECTURES, ModelConfig, ModelLoadError
+from .config import (
+    ARCHITECTURES,
+    REQUIRED,
+    ModelConfig,
+    ModelLoadError,
+    build_config,
+    check_readable,
+    count,
+    positive,
+    read_head_size,
+    read_key,
+)
+from .weights import check_structure
 
 # Tensor types we have tested; gguf.quants can decode more, which we accept too.
 TESTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
@@ -55,6 +67,26 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def gguf_name(name: str) -> str:
+    """The GGUF spelling of an HF tensor name (inverse of :func:`hf_name`); unknown names unchanged."""
+    for g, h in _GLOBAL_NAMES.items():
+        if h == name:
+            return g
+    parts = name.removeprefix("model.layers.").split(".", 1)
+    for g, h in _LAYER_NAMES.items():
+        if len(parts) == 2 and parts[1] == h:
+            return f"blk.{parts[0]}.{g}"
+    return name
+
+
+def check_gguf_structure(reader: Any, cfg: ModelConfig) -> None:
+    """Every tensor the header implies is in the file with its shape, and every tensor in it is used."""
+    found: dict[str, tuple[int, ...]] = {}
+    for t in reader.tensors:
+        found[hf_name(t.name) or t.name] = tuple(int(n) for n in reversed(t.shape.tolist()))
+    check_structure(cfg, found, gguf_name)
+
+
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs → HF's rotate-half halves)."""
     rows = w.shape[0]
@@ -76,8 +108,10 @@ def open_gguf(path: str | Path) -> tuple[Any, dict[str, Any]]:
     import gguf
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ModelLoadError(f"model file not found: {path}")
+    if check_readable(path).stat().st_size == 0:
+        raise ModelLoadError(f"{path} is empty (0 bytes); not a GGUF file")
     try:
         reader = gguf.GGUFReader(path)
         return reader, read_metadata(reader)
@@ -85,44 +119,76 @@ def open_gguf(path: str | Path) -> tuple[Any, dict[str, Any]]:
         raise ModelLoadError(f"cannot read GGUF file {path} (truncated or corrupt?): {e}") from e
 
 
-def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
+def _gguf_keys(arch: str) -> dict[str, str]:
+    return {
+        "n_layers": f"{arch}.block_count",
+        "hidden": f"{arch}.embedding_length",
+        "n_heads": f"{arch}.attention.head_count",
+        "n_kv_heads": f"{arch}.attention.head_count_kv",
+        "head_dim": f"{arch}.attention.key_length",
+        "ffn": f"{arch}.feed_forward_length",
+        "vocab": f"{arch}.vocab_size",
+        "rope_theta": f"{arch}.rope.freq_base",
+        "rms_eps": f"{arch}.attention.layer_norm_rms_epsilon",
+        "max_ctx": f"{arch}.context_length",
+        "sliding_window": f"{arch}.attention.sliding_window",
+    }
+
+
+def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> ModelConfig:
+    """Build a :class:`ModelConfig` from GGUF metadata; a bad or missing value names its key."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported GGUF architecture {arch!r}; kvlens implements: {', '.join(ARCHITECTURES)}"
         )
+    keys = _gguf_keys(arch)
 
-    def key(name: str, default: Any = None) -> Any:
-        v = meta.get(f"{arch}.{name}", default)
-        if v is None:
-            raise ModelLoadError(f"GGUF metadata lacks {arch}.{name}")
-        return v
+    def get(field_name: str, check: Any = count, default: Any = REQUIRED) -> Any:
+        return read_key(meta, keys[field_name], where, check, default)
 
-    n_heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    hidden, n_heads, head_dim = read_head_size(get, keys, where)
+    for other in ("attention.value_length", "rope.dimension_count"):  # kvlens needs both = head_dim
+        value = read_key(meta, f"{arch}.{other}", where, count, head_dim)
+        if value != head_dim:
+            raise ModelLoadError(
+                f"{where}: {arch}.{other}={value} differs from the head size {head_dim}; unsupported"
+            )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = get("vocab", count, len(tokens) if isinstance(tokens, list) and tokens else None)
+    if vocab is None:
+        raise ModelLoadError(f"{where} lacks {keys['vocab']} and tokenizer.ggml.tokens")
     scaling = None
-    if meta.get(f"{arch}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    window = meta.get(f"{arch}.attention.sliding_window")
-    return ModelConfig(
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none", "linear"):
+        raise ModelLoadError(
+            f"{where}: {arch}.rope.scaling.type={scaling_type!r} is not supported (none, linear)"
+        )
+    if scaling_type == "linear":
+        scaling = {
+            "rope_type": "linear",
+            "factor": read_key(meta, f"{arch}.rope.scaling.factor", where, positive),
+        }
+    fields = dict(
         arch=arch,
-        n_layers=int(key("block_count")),
+        n_layers=get("n_layers"),
         hidden=hidden,
         n_heads=n_heads,
-        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-        head_dim=int(key("attention.key_length", hidden // n_heads)),
-        ffn=int(key("feed_forward_length")),
-        vocab=int(meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_ctx=int(key("context_length", 4096)),
+        n_kv_heads=get("n_kv_heads", count, n_heads),
+        head_dim=head_dim,
+        ffn=get("ffn"),
+        vocab=vocab,
+        rope_theta=get("rope_theta", positive, 10000.0),
+        rms_eps=get("rms_eps", positive, 1e-5),
+        max_ctx=get("max_ctx", count, 4096),
         tied_embeddings=False,  # decided from the tensors (no output.weight → tied)
         qkv_bias=ARCHITECTURES[arch]["qkv_bias"],
         qk_norm=ARCHITECTURES[arch]["qk_norm"],
         rope_scaling=scaling,
-        sliding_window=int(window) if window else None,
+        sliding_window=get("sliding_window", count, None),
         name=str(meta.get("general.name", "")),
     )
+    return build_config(fields, keys, where)
 
 
 def dequantize_tensor(t: Any) -> torch.Tensor:

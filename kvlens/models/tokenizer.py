@@ -18,6 +18,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from ..checks import check_int
+
 
 class TokenizerError(ValueError):
     """The tokenizer description is unsupported or incomplete, or a template is missing."""
@@ -66,14 +68,27 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _as_ids(value: Any) -> list[int]:
+def _as_ids(value: Any, name: str = "token id") -> list[int]:
     if value is None:
         return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+    try:
+        return [
+            check_int(v, name, minimum=0) for v in (value if isinstance(value, (list, tuple)) else [value])
+        ]
+    except (TypeError, ValueError) as e:
+        raise TokenizerError(str(e)) from None
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _token_text(value: Any) -> str | None:
@@ -114,6 +129,10 @@ class Tokenizer:
         add_bos: bool,
         chat_template: str | None,
     ) -> None:
+        n = backend.get_vocab_size(with_added_tokens=True)
+        for what, i in [("BOS", bos_id), ("EOS", eos_id), *(("EOS", i) for i in eos_ids)]:
+            if i is not None and not 0 <= i < n:
+                raise TokenizerError(f"the {what} token id {i} is outside the tokenizer's {n} tokens")
         self._tok = backend
         self.bos_id = bos_id
         self._eos_id = eos_id  # the declared EOS, which templates see as eos_token
@@ -128,11 +147,16 @@ class Tokenizer:
             raise TokenizerError(f"unsupported tokenizer model {model!r} (only byte-level BPE 'gpt2' is)")
         pre = meta.get("tokenizer.ggml.pre")
         pre_tok = _pre_tokenizer(pre)  # fail on an unknown pre before the (slower) BPE build
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise TokenizerError("GGUF metadata lacks tokenizer.ggml.tokens (a non-empty list of strings)")
         types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         if len(types) != len(tokens):
             raise TokenizerError(f"{len(tokens)} tokens but {len(types)} token types")
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        merges = meta.get("tokenizer.ggml.merges", [])
+        if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+            raise TokenizerError("tokenizer.ggml.merges must be a list of 'left right' strings")
+        merges = [tuple(m.split(" ", 1)) for m in merges]
         llama3 = _PRE_FAMILY[pre] == "llama3"
         # llama.cpp (and Llama-3's own tokenizer.json) look a whole pre-token up in the vocab first.
         bpe = models.BPE(
@@ -156,7 +180,9 @@ class Tokenizer:
         eos |= {i for i, (t, y) in enumerate(typed) if y == _CONTROL and t in _EOG_TEXTS}
         # llama.cpp turns BOS on for Llama-3 style vocabularies when the file does not say.
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", llama3)) and bos is not None
-        bos, eos_id = (None if v is None else int(v) for v in (bos, eos_id))
+        bos, eos_id = (
+            None if v is None else _as_ids(v, "tokenizer.ggml.*_token_id")[0] for v in (bos, eos_id)
+        )
         return cls(backend, bos, eos_id, eos, add_bos, meta.get("tokenizer.chat_template"))
 
     @classmethod
@@ -164,7 +190,10 @@ class Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise TokenizerError(f"no tokenizer.json in {path}")
-        backend = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            backend = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
+            raise TokenizerError(f"{path / 'tokenizer.json'} is not a valid tokenizer file: {e}") from e
         cfg = _read_json(path / "tokenizer_config.json")
         model_cfg = _read_json(path / "config.json")
         gen_cfg = _read_json(path / "generation_config.json")
@@ -201,12 +230,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def bos_prefix(self) -> list[int]:
+        """What :meth:`encode` puts before the text by default: ``[bos_id]`` where the model's
+        tokenizer adds a BOS, else nothing. Every caller that builds token ids by hand uses this."""
+        return [self.bos_id] if self.add_bos and self.bos_id is not None else []
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         # add_special_tokens=False: the post-processor never adds anything; BOS is ours to add.
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
-            ids = [self.bos_id, *ids]
-        return ids
+        if add_bos is None:
+            return self.bos_prefix + ids
+        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)

@@ -164,31 +164,36 @@ class Transformer:
         if row_weight is None or not self.row_ops:
             return torch.cat([rms_norm(x[b : b + 1], weight, self.cfg.rms_eps) for b in range(x.shape[0])])
         h = np.empty(tuple(x.shape), np.float32)
-        xn = x.numpy()
-        for b in range(x.shape[0]):
-            rowops.rms_norm_row(xn[b], row_weight, self.cfg.rms_eps, h[b])
+        rowops.rms_norm_rows(x.numpy(), row_weight, self.cfg.rms_eps, h)
         return torch.from_numpy(h)
 
     def _attend_rows(
         self, i: int, qkv: torch.Tensor, positions: list[int], attends: list[AttendFn]
     ) -> torch.Tensor:
         """Attention output [B, H*d] of each row's query over its own sequence."""
-        cfg, L, d = self.cfg, self.w.layers[i], self.cfg.head_dim
-        out = torch.empty(qkv.shape[0], cfg.n_heads * d, dtype=qkv.dtype, device=qkv.device)
+        cfg, L, d, n = self.cfg, self.w.layers[i], self.cfg.head_dim, qkv.shape[0]
+        out = torch.empty(n, cfg.n_heads * d, dtype=qkv.dtype, device=qkv.device)
+        if self.row_ops:
+            cos, sin = self._rope_rows(positions)
+            q, k, v = (
+                np.empty((n, m, 1, d), np.float32) for m in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)
+            )
+            rowops.rope_split_rows(qkv.numpy(), cos, sin, q[:, :, 0], k[:, :, 0], v[:, :, 0])
+            q, k, v = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
+            for b, pos in enumerate(positions):
+                out[b] = attends[b](i, q[b], k[b], v[b], pos).reshape(-1)
+            return out
         for b, pos in enumerate(positions):
             cos, sin = self.rope_tables(pos, 1)
-            if self.row_ops:
-                q, k, v = (
-                    np.empty((m, 1, d), np.float32) for m in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)
-                )
-                rowops.rope_split_row(
-                    qkv[b].numpy(), cos.numpy()[0], sin.numpy()[0], q[:, 0], k[:, 0], v[:, 0]
-                )
-                q, k, v = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
-            else:
-                q, k, v = self.split_rope(L, qkv[b : b + 1], cos, sin)
+            q, k, v = self.split_rope(L, qkv[b : b + 1], cos, sin)
             out[b] = attends[b](i, q, k, v, pos).reshape(-1)
         return out
+
+    def _rope_rows(self, positions: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin rows [B, head_dim] of each row's position (numpy)."""
+        self.rope_tables(max(positions), 1)  # grows the tables when needed
+        idx = np.asarray(positions)
+        return self._cos.numpy()[idx], self._sin.numpy()[idx]
 
     def layer_rows(
         self, i: int, x: torch.Tensor, positions: list[int], attends: list[AttendFn]
@@ -200,8 +205,7 @@ class Transformer:
         gate_up = linear_rows(self._norm_rows(x, L.ffn_norm, norms[1]), L.w_gate_up)
         if self.row_ops:
             act = np.empty((x.shape[0], gate_up.shape[1] // 2), np.float32)
-            for b, row in enumerate(gate_up.numpy()):
-                rowops.silu_mul_row(row, act[b])
+            rowops.silu_mul_rows(gate_up.numpy(), act)
             act = torch.from_numpy(act)
         else:
             act = torch.cat([self._silu_mul(gate_up[b : b + 1]) for b in range(x.shape[0])])

@@ -9,6 +9,7 @@ where a naive port runs five. A matrix is an f32 tensor or, with kept-quantized 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -38,6 +39,86 @@ class Weights:
     lm_head: Matrix  # the same object as embed when tied
     layers: list[LayerWeights]
     rope_freq_factors: torch.Tensor | None = None  # GGUF's llama3 `rope_freqs`: inv_freq is divided by it
+
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+def expected_tensors(cfg: ModelConfig) -> tuple[Shapes, Shapes]:
+    """``(required, optional)``: HF name → shape of every tensor the config implies."""
+    h, d = cfg.hidden, cfg.head_dim
+    q_rows, kv_rows = cfg.n_heads * d, cfg.n_kv_heads * d
+    required: Shapes = {"model.embed_tokens.weight": (cfg.vocab, h), "model.norm.weight": (h,)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q_rows, h),
+            "self_attn.k_proj.weight": (kv_rows, h),
+            "self_attn.v_proj.weight": (kv_rows, h),
+            "self_attn.o_proj.weight": (h, q_rows),
+            "post_attention_layernorm.weight": (h,),
+            "mlp.gate_proj.weight": (cfg.ffn, h),
+            "mlp.up_proj.weight": (cfg.ffn, h),
+            "mlp.down_proj.weight": (h, cfg.ffn),
+        }
+        if cfg.qkv_bias:
+            layer.update({"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,)})
+            layer["self_attn.v_proj.bias"] = (kv_rows,)
+        if cfg.qk_norm:
+            layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        required.update({p + k: v for k, v in layer.items()})
+    # lm_head: absent when tied (and unread when the config ties it); rope_freqs: GGUF's Llama-3 scaling
+    optional: Shapes = {"lm_head.weight": (cfg.vocab, h), "rope_freqs": (d // 2,)}
+    return required, optional
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _span(ids: list[int]) -> str:
+    """[28, 29] → "28..29" (a run), else the list."""
+    if len(ids) == 1:
+        return str(ids[0])
+    return f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else str(ids)
+
+
+# Tensors a checkpoint may carry that kvlens deliberately does not read.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # old HF checkpoints: recomputed from the config
+
+
+def check_structure(cfg: ModelConfig, found: Shapes, label: Callable[[str], str] = str) -> None:
+    """Refuse a checkpoint that does not match its config, both ways: every tensor the config implies
+    is present with its shape, and every tensor present is used or named in :data:`IGNORED_SUFFIXES`.
+
+    ``found``: name (HF's where known) → shape; ``label(name)`` is the name as the file spells it.
+    """
+    required, optional = expected_tensors(cfg)
+    layers_key = cfg.keys.get("n_layers", "n_layers")
+    extra_layers = sorted(
+        {int(m.group(1)) for n in found if (m := _LAYER.match(n))} - set(range(cfg.n_layers))
+    )
+    if extra_layers:
+        raise ModelLoadError(
+            f"the file holds tensors of layer(s) {_span(extra_layers)} but {layers_key} = {cfg.n_layers} "
+            f"(layers 0..{cfg.n_layers - 1}); the header and the tensors disagree"
+        )
+    missing = [n for n in required if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"tensor {label(missing[0])!r} is missing from the checkpoint{more}")
+    for name, shape in found.items():
+        want = required.get(name) or optional.get(name)
+        if want is None:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            raise ModelLoadError(
+                f"unexpected tensor {label(name)!r} in the checkpoint ({cfg.arch} does not use it)"
+            )
+        if tuple(shape) != want:
+            raise ModelLoadError(
+                f"tensor {label(name)!r} has shape {tuple(shape)}, the config implies {want}"
+            )
 
 
 def build_weights(

@@ -1,0 +1,98 @@
+"""How steady a benchmark's figure is: min / median / max over rounds, and a warning naming the
+likely cause when the rounds disagree by more than a threshold.
+
+A speed that moves from round to round is usually somebody else's: other processes on the machine
+take cores from the benchmark's threads. The run therefore records how much CPU every *other*
+process used while it ran (psutil, whole-run deltas of their CPU times) beside the 1-minute load
+average, so the warning can say which it was.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+WIDE_SPREAD = 0.10  # max/min - 1 above this prints a warning
+BUSY_FRACTION = 0.25  # other processes using this share of the CPUs count as "other load"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Lowest, median and highest of a figure over rounds."""
+
+    low: float
+    median: float
+    high: float
+
+    @property
+    def rel(self) -> float:
+        """``high / low - 1``: 0.1 = the best round was 10% above the worst."""
+        return self.high / self.low - 1 if self.low > 0 else float("inf")
+
+
+def spread(values: list[float]) -> Spread:
+    """The spread of ``values`` (one per round; at least one, all finite and positive)."""
+    if not values:
+        raise ValueError("spread of no rounds")
+    if any(not (v > 0 and v < float("inf")) for v in values):
+        raise ValueError(f"round figures must be finite and positive, got {values}")
+    return Spread(min(values), statistics.median(values), max(values))
+
+
+@dataclass
+class OtherLoad:
+    """CPU used by processes other than this one over an interval, and the 1-minute load average."""
+
+    cpus: int
+    load_avg_1m: float
+    other_cpus: float  # CPUs' worth of time other processes used (1.0 = one core all along)
+    top: list[tuple[str, float]] = field(default_factory=list)  # (name pid, CPUs' worth), busiest first
+
+
+def _cpu_seconds() -> dict[int, tuple[str, float]]:
+    out = {}
+    me = os.getpid()
+    for p in psutil.process_iter(["name", "cpu_times"]):
+        t = p.info["cpu_times"]
+        if p.pid != me and t is not None:
+            out[p.pid] = (f"{p.info['name']} {p.pid}", t.user + t.system)
+    return out
+
+
+class LoadMeter:
+    """Measures :class:`OtherLoad` between construction and :meth:`read`."""
+
+    def __init__(self) -> None:
+        self.t0, self.before = time.monotonic(), _cpu_seconds()
+
+    def read(self, n_top: int = 3) -> OtherLoad:
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        used = []
+        for pid, (name, sec) in _cpu_seconds().items():
+            prev = self.before.get(pid, (name, 0.0))[1]  # a process born during the run: all its time
+            if sec > prev:
+                used.append((name, (sec - prev) / wall))
+        used.sort(key=lambda x: -x[1])
+        return OtherLoad(psutil.cpu_count() or 1, os.getloadavg()[0], sum(u for _, u in used), used[:n_top])
+
+
+def spread_warning(
+    what: str, s: Spread, load: OtherLoad | None, threshold: float = WIDE_SPREAD
+) -> str | None:
+    """A one-line warning when ``s`` is wider than ``threshold``, naming the likely cause; else None."""
+    if s.rel <= threshold:
+        return None
+    line = f"warning: {what} varies {s.rel:.0%} between rounds (max/min - 1 > {threshold:.0%}); "
+    if load is None:
+        return line + "the machine's load was not measured"
+    busy = f"other processes used {load.other_cpus:.1f} of {load.cpus} CPUs during the run, load average {load.load_avg_1m:.1f}"
+    top = ", ".join(f"{n} {c:.1f}" for n, c in load.top if c >= 0.05)
+    if load.other_cpus >= BUSY_FRACTION * load.cpus:
+        return line + f"likely cause: other load on the machine ({busy}{': ' + top if top else ''})"
+    return (
+        line + f"no other load seen ({busy}): the cause is in this process or the machine (frequency, memory)"
+    )

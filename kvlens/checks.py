@@ -1,0 +1,125 @@
+"""Argument checks shared by every public edge: the Python API, the model loaders and the CLI parsers.
+
+Each check returns the value in its canonical form or raises ``TypeError`` (wrong kind of value) or
+``ValueError`` (right kind, bad value) whose message names the argument. This module imports nothing
+from kvlens, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def _kind(value: Any) -> str:
+    return type(value).__name__
+
+
+def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    """An integer (not a bool, not a float) in ``[minimum, maximum]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {_kind(value)} {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be ≥ {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be ≤ {maximum}, got {value}")
+    return value
+
+
+def check_float(
+    value: Any,
+    name: str,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+) -> float:
+    """A finite real number (ints accepted, bools not) in ``[minimum, maximum]`` and ``> above``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {_kind(value)} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be ≥ {minimum:g}, got {value:g}")
+    if above is not None and value <= above:
+        raise ValueError(f"{name} must be > {above:g}, got {value:g}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be ≤ {maximum:g}, got {value:g}")
+    return value
+
+
+def check_token_ids(ids: Any, vocab: int, name: str = "token ids", allow_empty: bool = False) -> list[int]:
+    """Token ids as a list of ints in ``[0, vocab)``: a sequence of ints or a 1-D integer tensor."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got dtype {ids.dtype}")
+        if ids.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got a tensor of shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    elif isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise TypeError(f"{name} must be a list of ints, got {_kind(ids)}")
+    if not ids and not allow_empty:
+        raise ValueError(f"{name} must not be empty")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{name}[{i}] must be an int, got {_kind(t)} {t!r}")
+        if not 0 <= t < vocab:
+            raise ValueError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab})")
+    return [int(t) for t in ids]
+
+
+def check_tensor(
+    x: Any,
+    name: str,
+    dtypes: Sequence[torch.dtype] | None = None,
+    floating: bool = False,
+    shape: Sequence[int] | None = None,
+    min_dim: int = 0,
+) -> torch.Tensor:
+    """A torch tensor of one of ``dtypes`` (or any floating dtype), with ``shape`` or ≥ ``min_dim`` dims."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {_kind(x)}")
+    if dtypes is not None and x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
+    if floating and not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
+    return x
+
+
+def check_text(text: Any, name: str = "prompt") -> str:
+    """A str that is valid Unicode (a command line's undecodable bytes arrive as lone surrogates)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {_kind(text)}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid UTF-8 text (bad character at index {e.start})") from None
+    return text
+
+
+def check_device(device: Any) -> torch.device:
+    """A torch device that exists here: ``cuda`` on a build or machine without CUDA is refused."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {_kind(device)}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; expected cpu or cuda[:N]") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            built = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {device!r} is not available: {built}")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA GPU(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"unsupported device {device!r}; expected cpu or cuda[:N]")
+    return dev

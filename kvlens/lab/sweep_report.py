@@ -1,0 +1,288 @@
+"""``kvlens lab sweep-report DB --out DIR``: a sweep store as Markdown plus PNG plots.
+
+Figures (ppl cells): the accuracy/memory frontier per model (PPL ratio and KLD mean vs KV bytes per
+token), KLD vs context length, and K-only vs V-only quantization. Every point carries its ±1
+standard error as llama-perplexity computes it; every figure names the commands that reproduce it.
+Greedy, layers and needle cells get a table each. Tables and figure plumbing are the lab's
+(:mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..kv.modes import KVMode, StoreKind
+from .report import _figure, md_table, write_markdown
+from .store import Store
+from .sweep_spec import cell_label
+
+ERR_NOTE = (
+    "Error bars: ±1 standard error, as llama-perplexity computes it (KLD: over scored tokens; PPL ratio: "
+    "from the standard error of mean ln(p_base/p_mode), which pairs each token with the base's)."
+)
+
+
+def _short(path: str) -> str:
+    return Path(path).name
+
+
+def _series_key(c: dict[str, Any]) -> str:
+    return f"{_short(c['corpus'])}, ctx {c['ctx']}" + (
+        f", weights {c['weights']}" if c["weights"] != "f32" else ""
+    )
+
+
+def cell_command(c: dict[str, Any]) -> str:
+    """The single lab command that measures this cell with the same code and settings."""
+    m = c["measurement"]
+    args = ["kvlens", "lab", m, "--model", c["model"], "--corpus", c["corpus"], "--kv", c["kv"]]
+    if m != "needle" and c["weights"] != "f32":
+        args += ["--weights", c["weights"]]
+    if m == "ppl":
+        args += [
+            "--ctx",
+            c["ctx"],
+            "--chunks",
+            c["chunks"],
+            "--base",
+            c["base"],
+            "--prefill-chunk",
+            c["prefill_chunk"],
+        ]
+    elif m == "greedy":
+        args += ["--ctx", c["ctx"], "--prompts", c["prompts"], "--tokens", c["tokens"], "--base", c["base"]]
+        args += ["--prefill-chunk", c["prefill_chunk"]]
+    elif m == "layers":
+        args += ["--ctx", c["ctx"], "--chunks", c["chunks"]]
+    else:
+        args += [
+            "--ctx",
+            c["ctx"],
+            "--depth",
+            ",".join(f"{d:g}" for d in c["depths"]),
+            "--sparse",
+            c["method"],
+        ]
+        args += [
+            "--sparse-budget",
+            ",".join(f"{b:g}" for b in c["budgets"]),
+            "--dense-layers",
+            c["dense_layers"],
+        ]
+        args += ["--seed", c["seed"]]
+    for k in ("keep_sink", "keep_recent"):
+        if c.get(k):
+            args += [f"--{k.replace('_', '-')}", c[k]]
+    return shlex.join(str(a) for a in args)
+
+
+# -- figures -----------------------------------------------------------------------------------------
+def _errbar(ax, x, y, err, label: str, linestyle: str = "-") -> None:
+    ax.errorbar(x, y, yerr=err, marker="o", markersize=4, capsize=3, linestyle=linestyle, label=label)
+
+
+def plot_frontier(model: str, rows: list[dict[str, Any]], path: Path) -> Path:
+    """PPL ratio and KLD mean vs KV bytes/token, one line per (corpus, ctx, weights), modes labelled."""
+    plt = _figure()
+    fig, (ax_p, ax_k) = plt.subplots(1, 2, figsize=(11, 4.2))
+    by = defaultdict(list)
+    for r in rows:
+        by[_series_key(r["config"])].append(r)
+    for label, rs in sorted(by.items()):
+        rs = sorted(rs, key=lambda r: r["bytes_per_token"])
+        x = [r["bytes_per_token"] for r in rs]
+        _errbar(ax_p, x, [r["ppl_ratio"] for r in rs], [r["ppl_ratio_err"] for r in rs], label, "none")
+        _errbar(ax_k, x, [r["kld_mean"] for r in rs], [r["kld_mean_err"] for r in rs], label, "none")
+        for r in rs:
+            ax_k.annotate(
+                r["kv"],
+                (r["bytes_per_token"], r["kld_mean"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+            ax_p.annotate(
+                r["kv"],
+                (r["bytes_per_token"], r["ppl_ratio"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    ax_p.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    ax_p.set_ylabel("PPL(mode) / PPL(base)")
+    ax_p.ticklabel_format(axis="y", useOffset=False)
+    ax_k.set_ylabel("KLD(base ‖ mode), mean per token")
+    ax_k.set_yscale("log")
+    for ax in (ax_p, ax_k):
+        ax.set_xlabel("KV cache bytes per token (all layers)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{model}: accuracy vs KV memory (±1 s.e.)")
+    return _save(fig, path)
+
+
+def plot_kld_vs_ctx(rows: list[dict[str, Any]], path: Path) -> Path:
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    by = defaultdict(list)
+    for r in rows:
+        c = r["config"]
+        by[f"{_short(c['model'])} {c['kv']} ({_short(c['corpus'])}, w {c['weights']})"].append(r)
+    for label, rs in sorted(by.items()):
+        rs = sorted(rs, key=lambda r: r["ctx"])
+        _errbar(
+            ax, [r["ctx"] for r in rs], [r["kld_mean"] for r in rs], [r["kld_mean_err"] for r in rs], label
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens per chunk; the second half is scored)")
+    ax.set_ylabel("KLD(base ‖ mode), mean per token")
+    ax.legend(fontsize=7)
+    ax.set_title("KL divergence vs context length (±1 s.e.)")
+    return _save(fig, path)
+
+
+def side(kv: str) -> str | None:
+    """'K only' / 'V only' when just one of K and V is stored below f32, 'K and V' when both are."""
+    mode = KVMode.parse(kv)
+    k, v = mode.k != StoreKind.F32, mode.v != StoreKind.F32
+    return "K and V" if k and v else "K only" if k else "V only" if v else None
+
+
+def plot_k_vs_v(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Grouped bars of KLD mean ± s.e. per (model, corpus, ctx, weights): K-only, V-only, both."""
+    plt = _figure()
+    groups = sorted({(_short(r["model"]), _series_key(r["config"])) for r in rows})
+    modes = sorted({r["kv"] for r in rows}, key=lambda m: (["K only", "V only", "K and V"].index(side(m)), m))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * len(modes) / 2), 4.2))
+    width = 0.8 / len(modes)
+    for i, m in enumerate(modes):
+        y, e = [], []
+        for g in groups:
+            hit = [r for r in rows if r["kv"] == m and (_short(r["model"]), _series_key(r["config"])) == g]
+            y.append(hit[0]["kld_mean"] if hit else np.nan)
+            e.append(hit[0]["kld_mean_err"] if hit else 0)
+        ax.bar(np.arange(len(groups)) + i * width, y, width, yerr=e, capsize=3, label=f"{m} ({side(m)})")
+    ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2, [f"{a}\n{b}" for a, b in groups], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("KLD(base ‖ mode), mean per token")
+    ax.set_title("Quantizing K only vs V only (±1 s.e.)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _figure().close(fig)
+    return path
+
+
+# -- Markdown ----------------------------------------------------------------------------------------
+def _ppl_table(rows: list[dict[str, Any]]) -> str:
+    headers = ["model", "weights", "corpus", "ctx", "chunks", "KV", "KV B/token", "PPL", "PPL ratio", "KLD mean",
+               "KLD 99%", "same top", "command"]  # fmt: skip
+    out = []
+    for r in rows:
+        c, s = r["config"], r["result"]["modes"][r["kv"]]["stats"]
+        out.append([
+            _short(c["model"]), c["weights"], _short(c["corpus"]), c["ctx"], r["result"]["chunks"], r["kv"],
+            r["bytes_per_token"], f"{s['ppl_q']:.4f}", f"{r['ppl_ratio']:.5f} ± {r['ppl_ratio_err']:.5f}",
+            f"{r['kld_mean']:.3e} ± {r['kld_mean_err']:.1e}", f"{s['kld_p99']:.3e}", f"{s['same_top_p']:.2f}%",
+            f"`{cell_command(c)}`",
+        ])  # fmt: skip
+    return md_table(headers, out)
+
+
+def _other_tables(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    greedy = [r for r in rows if r["measurement"] == "greedy"]
+    if greedy:
+        body = [[cell_label(r["config"]), f"{100 * (g := r['result']['modes'][r['kv']])['agreement']:.1f}%",
+                 f"{g['identical_prompts']}/{r['result']['n_prompts']}", g["first_divergence_median"],
+                 f"`{cell_command(r['config'])}`"] for r in greedy]  # fmt: skip
+        out += [
+            "## Greedy agreement with the base\n",
+            md_table(["cell", "token agreement", "identical prompts", "first div. median", "command"], body),
+        ]
+    layers = [r for r in rows if r["measurement"] == "layers"]
+    if layers:
+        body = [[cell_label(r["config"]), f"{(m := r['result']['modes'][r['kv']])['rel_err_median']:.2e}",
+                 f"{m['rel_err_max']:.2e}", len(m["flagged"]), f"`{cell_command(r['config'])}`"] for r in layers]  # fmt: skip
+        out += [
+            "## Attention-output error per layer and head\n",
+            md_table(["cell", "median rel err", "max rel err", "flagged heads", "command"], body),
+        ]
+    needle = [r for r in rows if r["measurement"] == "needle"]
+    if needle:
+        body = [[cell_label(r["config"]), ", ".join(f"{k}: {v:.0%}" for k, v in r["result"]["recall"].items()),
+                 f"`{cell_command(r['config'])}`"] for r in needle]  # fmt: skip
+        out += ["## Needle recall (over depths)\n", md_table(["cell", "recall", "command"], body)]
+    return out
+
+
+def _provenance(store: Store, rows: list[dict[str, Any]], failed: list[dict[str, Any]]) -> list[str]:
+    machines = sorted({f"{m['host']}: {m['cpu']}, {m['logical_cores']} cores ({', '.join(m['isa'])}), "
+                       f"torch {m['torch']}, {m['torch_threads']} threads" for r in rows if (m := r["machine"])})  # fmt: skip
+    builds = sorted({f"kvlens {r['kvlens_version']} @ {r['git_commit'] or 'no git checkout'}" for r in rows})
+    lines = [f"- {len(rows)} cells done, {len(failed)} failed"]
+    lines += [f"- machine: {m}" for m in machines] + [f"- code: {b}" for b in builds]
+    lines += [
+        f"- sweep run {r['run_id']} ({r['started_at']}, {r['executor']}): `{r['command']}`"
+        for r in store.runs()
+    ]
+    if failed:
+        lines += ["", "Failed cells:", ""] + [f"- {cell_label(r['config'])}: {r['error']}" for r in failed]
+    return lines
+
+
+def write_report(db: str | Path, out_dir: str | Path, command: str) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with Store(db) as store:
+        rows, failed = store.rows("done"), store.rows("failed")
+        lines = [f"# Sweep report: {Path(db).name}\n", *_provenance(store, rows, failed), ""]
+        runs = store.runs()
+    sweep_cmd = runs[-1]["command"] if runs else "kvlens lab sweep SPEC"
+    reproduce = f"Reproduce: `{sweep_cmd}` then `{command}`."
+    ppl = [r for r in rows if r["measurement"] == "ppl"]
+    if ppl:
+        lines += ["## Perplexity and KL divergence vs the base\n", _ppl_table(ppl)]
+        for model in sorted({r["model"] for r in ppl}):
+            png = plot_frontier(
+                _short(model), [r for r in ppl if r["model"] == model], out / f"frontier-{_short(model)}.png"
+            )
+            lines += [
+                f"### Accuracy vs KV memory: {_short(model)}\n",
+                f"![frontier]({png.name})\n",
+                ERR_NOTE,
+                reproduce,
+                "",
+            ]
+        lines += [
+            "### KL divergence vs context length\n",
+            f"![kld vs ctx]({plot_kld_vs_ctx(ppl, out / 'kld-vs-ctx.png').name})\n",
+        ]
+        lines += [ERR_NOTE, reproduce, ""]
+        kv_rows = [r for r in ppl if side(r["kv"]) is not None]
+        if any(side(r["kv"]) != "K and V" for r in kv_rows):
+            lines += [
+                "### K only vs V only\n",
+                f"![k vs v]({plot_k_vs_v(kv_rows, out / 'k-vs-v.png').name})\n",
+            ]
+            lines += [ERR_NOTE, reproduce, ""]
+    lines += _other_tables(rows)
+    return write_markdown(out, "README.md", "\n".join(lines) + "\n")
+
+
+def cli(db: str, out_dir: str) -> None:
+    import typer
+
+    if not Path(db).is_file():
+        raise ValueError(f"no sweep store at {db}")
+    command = shlex.join(["kvlens", "lab", "sweep-report", db, "--out", out_dir])
+    typer.echo(f"wrote {write_report(db, out_dir, command)}")

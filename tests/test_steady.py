@@ -1,0 +1,81 @@
+"""Steady speed: the spread over rounds and its warning (pure functions on given numbers), the thread
+policy's environment defaults (the user's values win) and its one-thread runs. No timings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numba
+import pytest
+
+from kvlens.bench.spread import OtherLoad, Spread, spread, spread_warning
+from kvlens.kernels import threads
+
+
+def test_spread_min_median_max():
+    s = spread([48.0, 36.0, 60.0, 40.0, 50.0])
+    assert (s.low, s.median, s.high) == (36.0, 48.0, 60.0)
+    assert s.rel == pytest.approx(60 / 36 - 1)  # the issue's q8 runs: 36.0 .. 60.3 -> 67%
+    assert spread([2.0, 1.0]).median == 1.5 and spread([5.0]).rel == 0.0
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, 0.0], [1.0, -2.0], [float("nan")], [1.0, float("inf")]])
+def test_spread_rejects(bad):
+    with pytest.raises(ValueError):
+        spread(bad)
+
+
+IDLE = OtherLoad(cpus=2, load_avg_1m=1.9, other_cpus=0.1, top=[("pytest 12", 0.1)])
+BUSY = OtherLoad(cpus=2, load_avg_1m=11.4, other_cpus=1.3, top=[("pytest 12", 0.8), ("python 40", 0.5)])
+
+
+def test_no_warning_within_threshold():
+    assert spread_warning("q8 tok/s", Spread(40.0, 42.0, 43.9), BUSY) is None  # 9.75%
+    assert spread_warning("q8 tok/s", Spread(40.0, 42.0, 49.0), BUSY, threshold=0.25) is None
+
+
+def test_warning_names_other_load():
+    line = spread_warning("q8 tok/s", Spread(40.0, 42.0, 44.5), BUSY)  # 11.25%
+    assert line.startswith("warning: q8 tok/s varies 11% between rounds")
+    assert "other load" in line and "1.3 of 2 CPUs" in line and "11.4" in line
+    assert "pytest 12 0.8" in line and "python 40 0.5" in line
+
+
+def test_warning_without_other_load_points_inside():
+    line = spread_warning("f16 tok/s", Spread(36.0, 47.4, 60.3), IDLE)
+    assert "67%" in line and "no other load seen" in line and "other load on the machine" not in line
+    assert "not measured" in spread_warning("f16 tok/s", Spread(36.0, 47.4, 60.3), None)
+
+
+def test_env_defaults_keep_user_values():
+    env = {"OMP_WAIT_POLICY": "ACTIVE", "PATH": "/bin"}
+    added = threads.apply_env_defaults(env)
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE"  # the user's
+    assert added == {"GOMP_SPINCOUNT": threads.ENV_DEFAULTS["GOMP_SPINCOUNT"]}
+    assert env["GOMP_SPINCOUNT"] == threads.ENV_DEFAULTS["GOMP_SPINCOUNT"] and env["PATH"] == "/bin"
+    empty: dict[str, str] = {}
+    assert threads.apply_env_defaults(empty) == threads.ENV_DEFAULTS == empty
+
+
+def test_import_keeps_user_env():
+    """``import kvlens`` sets the defaults before torch loads, and never over the user's values."""
+    code = "import os, kvlens; print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])"
+    env = {k: v for k, v in os.environ.items() if k not in threads.ENV_DEFAULTS}
+    env["GOMP_SPINCOUNT"] = "7"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [threads.ENV_DEFAULTS["OMP_WAIT_POLICY"], "7"]
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads")
+def test_run_serial_if_one_thread_then_restores():
+    numba.set_num_threads(2)
+    try:
+        assert threads.run_serial_if(True, numba.get_num_threads) == 1
+        assert threads.run_serial_if(False, numba.get_num_threads) == 2
+        with pytest.raises(ZeroDivisionError):
+            threads.run_serial_if(True, lambda: 1 / 0)
+        assert numba.get_num_threads() == 2  # restored after an error too
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
