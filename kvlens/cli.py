@@ -539,7 +539,7 @@ def bench_serve(
     from .bench.serve import cli
 
     kvs = [m for m in kv.split(",") if m]
-    cli(url, model, kvs, weights, kv_budget, max_batch, _csv_ints(concurrency), rate, requests,
+    cli(url, model, kvs, weights, kv_budget, max_batch, parse_sizes(concurrency), rate, requests,
         prompt_len, output_len, corpus, seed, json_out, api_key)  # fmt: skip
 
 

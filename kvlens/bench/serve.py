@@ -237,12 +237,12 @@ def cli(
     """The body of ``kvlens bench serve``."""
     import json
 
-    from ..kv.cache import parse_mode
+    from ..kv.modes import KVMode
     from ..lab.report import print_table
     from ..serve.process import ServerProcess
 
     for m in kv:
-        parse_mode(m)
+        KVMode.parse(m)
     if prompt_len < 1 or output_len < 1:
         raise ValueError("--prompt-len and --output-len must be >= 1")
     tok = load_tokenizer(model)
