@@ -199,6 +199,10 @@ class _progress:
 
 def make_executor(workers: int | None, threads: int | None, ray: bool, ray_address: str | None):
     if ray or ray_address:
+        if workers is not None:
+            raise ValueError(
+                "--workers sizes the local process pool; with --ray, Ray places the cells (see --threads)"
+            )
         return RayExecutor(ray_address, threads or default_threads(1))
     w = default_workers() if workers is None else workers
     return LocalExecutor(w, threads or default_threads(w))

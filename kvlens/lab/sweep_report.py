@@ -96,23 +96,16 @@ def plot_frontier(model: str, rows: list[dict[str, Any]], path: Path) -> Path:
     for label, rs in sorted(by.items()):
         rs = sorted(rs, key=lambda r: r["bytes_per_token"])
         x = [r["bytes_per_token"] for r in rs]
-        _errbar(ax_p, x, [r["ppl_ratio"] for r in rs], [r["ppl_ratio_err"] for r in rs], label, "none")
-        _errbar(ax_k, x, [r["kld_mean"] for r in rs], [r["kld_mean_err"] for r in rs], label, "none")
-        for r in rs:
-            ax_k.annotate(
-                r["kv"],
-                (r["bytes_per_token"], r["kld_mean"]),
-                fontsize=7,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
-            ax_p.annotate(
-                r["kv"],
-                (r["bytes_per_token"], r["ppl_ratio"]),
-                fontsize=7,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
+        for ax, col in ((ax_p, "ppl_ratio"), (ax_k, "kld_mean")):
+            _errbar(ax, x, [r[col] for r in rs], [r[f"{col}_err"] for r in rs], label, "none")
+            for r in rs:
+                ax.annotate(
+                    r["kv"],
+                    (r["bytes_per_token"], r[col]),
+                    fontsize=7,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
     ax_p.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax_p.set_ylabel("PPL(mode) / PPL(base)")
     ax_p.ticklabel_format(axis="y", useOffset=False)
