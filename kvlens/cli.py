@@ -13,7 +13,7 @@ from . import cli_args
 from . import cli_args as cb  # option callbacks: values checked at parse time
 from . import cli_config as opt  # options shared by several commands
 from .cli_args import parse_floats, parse_sizes
-from .cli_config import config_from, names, sparse_policy
+from .cli_config import KV_HELP, MODEL_HELP, config_from, names, sparse_policy
 from .corpus import corpus_app
 from .engine.attention import BACKENDS
 
@@ -72,10 +72,34 @@ TOUR = [
 
 @app.command()
 def tour() -> None:
-    """The main job: a q8-cache generation on the default model, then a short pass through the lab."""
+    """The main job: a q8-cache generation on the default model, a short pass through the lab, then
+    the server under a few concurrent requests."""
     for args in TOUR:
         typer.secho(f"\n$ kvlens {' '.join(repr(a) if ' ' in a else a for a in args)}", bold=True)
         app(args, standalone_mode=False)
+    from .serve.tour import HEADER, serving_step
+
+    typer.secho(f"\n$ {HEADER}", bold=True)
+    serving_step()
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    kv: str = typer.Option("q8", help=KV_HELP),
+    weights: str = typer.Option("auto", help="Weights: auto, f32, bf16, int8, int4."),
+    kv_budget: str = typer.Option(None, help="KV pool bytes, e.g. 512MiB (default: a share of free memory)."),
+    max_batch: int = typer.Option(16, min=1, help="Running sequences per step."),
+    max_waiting: int = typer.Option(64, min=0, help="Waiting-queue bound (beyond it: 429)."),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000, min=0, max=65535),
+    api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1/*."),
+    graceful_s: float = typer.Option(10.0, help="On SIGTERM: seconds in-flight requests get to finish."),
+) -> None:
+    """An OpenAI-compatible HTTP server (completions, chat, SSE streaming) with continuous batching."""
+    from .serve.cli import serve as run
+
+    run(model, kv, weights, kv_budget, max_batch, max_waiting, host, port, api_key, graceful_s)
 
 
 @lab_app.command("unit")
@@ -283,6 +307,45 @@ def bench_decode(
 def _root(debug: bool = Option(False, "--debug", help="Print the traceback of an error.")) -> None:
     if debug:
         os.environ[cli_args.DEBUG_ENV] = "1"
+
+
+@bench_app.command("serve")
+def bench_serve(
+    url: str = typer.Option(None, help="Load an already running server instead of starting one per --kv."),
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    kv: str = typer.Option("q8,f16", help="Cache modes: one server each, compared in one run."),
+    weights: str = typer.Option("auto", help="Weights of the started servers."),
+    kv_budget: str = typer.Option(None, help="KV pool bytes of the started servers (e.g. 512MiB)."),
+    max_batch: int = typer.Option(16, min=1, help="Running sequences per step of the started servers."),
+    concurrency: str = typer.Option("1,4,8,16", help="Fixed concurrencies (comma list)."),
+    rate: float = typer.Option(None, min=0.001, help="Poisson arrival rate (requests/s) instead."),
+    requests: int = typer.Option(0, min=0, help="Requests per run (0: 2 x concurrency, at least 4)."),
+    prompt_len: int = typer.Option(128, min=1, help="Prompt tokens, cut from the corpus."),
+    output_len: int = typer.Option(64, min=1, help="Output tokens per request (ignore_eos)."),
+    corpus: str = typer.Option(None, help="Corpus name or UTF-8 file (default: the default corpus)."),
+    seed: int = typer.Option(0),
+    json_out: bool = typer.Option(False, "--json", help="Print the runs as JSON."),
+    api_key: str = typer.Option(None, help="With --url: the server's API key."),
+) -> None:
+    """Load generator for kvlens serve: output tokens/s, requests/s, TTFT and inter-token latency."""
+    from .bench.serve import cli
+
+    kvs = [m for m in kv.split(",") if m]
+    cli(url, model, kvs, weights, kv_budget, max_batch, parse_sizes(concurrency), rate, requests,
+        prompt_len, output_len, corpus, seed, json_out, api_key)  # fmt: skip
+
+
+@app.command()
+def verify(
+    record: str = typer.Argument(..., help="A kvlens record (JSON), or a server response holding one."),
+    model: str | None = typer.Option(None, help="Model to re-run with (default: the record's source)."),
+) -> None:
+    """Re-run a recorded request alone and confirm its output bit for bit, or say where it diverges."""
+    from .engine.verify import verify_file
+
+    result = verify_file(record, model)
+    typer.echo(result.message)
+    raise typer.Exit(0 if result.ok else 1)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from bounds import f32_forward_tol
 
 from kvlens.kv.modes import MODES
 from kvlens.lab.common import parse_modes
@@ -205,35 +206,32 @@ def test_f32_equals_float64_hf_perplexity(smol_f32, hf_smol, text) -> None:
 
 
 @pytest.mark.slow
-def test_q8_is_read_and_sub_chunk_size_changes_q8_not_f32(smol_f32, text) -> None:
+def test_q8_is_read_and_sub_chunk_size_leaves_f32_alone(smol_f32, text) -> None:
     # The engine writes each sub-chunk to the cache before attending it, so every query reads int8
-    # rows at any sub-chunk size; the size changes q8 only through float rounding of K/V (~1e-6) that
-    # flips int8 rounding decisions, which then cascade through the layers. 16/32/64 happen to be
-    # bitwise identical on CPU (same GEMM blocking), 8 is not.
+    # rows at any sub-chunk size. (Whether two q8 runs at different sub-chunk sizes differ depends on
+    # the CPU's GEMM blocking — f32 rounding flips int8 codes — so nothing is asserted about that.)
     a = run_ppl(smol_f32, text, PplConfig(ctx=32, kv=["q8", "q8+mirror"], chunks=2, prefill_chunk=8))
     b = run_ppl(smol_f32, text, PplConfig(ctx=32, kv=["q8"], chunks=2, prefill_chunk=32))
     q8, mirror = a.modes
-    assert q8.stats["ppl_q"] != q8.stats["ppl_base"]  # the int8 rows were read
-    assert q8.stats["kld_mean"] > 1e-5 and b.modes[0].stats["kld_mean"] > 1e-5
-    assert q8.stats["ppl_q"] != b.modes[0].stats["ppl_q"]
+    assert q8.stats["kld_mean"] > 1e-5 and b.modes[0].stats["kld_mean"] > 1e-5  # the int8 rows were read
     assert a.modes[0].stats["ppl_base"] == b.modes[0].stats["ppl_base"]
     # the seed's mirror: prefill reads the exact copy, so nothing of q8 shows
     assert mirror.stats["kld_mean"] < 1e-9 and mirror.note == MIRROR_NOTE
-    # f32 as a test mode (base q8) is chunk-invariant: sub-chunk 8 vs 32 gives the same PPL
+    # f32 as a test mode (base q8) is chunk-invariant up to f32 rounding: ln PPL moves by at most
+    # 2 max|Δlogit|, and Δlogit <= 2 f32_forward_tol (SmolLM2's logits stay below 60 in magnitude)
     c = run_ppl(smol_f32, text, PplConfig(ctx=32, kv=["f32"], base="q8", chunks=1, prefill_chunk=8))
     d = run_ppl(smol_f32, text, PplConfig(ctx=32, kv=["f32"], base="q8", chunks=1, prefill_chunk=32))
-    assert c.modes[0].stats["ppl_q"] == pytest.approx(d.modes[0].stats["ppl_q"], rel=1e-6)
-    assert c.modes[0].stats["ppl_base"] != d.modes[0].stats["ppl_base"]
+    tol = 4 * f32_forward_tol(smol_f32.config, torch.tensor(60.0))
+    assert abs(math.log(c.modes[0].stats["ppl_q"] / d.modes[0].stats["ppl_q"])) <= tol
 
 
 @pytest.mark.slow
-def test_scored_logits_f32_invariant_q8_not(smol_f32, text) -> None:
+def test_scored_logits_f32_invariant_and_one_pass_reads_int8(smol_f32, text) -> None:
     chunk = smol_f32.tokenizer.encode(text)[:48]
     f8, f48 = (scored_logits(smol_f32, chunk, "f32", pc, 24) for pc in (8, 48))
-    q8, q48 = (scored_logits(smol_f32, chunk, "q8", pc, 24) for pc in (8, 48))
+    q48 = scored_logits(smol_f32, chunk, "q8", 48, 24)
     assert f8.shape == (23, smol_f32.config.vocab)
-    assert (f8 - f48).abs().max().item() < 1e-4
-    assert (q8 - q48).abs().max().item() > 1e-3
+    assert (f8 - f48).abs().max().item() <= 2 * f32_forward_tol(smol_f32.config, f48)  # two f32 passes
     assert (q48 - f48).abs().max().item() > 1e-3  # one pass still reads int8: rows are written first
 
 
@@ -275,7 +273,7 @@ def test_int8_weights_kv_rows_use_an_int8_base_and_reference_rows_use_f32(smol_f
     assert q8.stats["kld_mean"] > 0
     w, wq8 = r.vs_f32_weights
     assert (r.weights, w.mode.name, wq8.mode.name) == ("int8", "f32", "q8")
-    assert w.stats["kld_mean"] > 0 and wq8.stats["kld_mean"] >= 0  # int8 weights cost something
+    assert w.stats["kld_mean"] > 0 and wq8.stats["kld_mean"] > 0  # int8 weights (and q8 KV) cost something
     assert w.stats["ppl_q"] == f32.stats["ppl_base"] and wq8.stats["ppl_q"] == q8.stats["ppl_q"]
     # the reference is f32 weights + f32 KV: the f32 lab's base
     plain = run_ppl(smol_f32, text, PplConfig(ctx=32, kv=["f32"], chunks=1))
@@ -333,7 +331,7 @@ def test_cli_int8_weights_json_text_and_report(fake_load, tmp_path) -> None:
         ("weights int8 · KV f32 (base)", "f32"),
         ("weights int8 · KV q8", "q8"),
     ]
-    assert rows[0]["kld_mean"] > 0 and rows[1]["kld_mean"] >= 0 and rows[1]["tokens_scored"] == 15
+    assert rows[0]["kld_mean"] > 0 and rows[1]["kld_mean"] > 0 and rows[1]["tokens_scored"] == 15
     md = (tmp_path / "ppl.md").read_text()
     assert "## cost vs f32 weights + f32 KV" in md and "int8 · q8" in md
     text_out = CliRunner().invoke(app, args)

@@ -91,7 +91,7 @@ def test_cli_bad_spec_is_one_line_exit_2(tmp_path, tiny_gguf):
         [sys.executable, "-m", "kvlens.cli", "lab", "sweep", str(path)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
@@ -149,7 +149,7 @@ def test_resume_after_kill_loses_and_duplicates_nothing(tmp_path, tiny_gguf):
                 os._exit(3)
         run_sweep(load_spec({str(spec_path)!r}), {str(db)!r}, LocalExecutor(0, 1), show_progress=False, on_stored=hook)
     """)
-    r = subprocess.run([sys.executable, "-c", kill], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", kill], capture_output=True, text=True, timeout=600)
     assert r.returncode == 3, r.stderr
     first = {row["cell_key"]: row for row in stored(db)}
     assert len(first) == 2 and all(row["status"] == "done" for row in first.values())
@@ -239,7 +239,7 @@ def test_report_has_figures_errors_and_commands(tmp_path, tiny_gguf):
     )
     r = subprocess.run(
         [sys.executable, "-m", "kvlens.cli", "lab", "sweep-report", str(db), "--out", str(tmp_path / "rep")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     md = (tmp_path / "rep" / "README.md").read_text()

@@ -16,6 +16,7 @@ import torch
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
 from ..kv.cache import BLOCK, KVCache
+from ..kv.pool import PagedKV
 from ..models.transformer import AttendFn, Profiler, timed
 
 BACKENDS = ("auto", "torch", "numba", "triton")
@@ -81,7 +82,7 @@ def select_blocks(
 
 
 def make_attend(
-    cache: KVCache,
+    cache: KVCache | PagedKV,
     prefill: bool,
     backend: str = "torch",
     window: int | None = None,
@@ -98,6 +99,7 @@ def make_attend(
     use_kernel = kernel is not None and not cache.options.keeps_exact and window is None
     if sparse is not None and cache.bounds is None:
         raise ValueError("sparse decode needs a cache created with track_blocks=True")
+    paged = isinstance(cache, PagedKV)  # the kernels then read through its block table
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         n = q.shape[1]
@@ -108,7 +110,10 @@ def make_attend(
         if decode and sparse is not None and sparse.applies(layer, end):
             blocks = select_blocks(q[:, 0], cache, layer, end, sparse)
         if use_kernel and decode:
-            return kernel(q[:, 0], cache.k[layer], cache.v[layer], end, blocks=blocks).unsqueeze(1)
+            table = cache.table if paged else None
+            return kernel(q[:, 0], cache.k[layer], cache.v[layer], end, blocks=blocks, table=table).unsqueeze(
+                1
+            )
         k_all, v_all = cache.read(layer, end, prefill=prefill)
         q_pos = torch.arange(start, end, device=q.device)
         kv_mask = None if blocks is None else blocks_to_mask(blocks, end, BLOCK)

@@ -26,8 +26,9 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..kernels.threads import set_threads
 from .store import CellOutcome, Store
-from .sweep_cell import run_cell, set_threads
+from .sweep_cell import run_cell
 from .sweep_spec import Cell, Spec, cell_label, load_spec
 
 CORES_PER_WORKER = 8  # a lab run uses every thread it gets; more workers only on larger machines
@@ -199,6 +200,10 @@ class _progress:
 
 def make_executor(workers: int | None, threads: int | None, ray: bool, ray_address: str | None):
     if ray or ray_address:
+        if workers is not None:
+            raise ValueError(
+                "--workers sizes the local process pool; with --ray, Ray places the cells (see --threads)"
+            )
         return RayExecutor(ray_address, threads or default_threads(1))
     w = default_workers() if workers is None else workers
     return LocalExecutor(w, threads or default_threads(w))

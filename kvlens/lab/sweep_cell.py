@@ -103,15 +103,6 @@ def machine() -> dict[str, Any]:
     }
 
 
-def set_threads(threads: int) -> None:
-    """Torch and numba threads for every cell of this process (results depend on the GEMM split)."""
-    import numba
-    import torch
-
-    torch.set_num_threads(threads)
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-
-
 def _models(model: str, weights: str) -> tuple[Any, Any, float]:
     """(llm, f32-weights reference or None, seconds spent loading now) for ``model`` with ``weights``."""
     import kvlens

@@ -93,33 +93,21 @@ def plot_frontier(model: str, rows: list[dict[str, Any]], path: Path) -> Path:
     by = defaultdict(list)
     for r in rows:
         by[_series_key(r["config"])].append(r)
-    for label, rs in sorted(by.items()):
+    for i, (label, rs) in enumerate(sorted(by.items())):
         rs = sorted(rs, key=lambda r: r["bytes_per_token"])
-        x = [r["bytes_per_token"] for r in rs]
-        _errbar(ax_p, x, [r["ppl_ratio"] for r in rs], [r["ppl_ratio_err"] for r in rs], label, "none")
-        _errbar(ax_k, x, [r["kld_mean"] for r in rs], [r["kld_mean_err"] for r in rs], label, "none")
-        for r in rs:
-            ax_k.annotate(
-                r["kv"],
-                (r["bytes_per_token"], r["kld_mean"]),
-                fontsize=7,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
-            ax_p.annotate(
-                r["kv"],
-                (r["bytes_per_token"], r["ppl_ratio"]),
-                fontsize=7,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
+        # series spread sideways by a few % so equal-size modes do not hide each other
+        x = [r["bytes_per_token"] * (1 + 0.015 * (i - (len(by) - 1) / 2)) for r in rs]
+        for ax, col in ((ax_p, "ppl_ratio"), (ax_k, "kld_mean")):
+            _errbar(ax, x, [r[col] for r in rs], [r[f"{col}_err"] for r in rs], label, "none")
+            for xi, r in zip(x, rs, strict=True):
+                ax.annotate(r["kv"], (xi, r[col]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax_p.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax_p.set_ylabel("PPL(mode) / PPL(base)")
     ax_p.ticklabel_format(axis="y", useOffset=False)
     ax_k.set_ylabel("KLD(base ‖ mode), mean per token")
     ax_k.set_yscale("log")
     for ax in (ax_p, ax_k):
-        ax.set_xlabel("KV cache bytes per token (all layers)")
+        ax.set_xlabel("KV cache bytes per token (all layers; series spread ±few % for legibility)")
         ax.legend(fontsize=7)
     fig.suptitle(f"{model}: accuracy vs KV memory (±1 s.e.)")
     return _save(fig, path)
@@ -138,6 +126,9 @@ def plot_kld_vs_ctx(rows: list[dict[str, Any]], path: Path) -> Path:
             ax, [r["ctx"] for r in rs], [r["kld_mean"] for r in rs], [r["kld_mean_err"] for r in rs], label
         )
     ax.set_xscale("log", base=2)
+    ctxs = sorted({r["ctx"] for r in rows})
+    ax.set_xticks(ctxs, [str(c) for c in ctxs])
+    ax.minorticks_off()
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens per chunk; the second half is scored)")
     ax.set_ylabel("KLD(base ‖ mode), mean per token")
@@ -229,7 +220,10 @@ def _provenance(store: Store, rows: list[dict[str, Any]], failed: list[dict[str,
     machines = sorted({f"{m['host']}: {m['cpu']}, {m['logical_cores']} cores ({', '.join(m['isa'])}), "
                        f"torch {m['torch']}, {m['torch_threads']} threads" for r in rows if (m := r["machine"])})  # fmt: skip
     builds = sorted({f"kvlens {r['kvlens_version']} @ {r['git_commit'] or 'no git checkout'}" for r in rows})
-    lines = [f"- {len(rows)} cells done, {len(failed)} failed"]
+    secs = sum(r["run_seconds"] or 0 for r in rows), sum(r["load_seconds"] or 0 for r in rows)
+    lines = [
+        f"- {len(rows)} cells done, {len(failed)} failed; cells' run time {secs[0]:.0f} s, model loads {secs[1]:.0f} s"
+    ]
     lines += [f"- machine: {m}" for m in machines] + [f"- code: {b}" for b in builds]
     lines += [
         f"- sweep run {r['run_id']} ({r['started_at']}, {r['executor']}): `{r['command']}`"
