@@ -74,7 +74,7 @@ class KVMode:
         return self.name
 
     def __format__(self, spec: str) -> str:
-        return format(self.name, spec)  # a mode prints as its name in tables and f-strings
+        return format(self.name, spec)
 
     @property
     def quantized(self) -> bool:
