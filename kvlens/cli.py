@@ -13,7 +13,7 @@ from . import cli_args
 from . import cli_args as cb  # option callbacks: values checked at parse time
 from . import cli_config as opt  # options shared by several commands
 from .cli_args import parse_floats, parse_sizes
-from .cli_config import config_from, names, sparse_policy
+from .cli_config import KV_HELP, MODEL_HELP, config_from, names, sparse_policy
 from .corpus import corpus_app
 from .engine.attention import BACKENDS
 
