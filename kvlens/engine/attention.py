@@ -17,7 +17,7 @@ from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
 from ..kv.cache import BLOCK, KVCache
 from ..kv.pool import PagedKV
-from ..models.transformer import AttendFn
+from ..models.transformer import AttendFn, Profiler, timed
 
 BACKENDS = ("auto", "torch", "numba", "triton")
 
@@ -87,6 +87,7 @@ def make_attend(
     backend: str = "torch",
     window: int | None = None,
     sparse: SparseConfig | None = None,
+    profiler: Profiler | None = None,
 ) -> AttendFn:
     """An ``attend`` callback for one forward pass (``prefill`` says which phase the mirror mode sees).
 
@@ -102,7 +103,7 @@ def make_attend(
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         n = q.shape[1]
-        cache.write(layer, start, k, v)
+        timed(profiler, "kv_write", cache.write, layer, start, k, v)
         end = start + n
         decode = n == 1 and not prefill
         blocks = None

@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
 
 from ..checks import check_device, check_int, check_text, check_token_ids
+from ..kernels.threads import decode_threads
 from ..kv.blocks import SparseConfig
 from ..kv.cache import KVCache
 from ..kv.modes import MODES, CacheOptions, KVMode
@@ -86,12 +88,25 @@ class LLM:
         ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
         self.check_fits(start + ids.shape[0])
         sparse = self.sparse if cache.bounds is not None and not prefill else None
-        attend = make_attend(cache, prefill, backend or self.attn_backend, self.config.sliding_window, sparse)
-        return self.model.forward(ids, start, attend)
+        attend = make_attend(
+            cache,
+            prefill,
+            backend or self.attn_backend,
+            self.config.sliding_window,
+            sparse,
+            self.model.profiler,
+        )
+        with self._step_threads(not prefill):
+            return self.model.forward(ids, start, attend)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of final hidden states [n, hidden] (what :meth:`forward` returns)."""
-        return self.model.logits(hidden)
+        with self._step_threads(hidden.shape[0] == 1):
+            return self.model.logits(hidden)
+
+    def _step_threads(self, decode: bool) -> AbstractContextManager:
+        """A decode step on CPU runs on the cores other processes leave free (kernels/threads.py)."""
+        return decode_threads() if decode and self.device.type == "cpu" else nullcontext()
 
     def variant(self, **changes) -> LLM:
         """The same loaded model with other engine settings (kv, sparse, attn_backend, ...), weights shared."""

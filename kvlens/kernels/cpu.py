@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -31,7 +30,7 @@ from numba import njit, prange
 from ..kv.cache import BLOCK
 from ..kv.modes import StoreKind
 from ..kv.quant import quantize_q8
-from .threads import run_serial_if
+from .threads import run_serial_if, split_threads
 
 QBLOCK = 32  # query block of the int-dot variant (the seed: 32 values, one scale)
 # positions per online-softmax step = the cache block, so sparse decode can pick tiles by block index;
@@ -275,7 +274,7 @@ def _decode_core(
 
 def choose_splits(length: int, n_kv: int, n_threads: int | None = None) -> int:
     """Splits per KV head: enough (kv_head, split) items to keep every thread busy, none tiny."""
-    n_threads = n_threads or numba.get_num_threads()
+    n_threads = n_threads or split_threads()
     want = max(1, -(-2 * n_threads // n_kv))  # ~2 items per thread evens out ragged last splits
     return max(1, min(want, length // MIN_SPLIT))
 
@@ -355,7 +354,7 @@ def _run(
         raise ValueError("out must be a C-contiguous float32 array")
     tiles = _tile_table(n_kv, length, blocks)
     rows = tiles.shape[1] * TILE if blocks is not None else length  # positions each KV head reads
-    n_threads = numba.get_num_threads()
+    n_threads = split_threads()  # not the step's count: the splits, hence the sums, never vary with load
     serial = n_kv * rows < SERIAL_ROWS
     if n_splits is None:
         n_splits = 1 if serial else choose_splits(rows, n_kv, n_threads)
@@ -380,10 +379,9 @@ def decode_attention_q8(q, k_q8, k_max_abs, v_q8, v_max_abs, length: int, out, n
     """Attention of ``q [n_heads, hd]`` (f32) over the first ``length`` int8 rows ``[n_kv, cap, hd]``
     with ``max_abs [n_kv, cap]``; f32 math. Writes and returns ``out [n_heads, hd]`` (f32 numpy).
 
-    The default q8 kernel. It beat :func:`decode_attention_q8_intdot` 2.5-3x in
-    ``kvlens bench attention`` (numba types int8*int8 products as int64, so integer dots barely
-    vectorize, while int8 -> f32 converts + FMAs vectorize fully on AVX2; this CPU has no VNNI) and,
-    unlike it, it is exact up to f32 rounding.
+    The default q8 kernel: faster than :func:`decode_attention_q8_intdot` (numba types int8*int8
+    products as int64, so integer dots barely vectorize; docs/kernels.md) and, unlike it, exact up to
+    f32 rounding.
     """
     k, v = _raw(k_q8)[0], _raw(v_q8)[0]
     return _run(q, k, CODE_Q8, k_max_abs, v, CODE_Q8, v_max_abs, length, out, n_splits)

@@ -31,10 +31,8 @@ class TritonUnavailableError(ImportError):
     """triton is not installed (or cannot run here); the Triton decode path cannot be used."""
 
 
-@functools.cache
-def _kernels():
-    """Import triton and define the kernel (decorated now, so TRITON_INTERPRET is read at first use)."""
-    global tl
+def _import_triton():
+    """(triton, triton.language), or :class:`TritonUnavailableError`."""
     try:
         import triton
         import triton.language as tl_mod
@@ -43,7 +41,14 @@ def _kernels():
             "decode_attention_triton needs the 'triton' package (pip install triton); "
             "use kvlens.kernels.cpu.decode_attention on CPU"
         ) from e
-    tl = tl_mod
+    return triton, tl_mod
+
+
+@functools.cache
+def _kernels():
+    """Import triton and define the kernel (decorated now, so TRITON_INTERPRET is read at first use)."""
+    global tl
+    triton, tl = _import_triton()
 
     @triton.jit
     def split_kernel(

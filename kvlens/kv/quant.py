@@ -12,11 +12,10 @@ so results are bit-identical with the seed's C engine.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from numba import njit
 
 from ..checks import check_tensor
+from ..kernels.q8store import first_nonfinite_index, store_q8_rows
 
 Q8_MAX = 127.0
 TINY_MAX_ABS = 1e-6
@@ -63,39 +62,10 @@ def q8_step(max_abs: torch.Tensor) -> torch.Tensor:
     return max_abs.to(torch.float32) / Q8_MAX
 
 
-# -- the same rule as one JIT pass, for the engine's per-token cache writes on the CPU -----------------
-# quantize_q8 is ~8 small torch ops (~80 µs per K or V of a decode step); this is one call. Same float32
-# operations in the same order (no fastmath: no FMA contraction), so the codes are bit-identical.
-@njit(cache=True)
-def _first_nonfinite(x):  # pragma: no cover - compiled
-    flat = x.reshape(-1)
-    for i in range(flat.size):
-        if not np.isfinite(flat[i]):
-            return i
-    return -1
-
-
-@njit(cache=True)
-def _store_q8(x, data, scale, start):  # pragma: no cover - compiled
-    n_kv, n, hd = x.shape
-    for h in range(n_kv):
-        for j in range(n):
-            m = np.float32(0.0)
-            for d in range(hd):
-                m = max(m, abs(x[h, j, d]))
-            if m < np.float32(TINY_MAX_ABS):
-                m = np.float32(1.0)
-            inv = np.float32(Q8_MAX) / m
-            for d in range(hd):
-                c = np.floor(x[h, j, d] * inv + np.float32(0.5))
-                data[h, start + j, d] = np.int8(min(max(c, np.float32(-Q8_MAX)), np.float32(Q8_MAX)))
-            scale[h, start + j] = m
-
-
 def first_nonfinite(x: torch.Tensor) -> int | None:
     """Flat index of the first NaN/Inf in ``x``, or None (one pass; a JIT loop for CPU float32)."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
-        i = _first_nonfinite(x.detach().contiguous().numpy())
+        i = first_nonfinite_index(x.detach().contiguous().numpy())
         return None if i < 0 else int(i)
     bad = ~torch.isfinite(x)
     return int(bad.reshape(-1).nonzero()[0, 0]) if bool(bad.any()) else None
@@ -105,7 +75,9 @@ def store_q8(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start:
     """Quantize ``rows [n_kv, n, d]`` by the rule above into ``data[:, start:start+n]`` (int8) and
     ``scale[:, start:start+n]`` (max_abs), in place; rows must be finite (the caller checks)."""
     if rows.device.type == "cpu":
-        _store_q8(rows.detach().to(torch.float32).contiguous().numpy(), data.numpy(), scale.numpy(), start)
+        store_q8_rows(
+            rows.detach().to(torch.float32).contiguous().numpy(), data.numpy(), scale.numpy(), start
+        )
         return
     q, max_abs = quantize_q8(rows, check=False)
     data[:, start : start + rows.shape[1]] = q

@@ -30,8 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..kernels.threads import run_serial_if
-from .qkernels import (
+from ..kernels.qkernels import (
     G,
     _deq_bf16,
     _deq_int4,
@@ -44,6 +43,8 @@ from .qkernels import (
     _mv_int4,
     _mv_int8,
 )
+from ..kernels.threads import run_serial_if
+from .blockquant import symmetric_blocks
 
 WEIGHT_MODES = ("f32", "bf16", "int8", "int4")
 PRECISION = {"int4": 0, "int8": 1, "bf16": 2, "f32": 3}  # fusing mixed parts keeps the finest
@@ -80,10 +81,8 @@ class QCodes:
         pad = "constant" if kind == "int8" or ng * G == k else "replicate"
         wg = F.pad(w.float(), (0, ng * G - k), mode=pad).view(n, ng, G)
         if kind == "int8":
-            scale = wg.abs().amax(-1) / 127  # Q8_0's rule
-            inv = torch.where(scale > 0, 1 / scale, 0)
-            q = torch.round(wg * inv[..., None]).clamp_(-127, 127).to(torch.int8)
-            return QCodes(kind, q.view(n, -1)[:, :k].contiguous(), scale)
+            q, scale = symmetric_blocks(wg, 127.0)  # Q8_0's rule, llama.cpp's rounding
+            return QCodes(kind, q.to(torch.int8).view(n, -1)[:, :k].contiguous(), scale)
         if kind != "int4":
             raise ValueError(f"cannot quantize to {kind!r}")
         lo, hi = wg.amin(-1), wg.amax(-1)

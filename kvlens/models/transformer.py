@@ -8,19 +8,39 @@ returns the attention output. This keeps one forward pass for every cache mode a
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import rowops
+from ..kernels import rowops
 from .config import ModelConfig
 from .qlinear import embedding, linear, linear_rows
 from .weights import LayerWeights, Weights
 
 # attend(layer, q [H, n, d], k [KV, n, d], v [KV, n, d], start) -> out [H, n, d]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+class Profiler(Protocol):
+    """Told the seconds of each timed part of a forward pass: ``"linear"`` (every weight matmul, LM head
+    included), ``"attend"`` (a layer's attention call, KV write included) and ``"kv_write"``."""
+
+    def add(self, part: str, seconds: float) -> None: ...
+
+
+def timed(profiler: Profiler | None, part: str, fn: Callable, *args):
+    """``fn(*args)``, its seconds reported to ``profiler`` as ``part`` (no clock read without one)."""
+    if profiler is None:
+        return fn(*args)
+    t0 = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        profiler.add(part, time.perf_counter() - t0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,7 +82,7 @@ class Transformer:
         s = cfg.rope_scaling or {}
         self.pos_scale = 1.0 / float(s["factor"]) if s.get("rope_type", s.get("type")) == "linear" else 1.0
         self._cos = self._sin = torch.empty(0, cfg.head_dim)
-        self.linear = linear  # every weight matmul goes through here (benchmarks time it)
+        self.profiler: Profiler | None = None  # set to time the parts of each forward (bench decode)
         # single-token steps run the layer glue as JIT calls (rowops); Qwen3's q/k norms stay in torch
         self.row_ops = self.device.type == "cpu" and not cfg.qk_norm and weights.norm.dtype == torch.float32
         self._row_norms = (
@@ -131,6 +151,10 @@ class Transformer:
         rowops.silu_mul_row(gate_up, act[0])
         return x + self.linear(torch.from_numpy(act), L.w_down)
 
+    def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Every weight matmul goes through here (the profiler times them)."""
+        return timed(self.profiler, "linear", linear, x, w, bias)
+
     def mlp(self, L: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         return self.linear(self._silu_mul(self.linear(h, L.w_gate_up)), L.w_down)
 
@@ -138,6 +162,9 @@ class Transformer:
         """Final-normed hidden states [n, hidden] for tokens at positions start..start+n-1."""
         x = self.embed(ids)
         cos, sin = self.rope_tables(start, ids.shape[0])
+        if self.profiler is not None:
+            inner, profiler = attend, self.profiler
+            attend = lambda *args: timed(profiler, "attend", inner, *args)  # noqa: E731
         for i in range(self.cfg.n_layers):
             x = self.layer(i, x, start, cos, sin, attend)
         return rms_norm(x, self.w.norm, self.cfg.rms_eps)

