@@ -81,7 +81,7 @@ def load_tokenizer(model: str) -> Tokenizer:
 
 def corpus_prompts(tok: Tokenizer, corpus: str | None, n: int, prompt_len: int, seed: int) -> list[list[int]]:
     """``n`` prompts of ``prompt_len`` token ids, cut from the corpus at seeded offsets."""
-    from ..lab.corpus import load_corpus
+    from ..corpus import load_corpus
 
     text, label = load_corpus(corpus)
     ids = tok.encode(text[: max(200_000, 8 * prompt_len * n)], add_bos=False)
