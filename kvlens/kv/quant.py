@@ -44,7 +44,10 @@ def quantize_q8(x: torch.Tensor, *, check: bool = True) -> tuple[torch.Tensor, t
     if check:
         check_finite(x)
     max_abs = row_max_abs(x)
-    inv = Q8_MAX / max_abs  # float32, as the C engine computes 127/max_abs once per row
+    # float32 127/max_abs once per row, as the C engine does. Not ``Q8_MAX / max_abs``: torch computes a
+    # scalar over a tensor as reciprocal(max_abs) * 127, which is an ulp off in ~1 row of 4 and then flips
+    # a code now and then against the JIT store (kernels/q8store.py), which divides.
+    inv = torch.full_like(max_abs, Q8_MAX).div_(max_abs)
     q = torch.floor(x * inv.unsqueeze(-1) + 0.5).clamp_(-Q8_MAX, Q8_MAX).to(torch.int8)
     return q, max_abs
 
