@@ -260,7 +260,7 @@ def test_output_paths_and_empty_prompt_are_refused_before_the_run(monkeypatch, c
 
 
 def test_corpus_that_is_not_a_file_is_called_so(tmp_path):
-    from kvlens.lab.corpus import CorpusError, load_corpus
+    from kvlens.corpus import CorpusError, load_corpus
 
     with pytest.raises(CorpusError, match="is not a regular file"):
         load_corpus(str(tmp_path))

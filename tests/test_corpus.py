@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlens.lab import corpus
-from kvlens.lab.corpus import (
+from kvlens import corpus
+from kvlens.corpus import (
     CREDIT,
     CorpusError,
     cache_dir_default,

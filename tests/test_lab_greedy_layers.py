@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from kvlens.kv.modes import MODES
-from kvlens.lab.greedy import compare, cut_prompts, first_divergence, greedy_continuation, run_greedy
-from kvlens.lab.layers import channel_ratio, flag_heads, run_layers
+from kvlens.lab.greedy import (
+    GreedyConfig,
+    compare,
+    cut_prompts,
+    first_divergence,
+    greedy_continuation,
+    run_greedy,
+)
+from kvlens.lab.layers import LayersConfig, channel_ratio, flag_heads, run_layers
 
 EXCERPT = Path(__file__).parent / "data" / "excerpt.txt"
 
@@ -80,11 +87,19 @@ def text() -> str:
 
 @pytest.mark.slow
 def test_greedy_base_equals_engine_generation_and_base_mode_agrees(smol_f32, text) -> None:
-    r = run_greedy(smol_f32, text, ["f32", "q8"], "f32", n_prompts=2, prompt_len=24, n_tokens=6)
+    r = run_greedy(smol_f32, text, GreedyConfig(kv=["f32", "q8"], base="f32", prompts=2, ctx=24, tokens=6))
     f32, q8 = r.modes
     assert f32.agreement == 1.0 and f32.first_div == [6, 6] and f32.identical == 2
-    assert 0.0 <= q8.agreement <= 1.0 and all(0 <= d <= 6 for d in q8.first_div)
     assert [len(t) for t in q8.tokens] == [6, 6]
+    # agreement and first divergence written out from the recorded tokens
+    pairs = [
+        (a, b) for qa, ba in zip(q8.tokens, r.base_tokens, strict=True) for a, b in zip(qa, ba, strict=True)
+    ]
+    assert q8.agreement == pytest.approx(sum(a == b for a, b in pairs) / 12, rel=1e-12)
+    assert q8.first_div == [
+        next((i for i, (a, b) in enumerate(zip(qa, ba, strict=True)) if a != b), 6)
+        for qa, ba in zip(q8.tokens, r.base_tokens, strict=True)
+    ]
     # the lab's loop is the engine's greedy generation
     engine = list(smol_f32.generate_ids(r.prompts[1], 6, stop_at_eos=False))
     assert r.base_tokens[1] == engine
@@ -94,7 +109,8 @@ def test_greedy_base_equals_engine_generation_and_base_mode_agrees(smol_f32, tex
 
 @pytest.mark.slow
 def test_layers_f32_exact_q8_not_and_mirror_decode_reads_int8(smol_f32, text) -> None:
-    r = run_layers(smol_f32, text, ["f32", "q8", "q8-k", "q8-v", "q8+mirror"], ctx=48)
+    r = run_layers(smol_f32, text, LayersConfig(kv=["f32", "q8", "q8-k", "q8-v", "q8+mirror"], ctx=48))
+    assert r.median(MODES["q8"]) < 0.2  # a few percent, not garbage
     r.err = {m.name: e for m, e in r.err.items()}
     r.flagged = {m.name: f for m, f in r.flagged.items()}
     cfg = smol_f32.config
@@ -103,7 +119,6 @@ def test_layers_f32_exact_q8_not_and_mirror_decode_reads_int8(smol_f32, text) ->
     assert np.all(r.err["q8"] > 0) and np.all(r.err["q8-k"] > 0) and np.all(r.err["q8-v"] > 0)
     assert np.array_equal(r.err["q8+mirror"], r.err["q8"])
     assert np.all((r.sink >= 0) & (r.sink <= 1)) and np.all(r.k_ratio >= 1)
-    assert r.median(MODES["q8"]) < 0.2  # a few percent, not garbage
 
 
 @pytest.mark.slow
@@ -144,9 +159,8 @@ def smol_int8(smol_path):
 
 @pytest.mark.slow
 def test_greedy_int8_weights_vs_its_own_base_and_vs_f32_weights(smol_f32, smol_int8, text) -> None:
-    r = run_greedy(
-        smol_int8, text, ["f32", "q8"], "f32", n_prompts=2, prompt_len=16, n_tokens=4, ref_llm=smol_f32
-    )
+    cfg = GreedyConfig(kv=["f32", "q8"], base="f32", prompts=2, ctx=16, tokens=4)
+    r = run_greedy(smol_int8, text, cfg, ref_llm=smol_f32)
     f32, q8 = r.modes
     assert r.weights == "int8" and f32.agreement == 1.0  # the KV rows' base is the int8-weights run
     # the reference is f32 weights + f32 KV, continued on its own
@@ -160,7 +174,11 @@ def test_greedy_int8_weights_vs_its_own_base_and_vs_f32_weights(smol_f32, smol_i
         "weights int8 · KV f32 (base)",
         "weights int8 · KV q8",
     ]
-    assert 0.0 <= out["vs_f32_weights"][1]["agreement"] <= 1.0
+    n_tok = sum(len(t) for t in r.ref_tokens)
+    agree = sum(
+        a == b for qa, ra in zip(q8.tokens, r.ref_tokens, strict=True) for a, b in zip(qa, ra, strict=True)
+    )
+    assert out["vs_f32_weights"][1]["agreement"] == pytest.approx(agree / n_tok, rel=1e-12)
 
 
 @pytest.mark.slow

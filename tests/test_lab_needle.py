@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlens.lab.needle import build_prompt, recall_table, run_needle
+from kvlens.lab.needle import NeedleConfig, build_prompt, recall_table, run_needle
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def test_prompt_errors(smol_f32):
 
 def test_short_needle_run(smol_f32):
     filler = open(__file__.replace("test_lab_needle.py", "data/excerpt.txt"), encoding="utf-8").read()
-    rows = run_needle(smol_f32, filler, [328], [0.3], [64], kv="q8")
+    rows = run_needle(smol_f32, filler, NeedleConfig(ctx=[328], depth=[0.3], sparse_budget=[64], kv="q8"))
     assert [r.mode for r in rows] == ["f32 dense", "q8 dense", "q8 quest 64"]
     assert rows[0].recalled  # the model finds a fact 200 tokens back
     table = recall_table(rows)
@@ -40,6 +40,6 @@ def test_short_needle_run(smol_f32):
 
 def test_bad_depth_and_empty_lists_are_refused():
     with pytest.raises(ValueError, match="must lie in"):
-        run_needle(None, "text", [512], [1.5], [0.25])
+        NeedleConfig(ctx=[512], depth=[1.5], sparse_budget=[0.25])
     with pytest.raises(ValueError, match="at least one context"):
-        run_needle(None, "text", [], [0.5], [0.25])
+        NeedleConfig(ctx=[], depth=[0.5], sparse_budget=[0.25])

@@ -11,18 +11,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from bounds import f32_forward_tol
 
 from kvlens.kv.modes import MODES
+from kvlens.lab.common import parse_modes
 from kvlens.lab.ppl import (
     MIRROR_NOTE,
     BaseLogProbs,
+    PplConfig,
     chunk_metrics,
     make_chunks,
     run_ppl,
     scored_logits,
     scored_span,
 )
-from kvlens.lab.report import parse_modes
 from kvlens.lab.stats import token_metrics
 
 EXCERPT = Path(__file__).parent / "data" / "excerpt.txt"
@@ -116,7 +118,7 @@ def _nll0(x: float) -> float:
 def test_protocol_by_hand_with_a_fake_model() -> None:
     llm = _FakeLLM(add_bos=True)
     # BOS + 13 zeros = 14 tokens -> 2 chunks of 6 (tail of 2 dropped); positions 3, 4 of each chunk scored
-    r = run_ppl(llm, " ".join(["0"] * 13), ctx=6, modes=["q8"], prefill_chunk=2)
+    r = run_ppl(llm, " ".join(["0"] * 13), PplConfig(ctx=6, kv=["q8"], prefill_chunk=2))
     assert r.chunks == 2 and r.tokens_scored == 4 and r.bos_id == 7
     base_calls = [s for s in llm.seen if s[0] == "f32"]
     q8_calls = [s for s in llm.seen if s[0] == "q8"]
@@ -136,18 +138,18 @@ def test_protocol_by_hand_with_a_fake_model() -> None:
 
 def test_no_bos_when_the_tokenizer_adds_none() -> None:
     llm = _FakeLLM(add_bos=False)
-    r = run_ppl(llm, " ".join(str(i % 3) for i in range(12)), ctx=6, modes=["f16"])
+    r = run_ppl(llm, " ".join(str(i % 3) for i in range(12)), PplConfig(ctx=6, kv=["f16"]))
     assert r.bos_id is None and llm.seen[0][2] == [0, 1, 2, 0, 1, 2]
 
 
 def test_non_f32_base_uses_the_sub_chunks_too() -> None:
     llm = _FakeLLM(add_bos=False)
-    run_ppl(llm, " ".join(["0"] * 6), ctx=6, modes=["q8"], base="f16", prefill_chunk=3)
+    run_ppl(llm, " ".join(["0"] * 6), PplConfig(ctx=6, kv=["q8"], base="f16", prefill_chunk=3))
     assert {(kv, c) for kv, c, _ in llm.seen} == {("f16", 3), ("q8", 3)}
 
 
 def test_f32_weights_add_no_rows() -> None:
-    r = run_ppl(_FakeLLM(add_bos=False), " ".join(["0"] * 12), ctx=6, modes=["q8"])
+    r = run_ppl(_FakeLLM(add_bos=False), " ".join(["0"] * 12), PplConfig(ctx=6, kv=["q8"]))
     assert r.weights == "f32" and r.vs_f32_weights == [] and r.ref_seconds == 0.0
     assert r.to_json()["vs_f32_weights"] == [] and r.to_json()["weights"] == "f32"
 
@@ -155,7 +157,7 @@ def test_f32_weights_add_no_rows() -> None:
 def test_weights_cost_rows_by_hand_with_a_fake_model() -> None:
     # int8 "weights" add 0.25 to every logit of token 0; the reference (f32 weights) adds nothing
     llm, ref = _FakeLLM(add_bos=False, weights="int8", wshift=0.25), _FakeLLM(add_bos=False)
-    r = run_ppl(llm, " ".join(["0"] * 12), ctx=6, modes=["f32", "q8"], prefill_chunk=2, ref_llm=ref)
+    r = run_ppl(llm, " ".join(["0"] * 12), PplConfig(ctx=6, kv=["f32", "q8"], prefill_chunk=2), ref_llm=ref)
     assert r.weights == "int8"
     assert ref.seen == [("f32", 6, [0] * 6)] * 2  # the reference: f32 KV, one pass, once per chunk
     # KV rows are measured against the base with the same (int8) weights: f32 is exact, q8 costs
@@ -186,7 +188,7 @@ def text() -> str:
 @pytest.mark.slow
 def test_f32_equals_float64_hf_perplexity(smol_f32, hf_smol, text) -> None:
     ctx, n = 64, 2
-    r = run_ppl(smol_f32, text, ctx, ["f32"], n_chunks=n)
+    r = run_ppl(smol_f32, text, PplConfig(ctx=ctx, kv=["f32"], chunks=n))
     tok = smol_f32.tokenizer
     chunks = make_chunks(tok.encode(text), ctx, n, tok.bos_id if tok.add_bos else None)
     nll = []
@@ -205,42 +207,39 @@ def test_f32_equals_float64_hf_perplexity(smol_f32, hf_smol, text) -> None:
 
 
 @pytest.mark.slow
-def test_q8_is_read_and_sub_chunk_size_changes_q8_not_f32(smol_f32, text) -> None:
+def test_q8_is_read_and_sub_chunk_size_leaves_f32_alone(smol_f32, text) -> None:
     # The engine writes each sub-chunk to the cache before attending it, so every query reads int8
-    # rows at any sub-chunk size; the size changes q8 only through float rounding of K/V (~1e-6) that
-    # flips int8 rounding decisions, which then cascade through the layers. 16/32/64 happen to be
-    # bitwise identical on CPU (same GEMM blocking), 8 is not.
-    a = run_ppl(smol_f32, text, 32, ["q8", "q8+mirror"], n_chunks=2, prefill_chunk=8)
-    b = run_ppl(smol_f32, text, 32, ["q8"], n_chunks=2, prefill_chunk=32)
+    # rows at any sub-chunk size. (Whether two q8 runs at different sub-chunk sizes differ depends on
+    # the CPU's GEMM blocking — f32 rounding flips int8 codes — so nothing is asserted about that.)
+    a = run_ppl(smol_f32, text, PplConfig(ctx=32, kv=["q8", "q8+mirror"], chunks=2, prefill_chunk=8))
+    b = run_ppl(smol_f32, text, PplConfig(ctx=32, kv=["q8"], chunks=2, prefill_chunk=32))
     q8, mirror = a.modes
-    assert q8.stats["ppl_q"] != q8.stats["ppl_base"]  # the int8 rows were read
-    assert q8.stats["kld_mean"] > 1e-5 and b.modes[0].stats["kld_mean"] > 1e-5
-    assert q8.stats["ppl_q"] != b.modes[0].stats["ppl_q"]
+    assert q8.stats["kld_mean"] > 1e-5 and b.modes[0].stats["kld_mean"] > 1e-5  # the int8 rows were read
     assert a.modes[0].stats["ppl_base"] == b.modes[0].stats["ppl_base"]
     # the seed's mirror: prefill reads the exact copy, so nothing of q8 shows
     assert mirror.stats["kld_mean"] < 1e-9 and mirror.note == MIRROR_NOTE
-    # f32 as a test mode (base q8) is chunk-invariant: sub-chunk 8 vs 32 gives the same PPL
-    c = run_ppl(smol_f32, text, 32, ["f32"], base="q8", n_chunks=1, prefill_chunk=8)
-    d = run_ppl(smol_f32, text, 32, ["f32"], base="q8", n_chunks=1, prefill_chunk=32)
-    assert c.modes[0].stats["ppl_q"] == pytest.approx(d.modes[0].stats["ppl_q"], rel=1e-6)
-    assert c.modes[0].stats["ppl_base"] != d.modes[0].stats["ppl_base"]
+    # f32 as a test mode (base q8) is chunk-invariant up to f32 rounding: ln PPL moves by at most
+    # 2 max|Δlogit|, and Δlogit <= 2 f32_forward_tol (SmolLM2's logits stay below 60 in magnitude)
+    c = run_ppl(smol_f32, text, PplConfig(ctx=32, kv=["f32"], base="q8", chunks=1, prefill_chunk=8))
+    d = run_ppl(smol_f32, text, PplConfig(ctx=32, kv=["f32"], base="q8", chunks=1, prefill_chunk=32))
+    tol = 4 * f32_forward_tol(smol_f32.config, torch.tensor(60.0))
+    assert abs(math.log(c.modes[0].stats["ppl_q"] / d.modes[0].stats["ppl_q"])) <= tol
 
 
 @pytest.mark.slow
-def test_scored_logits_f32_invariant_q8_not(smol_f32, text) -> None:
+def test_scored_logits_f32_invariant_and_one_pass_reads_int8(smol_f32, text) -> None:
     chunk = smol_f32.tokenizer.encode(text)[:48]
     f8, f48 = (scored_logits(smol_f32, chunk, "f32", pc, 24) for pc in (8, 48))
-    q8, q48 = (scored_logits(smol_f32, chunk, "q8", pc, 24) for pc in (8, 48))
+    q48 = scored_logits(smol_f32, chunk, "q8", 48, 24)
     assert f8.shape == (23, smol_f32.config.vocab)
-    assert (f8 - f48).abs().max().item() < 1e-4
-    assert (q8 - q48).abs().max().item() > 1e-3
+    assert (f8 - f48).abs().max().item() <= 2 * f32_forward_tol(smol_f32.config, f48)  # two f32 passes
     assert (q48 - f48).abs().max().item() > 1e-3  # one pass still reads int8: rows are written first
 
 
 @pytest.mark.slow
 def test_too_short_corpus_through_run_ppl(smol_f32) -> None:
     with pytest.raises(ValueError, match=r"needs at least 512 tokens"):
-        run_ppl(smol_f32, "A short text.", 512, ["q8"])
+        run_ppl(smol_f32, "A short text.", PplConfig(ctx=512, kv=["q8"]))
 
 
 @pytest.fixture(scope="module")
@@ -268,17 +267,17 @@ def fake_load(monkeypatch, smol_f32, smol_int8):
 
 @pytest.mark.slow
 def test_int8_weights_kv_rows_use_an_int8_base_and_reference_rows_use_f32(smol_f32, smol_int8, text) -> None:
-    r = run_ppl(smol_int8, text, 32, ["f32", "q8"], n_chunks=1, ref_llm=smol_f32)
+    r = run_ppl(smol_int8, text, PplConfig(ctx=32, kv=["f32", "q8"], chunks=1), ref_llm=smol_f32)
     f32, q8 = r.modes
     # a KV mode equal to the base, with the same int8 weights: exactly 0 (the base is the int8 run)
     assert f32.stats["kld_mean"] == 0.0 and f32.stats["ppl_q"] == f32.stats["ppl_base"]
     assert q8.stats["kld_mean"] > 0
     w, wq8 = r.vs_f32_weights
     assert (r.weights, w.mode.name, wq8.mode.name) == ("int8", "f32", "q8")
-    assert w.stats["kld_mean"] > 0 and wq8.stats["kld_mean"] >= 0  # int8 weights cost something
+    assert w.stats["kld_mean"] > 0 and wq8.stats["kld_mean"] > 0  # int8 weights (and q8 KV) cost something
     assert w.stats["ppl_q"] == f32.stats["ppl_base"] and wq8.stats["ppl_q"] == q8.stats["ppl_q"]
     # the reference is f32 weights + f32 KV: the f32 lab's base
-    plain = run_ppl(smol_f32, text, 32, ["f32"], n_chunks=1)
+    plain = run_ppl(smol_f32, text, PplConfig(ctx=32, kv=["f32"], chunks=1))
     assert w.stats["ppl_base"] == pytest.approx(plain.modes[0].stats["ppl_base"], rel=1e-9)
 
 
@@ -333,7 +332,7 @@ def test_cli_int8_weights_json_text_and_report(fake_load, tmp_path) -> None:
         ("weights int8 · KV f32 (base)", "f32"),
         ("weights int8 · KV q8", "q8"),
     ]
-    assert rows[0]["kld_mean"] > 0 and rows[1]["kld_mean"] >= 0 and rows[1]["tokens_scored"] == 15
+    assert rows[0]["kld_mean"] > 0 and rows[1]["kld_mean"] > 0 and rows[1]["tokens_scored"] == 15
     md = (tmp_path / "ppl.md").read_text()
     assert "## cost vs f32 weights + f32 KV" in md and "int8 · q8" in md
     text_out = CliRunner().invoke(app, args)
@@ -364,7 +363,8 @@ def test_attn_backend_scores_test_modes_as_decode_steps() -> None:
     """--attn-backend: the test mode prefills up to the first scored position, then one decode step
     per scored position through that backend; the base keeps its one-pass torch prefill."""
     llm = _FakeDecodeLLM()
-    r = run_ppl(llm, " ".join(["0"] * 13), ctx=6, modes=["q8"], prefill_chunk=2, attn_backend="numba-int16")
+    cfg = PplConfig(ctx=6, kv=["q8"], prefill_chunk=2, attn_backend="numba-int16")
+    r = run_ppl(llm, " ".join(["0"] * 13), cfg)
     assert [c[:2] for c in llm.seen] == [("f32", 6), ("q8", 2)] * 2  # base whole chunk, q8 prefix
     assert [len(c[2]) for c in llm.seen if c[0] == "q8"] == [4, 4]  # positions 0..3 (3 = first scored)
     assert llm.steps == [("q8", 4, False)] * 2  # position 4 as a decode step

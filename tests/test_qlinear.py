@@ -115,7 +115,8 @@ def test_tiny_gguf_auto_weights_repack_exactly(tmp_path, qtype):
             assert getattr(qa, field).kind == want
             assert torch.equal(getattr(qa, field).dequantize(), getattr(fa, field))
     ids = [5, 17, 200, 33, 41, 9]
-    assert (auto.logits(ids) - f32.logits(ids)).abs().max().item() < 1e-4
+    ref = f32.logits(ids)  # the same weight values: the two f32 passes differ by rounding only
+    assert (auto.logits(ids) - ref).abs().max().item() <= 2 * f32_forward_tol(f32.config, ref)
 
 
 def hf_with_weights(hf, w, cfg) -> torch.nn.Module:
@@ -174,7 +175,8 @@ def test_smollm2_auto_is_the_file_itself(smol_path, smol_loaded, smol_f32):
     for qa, fa in zip(w.layers, smol_loaded.weights.layers, strict=True):
         assert torch.equal(qa.wqkv.dequantize(), fa.wqkv)  # q/k un-permuted like the float path
     ids = llm.tokenizer.encode(PROMPTS[0])
-    assert (llm.logits(ids) - smol_f32.logits(ids)).abs().max().item() < 1e-3
+    ref = smol_f32.logits(ids)  # the same weight values: the two f32 passes differ by rounding only
+    assert (llm.logits(ids) - ref).abs().max().item() <= 2 * f32_forward_tol(llm.config, ref)
     f32_bytes = sum(t.numel() * 4 for L in smol_loaded.weights.layers for t in (L.wqkv, L.w_gate_up))
     assert sum(L.wqkv.nbytes + L.w_gate_up.nbytes for L in w.layers) < f32_bytes / 5
 

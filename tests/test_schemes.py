@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from kvlens.kv.quant import NonFiniteError, dequantize_q8, quantize_q8
-from kvlens.kv.schemes import SCHEMES, _from_groups, _roundf, _to_groups, get_scheme
+from kvlens.kv.schemes import SCHEMES, _from_groups, _to_groups, get_scheme
+from kvlens.models.blockquant import roundf
 
 NAMES = list(SCHEMES)
 EPS = float(torch.finfo(torch.float32).eps)
@@ -124,7 +125,7 @@ def test_q8_is_the_seed_rule():
 
 def test_roundf_is_half_away_from_zero():
     y = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 0.49999997, -0.49999997, 3.0])
-    assert _roundf(y).tolist() == [1.0, 2.0, 3.0, -1.0, -3.0, 0.0, 0.0, 3.0]
+    assert roundf(y).tolist() == [1.0, 2.0, 3.0, -1.0, -3.0, 0.0, 0.0, 3.0]
 
 
 def test_q8_0_matches_llama_cpp_arithmetic():

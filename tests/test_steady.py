@@ -70,9 +70,10 @@ def test_import_keeps_user_env():
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads")
-def test_set_threads_sets_both():
+def test_set_threads_sets_both(monkeypatch):
     import torch
 
+    monkeypatch.setattr(threads, "_user_count", threads._user_count)  # restored afterwards
     before = torch.get_num_threads()
     try:
         threads.set_threads(1)
@@ -93,5 +94,79 @@ def test_run_serial_if_one_thread_then_restores():
         with pytest.raises(ZeroDivisionError):
             threads.run_serial_if(True, lambda: 1 / 0)
         assert numba.get_num_threads() == 2  # restored after an error too
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_others_running_subtracts_own_threads():
+    calls = []
+
+    def own() -> int:
+        calls.append(1)
+        return 3
+
+    assert threads.others_running("0.61 0.82 0.47 1/213 4242", own) == 0 and not calls  # only us: not asked
+    assert threads.others_running("11.2 8.1 4.0 7/380 4242", own) == 4 and calls
+    assert threads.others_running("1.9 1.9 1.9 2/380 4242", lambda: 2) == 0  # our two threads only
+
+
+@pytest.mark.parametrize(
+    ("threads_", "cpus", "others", "want"),
+    [(2, 2, 0, 2), (2, 2, 1, 1), (2, 2, 9, 1), (8, 16, 10, 6), (4, 16, 3, 4), (1, 2, 0, 1)],
+)
+def test_step_threads(threads_, cpus, others, want):
+    assert threads.step_threads(threads_, cpus, others) == want
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads")
+def test_decode_threads_keeps_a_count_the_user_fixed(monkeypatch):
+    """A thread count the user set (env, ``--threads``) holds on a busy machine too; otherwise a step
+    runs on the CPUs left free (here: /proc/loadavg says 40 tasks run, i.e. the machine is busy)."""
+    monkeypatch.setattr(threads, "others_running", lambda text, own: 40)
+    numba.set_num_threads(2)
+    try:
+        monkeypatch.setattr(threads, "_user_count", True)
+        with threads.decode_threads() as n:
+            assert n == numba.get_num_threads() == 2
+        monkeypatch.setattr(threads, "_user_count", False)
+        with threads.decode_threads() as n:
+            assert n == numba.get_num_threads() == 1
+        assert numba.get_num_threads() == 2  # restored after the step
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_user_thread_env_fixes_the_count():
+    code = "import kvlens.kernels.threads as t; print(t._user_count)"
+    env = {k: v for k, v in os.environ.items() if k not in threads.THREADS_ENV}
+    run = [sys.executable, "-c", code]
+    assert subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.strip() == "False"
+    env["OMP_NUM_THREADS"] = "2"
+    assert subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout.strip() == "True"
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads")
+def test_busy_step_gives_the_same_attention_bits(monkeypatch):
+    """A decode step on fewer threads divides the sequence for the same count (split_threads), so its
+    attention output is bit-identical to a quiet step's: results never depend on the machine's load."""
+    import numpy as np
+
+    from kvlens.kernels.cpu import decode_attention_q8
+
+    rng = np.random.default_rng(0)
+    n_heads, n_kv, hd, ctx = 9, 3, 64, 1500  # above the serial size: split over threads
+    q = rng.standard_normal((n_heads, hd), dtype=np.float32)
+    k, v = (rng.integers(-127, 128, (n_kv, ctx, hd), dtype=np.int8) for _ in range(2))
+    ks, vs = (rng.random((n_kv, ctx), dtype=np.float32) for _ in range(2))
+    numba.set_num_threads(2)
+    try:
+        quiet = decode_attention_q8(q, k, ks, v, vs, ctx, np.zeros_like(q))
+        monkeypatch.setattr(threads, "_user_count", False)
+        monkeypatch.setattr(threads, "others_running", lambda text, own: 40)
+        with threads.decode_threads() as n:
+            assert n == 1 and threads.split_threads() == 2
+            busy = decode_attention_q8(q, k, ks, v, vs, ctx, np.zeros_like(q))
+        assert threads.split_threads() == 2
+        np.testing.assert_array_equal(busy, quiet)
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)

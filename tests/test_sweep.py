@@ -209,14 +209,14 @@ def test_cell_is_the_lab_run_with_the_cell_settings(tmp_path, tiny_gguf):
     """A stored ppl cell holds exactly what `run_ppl` returns for that cell's settings, and the
     indexed columns are that result's fields."""
     import kvlens
-    from kvlens.lab.ppl import run_ppl
+    from kvlens.lab.ppl import PplConfig, run_ppl
 
     spec = load_spec(write_spec(tmp_path, tiny_gguf, "[ppl]\nchunks = 2\nprefill_chunk = 16\n", kv=["q8-k"]))
     db = tmp_path / "s.sqlite"
     run_sweep(spec, db, LocalExecutor(0, 1), show_progress=False)
     (row,) = stored(db)
     llm = kvlens.load(str(tiny_gguf), kv="f32", attn_backend="torch", weights="f32")
-    direct = run_ppl(llm, EXCERPT.read_text(), ctx=64, modes=["q8-k"], n_chunks=2, prefill_chunk=16)
+    direct = run_ppl(llm, EXCERPT.read_text(), PplConfig(ctx=64, kv=["q8-k"], chunks=2, prefill_chunk=16))
     mode = direct.modes[0]
     assert row["result"]["modes"]["q8-k"]["stats"] == json.loads(json.dumps(mode.stats))
     assert (row["result"]["chunks"], row["result"]["prefill_chunk"]) == (2, 16)

@@ -31,9 +31,10 @@ import importlib.util
 import math
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numba
@@ -45,6 +46,7 @@ from ..kernels.cpu import decode_attention
 from ..kernels.cpu_int import IntAttn, decode_attention_int
 from ..kernels.gpu import decode_attention_triton  # imports triton only when called
 from ..kernels.reference import sdpa_attention
+from ..kernels.threads import set_threads
 from ..kv.cache import RowStore
 from ..kv.modes import MODES, KVMode, StoreKind
 from .spread import OtherLoad, Spread, spread, spread_warning
@@ -236,6 +238,26 @@ def time_cells(cells: dict, n_layers: dict, reps: int, device_of: dict, min_roun
     return times
 
 
+def check_cells(
+    modes: list[str], shapes: list[str], backends: list[str] | None
+) -> tuple[list[str], torch.device | None]:
+    """Refuse unknown modes, shapes and backends; returns the backends (None: every one that runs
+    here) and the device the triton backend runs on (None: nowhere)."""
+    bad_mode = next((m for m in modes if m not in MODES or MODES[m].mirror), None)
+    if bad_mode:
+        raise ValueError(f"mode {bad_mode!r}: bench attention takes f32, f16, bf16, q8, q8-k, q8-v")
+    if any(s not in SHAPES for s in shapes):
+        raise ValueError(f"unknown shape in {shapes}; choose from {', '.join(SHAPES)}")
+    tdev = triton_device()
+    if backends is None:
+        backends = list(CPU_BACKENDS) + (["triton"] if tdev is not None and tdev.type == "cuda" else [])
+    if any(b not in ALL_BACKENDS and IntAttn.parse(b) is None for b in backends):
+        raise ValueError(f"unknown backend in {backends}; choose from {', '.join(ALL_BACKENDS)}")
+    if "triton" in backends and tdev is None:
+        raise ValueError("the triton backend needs triton and a CUDA device (or TRITON_INTERPRET=1)")
+    return backends, tdev
+
+
 def run_attention_bench(
     contexts: list[int],
     shapes: list[str],
@@ -252,18 +274,7 @@ def run_attention_bench(
     """Time every (shape, ctx, mode, backend) cell; returns the rows and the bandwidths per device.
 
     ``llc`` overrides the last-level cache size the working set is sized from (tests: 1 = one layer)."""
-    bad_mode = next((m for m in modes if m not in MODES or MODES[m].mirror), None)
-    if bad_mode:
-        raise ValueError(f"mode {bad_mode!r}: bench attention takes f32, f16, bf16, q8, q8-k, q8-v")
-    if any(s not in SHAPES for s in shapes):
-        raise ValueError(f"unknown shape in {shapes}; choose from {', '.join(SHAPES)}")
-    tdev = triton_device()
-    if backends is None:
-        backends = list(CPU_BACKENDS) + (["triton"] if tdev is not None and tdev.type == "cuda" else [])
-    if any(b not in ALL_BACKENDS and IntAttn.parse(b) is None for b in backends):
-        raise ValueError(f"unknown backend in {backends}; choose from {', '.join(ALL_BACKENDS)}")
-    if "triton" in backends and tdev is None:
-        raise ValueError("the triton backend needs triton and a CUDA device (or TRITON_INTERPRET=1)")
+    backends, tdev = check_cells(modes, shapes, backends)
     cpu = torch.device("cpu")
     devices = {cpu} | ({tdev} if "triton" in backends else set())
     bandwidth = dict(bandwidth or {})
@@ -398,3 +409,52 @@ def render_prefill(shape: str, history: int, chunk: int, res: dict[str, tuple[fl
     print("| mode | read history as f32 (ms) | SDPA (ms) | read / SDPA |\n|---|---|---|---|")
     for m, (rd, sd) in res.items():
         print(f"| {m} | {rd:.3f} | {sd:.3f} | {rd / sd:.2f} |")
+
+
+@dataclass
+class AttentionBenchConfig:
+    """``kvlens bench attention``: every (shape, context, mode, backend) cell (``backend`` None: all
+    that run here), ``reps`` interleaved rounds; with ``sparse`` (methods) dense q8 vs sparse q8 at
+    each of ``sparse_budget`` tokens instead."""
+
+    ctx: list[int] = field(default_factory=lambda: [1024, 4096, 16384, 65536])
+    shape: list[str] = field(default_factory=lambda: ["smollm2", "8b"])
+    kv: list[str] = field(default_factory=lambda: ["f32", "f16", "q8"])
+    backend: list[str] | None = None
+    threads: int | None = None
+    reps: int = 5
+    mem_gib: float = 3.0
+    prefill: bool = False
+    sparse: list[str] | None = None
+    sparse_budget: list[int] = field(default_factory=lambda: [1024, 2048])
+
+
+def main(cfg: AttentionBenchConfig, json_out: bool = False) -> None:
+    """The body of ``kvlens bench attention`` (``--sparse``: :mod:`.sparse`)."""
+    from ..report import CommandOutput, run_command
+    from . import sparse
+    from .spread import LoadMeter
+
+    set_threads(cfg.threads)
+    if cfg.sparse:
+        output = CommandOutput(sparse.render, list)
+        run_command("bench attention", 0, lambda _step: sparse.run(cfg), output, json_out)
+        return
+    say = None if json_out else lambda s: print(f"  {s}", file=sys.stderr)
+    meter = LoadMeter()  # other processes' CPU during the run, named by the spread warnings
+
+    def run(_step: Callable[[str], None]) -> tuple[list[AttnRow], dict[str, Bandwidth]]:
+        rows, bw = run_attention_bench(
+            cfg.ctx, cfg.shape, cfg.kv, cfg.backend, cfg.reps, cfg.mem_gib, progress=say
+        )
+        for line in spread_warnings(rows, meter.read()):
+            print(line, file=sys.stderr)
+        return rows, bw
+
+    def show(result: tuple[list[AttnRow], dict[str, Bandwidth]]) -> None:
+        render(*result)
+        if cfg.prefill:
+            render_prefill("smollm2", 4096, 32, time_prefill_read("smollm2", 4096, 32))
+
+    output = CommandOutput(show, lambda result: [r.as_dict() for r in result[0]])
+    run_command("bench attention", 0, run, output, json_out)

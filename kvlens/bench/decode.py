@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import psutil
 import torch
 
 from ..engine.llm import LLM
 from ..kv.cache import KVCache
+from ..kv.modes import KVMode
+from .llama_cpp import find_binary
 from .spread import LoadMeter, Spread, spread, spread_warning
 
 ROUNDS = 5  # timed rounds per (weights, mode, context) in ``kvlens bench decode``
@@ -57,7 +59,7 @@ class DecodeRow:
 
 def corpus_ids(llm: LLM, n: int) -> list[int]:
     """n real-text token ids (the default corpus, repeated if it is short)."""
-    from ..lab.corpus import load_corpus
+    from ..corpus import load_corpus
 
     text, _ = load_corpus(None)
     ids = llm.tokenizer.encode(text)
@@ -76,42 +78,26 @@ def fill_cache(llm: LLM, source: KVCache, mode: str, length: int, capacity: int)
 
 
 class _StepClock:
-    """Sums the seconds spent inside ``attend``, ``cache.write`` and the weight matmuls while installed.
+    """Sums the seconds the engine reports inside ``attend``, the KV write and the weight matmuls, as the
+    model's profiler (:class:`kvlens.models.transformer.Profiler`) while installed: the timed step is
+    the engine's own forward; a few perf_counter calls per layer cost ~1 µs each."""
 
-    It wraps the ``attend`` callback that ``llm.forward`` hands to ``model.forward`` (the documented
-    AttendFn contract), the cache's ``write`` and the model's ``linear``, on these instances only, so
-    the timed step is the engine's own forward; a few perf_counter calls per layer cost ~1 µs each."""
+    _PARTS = {"attend": "attend_s", "kv_write": "write_s", "linear": "linear_s"}
 
-    def __init__(self, llm: LLM, cache: KVCache) -> None:
-        self.model, self.cache = llm.model, cache
-        self.attend_s = self.write_s = self.linear_s = 0.0
+    def __init__(self, llm: LLM) -> None:
+        self.model = llm.model
+        self.reset()
 
-    def _timed(self, fn, total: str):
-        """``fn`` that also adds its seconds to ``self.<total>``."""
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
-
-        return timed
+    def add(self, part: str, seconds: float) -> None:
+        name = self._PARTS[part]
+        setattr(self, name, getattr(self, name) + seconds)
 
     def __enter__(self) -> _StepClock:
-        forward, self._linear = self.model.forward, self.model.linear
-
-        def timed_forward(ids, start, attend):
-            return forward(ids, start, self._timed(attend, "attend_s"))
-
-        # instance attributes over the class methods, on these two objects only
-        self.model.forward, self.cache.write = timed_forward, self._timed(self.cache.write, "write_s")
-        self.model.linear = self._timed(self._linear, "linear_s")
+        self.model.profiler = self
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.model.forward, self.cache.write  # back to the class methods
-        self.model.linear = self._linear
+        self.model.profiler = None
 
     def reset(self) -> None:
         self.attend_s = self.write_s = self.linear_s = 0.0
@@ -126,12 +112,12 @@ def time_decode(
     layers); the cache is rewound after every step."""
     tok = 198  # any id: the cost of a step does not depend on it
     timed: list[tuple[float, float, float, float]] = []
-    with _StepClock(llm, cache) as clock:
+    with _StepClock(llm) as clock:
         for i in range(warmup + steps):
             clock.reset()
             t0 = time.perf_counter()
             h = llm.forward([tok], cache, pos, prefill=False, backend=backend)
-            llm.model.logits(h)
+            llm.lm_head(h)
             if h.device.type == "cuda":  # the step's total is then right; its split is launch time only
                 torch.cuda.synchronize(h.device)
             if i >= warmup:
@@ -323,57 +309,63 @@ def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
     return out
 
 
-def cli(
-    model: str,
-    contexts: list[int],
-    kv: str,
-    weights: str,
-    steps: int,
-    attn_backend: str,
-    hf: bool,
-    hf_max_ctx: int,
-    llama_bench: str | None,
-    json_out: bool,
-) -> None:
+@dataclass
+class DecodeBenchConfig:
+    """``kvlens bench decode``: every weights mode × KV mode × context, ``steps`` timed decode steps
+    each; HF transformers beside it up to ``hf_max_ctx``, llama-bench (``vs_llama_cpp``) if given."""
+
+    model: str = "smollm2"
+    ctx: list[int] = field(default_factory=lambda: [512, 2048, 4096])
+    kv: list[str] = field(default_factory=lambda: ["f32", "f16", "q8"])
+    weights: list[str] = field(default_factory=lambda: ["auto"])
+    steps: int = 12
+    attn_backend: str = "auto"
+    hf: bool = True
+    hf_max_ctx: int = 2048
+    vs_llama_cpp: str | None = None
+
+    def __post_init__(self) -> None:
+        from ..models.loader import check_weights_mode
+
+        for m in self.kv:
+            KVMode.parse(m)
+        for w in self.weights:
+            check_weights_mode(w)
+        if self.vs_llama_cpp:
+            find_binary(self.vs_llama_cpp)  # fail before the long run
+
+
+def main(cfg: DecodeBenchConfig, json_out: bool = False) -> None:
     """The body of ``kvlens bench decode``."""
-    import json
     import sys
 
     import kvlens
 
-    from ..kv.modes import KVMode
-    from ..lab.report import print_table
-    from ..models.loader import check_weights_mode
-    from .llama_cpp import find_binary
+    from ..report import dump_json, print_table
 
-    modes = [m for m in kv.split(",") if m]
-    weight_modes = [w for w in weights.split(",") if w]
-    for m in modes:
-        KVMode.parse(m)
-    for w in weight_modes:
-        check_weights_mode(w)
-    if llama_bench:
-        find_binary(llama_bench)  # fail before the long run
-    llms = [kvlens.load(model, kv=modes[0], attn_backend=attn_backend, weights=w) for w in weight_modes]
-    if llama_bench and llms[0].source.suffix != ".gguf":
+    llms = [
+        kvlens.load(cfg.model, kv=cfg.kv[0], attn_backend=cfg.attn_backend, weights=w) for w in cfg.weights
+    ]
+    if cfg.vs_llama_cpp and llms[0].source.suffix != ".gguf":
         raise ValueError("--vs-llama-cpp needs a GGUF model")
     rows: list[DecodeRow] = []
     meter = LoadMeter()
-    for c in contexts:
+    for c in cfg.ctx:
         rows += run_decode_bench(
-            llms, [c], modes, steps, rounds=ROUNDS, with_hf=hf and c <= hf_max_ctx, llama_bench=llama_bench,
+            llms, [c], cfg.kv, cfg.steps, rounds=ROUNDS, with_hf=cfg.hf and c <= cfg.hf_max_ctx,
+            llama_bench=cfg.vs_llama_cpp,
             progress=None if json_out else lambda c: print(f"  ctx {c} done", file=sys.stderr),
         )  # fmt: skip
     load = meter.read()
     if json_out:
-        print(json.dumps([r.as_dict() for r in rows], indent=1))
+        print(dump_json([r.as_dict() for r in rows], indent=1))
     else:
         first = llms[0]
         title = (
             f"decode, {first.source.name}, {first.config.n_layers} layers, {torch.get_num_threads()} threads; "
-            f"tok/s = median of {ROUNDS} rounds of {steps} steps, min–max over the rounds"
+            f"tok/s = median of {ROUNDS} rounds of {cfg.steps} steps, min–max over the rounds"
         )
-        print_table(title, TABLE_HEADERS, table_rows(rows, modes[0]), width=190)
+        print_table(title, TABLE_HEADERS, table_rows(rows, cfg.kv[0]), width=190)
     for r in rows:
         if r.spread is not None:
             line = spread_warning(f"{r.engine} {r.weights} {r.mode} ctx {r.ctx} tok/s", r.spread, load)

@@ -8,7 +8,7 @@ pays. Variants are interleaved and repeated; the median of each is reported.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -29,9 +29,6 @@ class SparseRow:
     budget: int
     us_per_call: float
     speedup_vs_dense: float
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _cache(shape: str, ctx: int, seed: int = 0) -> KVCache:
@@ -94,3 +91,9 @@ def render(rows: list) -> None:
             r.shape, str(r.ctx), r.variant, str(r.budget), f"{r.us_per_call:.0f}", f"{r.speedup_vs_dense:.2f}"
         )
     Console().print(t)
+
+
+def run(cfg) -> list[SparseRow]:
+    """``bench attention --sparse``: :class:`~kvlens.bench.attention.AttentionBenchConfig`'s contexts,
+    shapes, methods and budgets (at least 5 rounds)."""
+    return run_sparse_bench(cfg.ctx, cfg.shape, cfg.sparse_budget, cfg.sparse, reps=max(cfg.reps, 5))

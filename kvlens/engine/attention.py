@@ -21,7 +21,8 @@ from ..kernels.cpu_int import BACKEND_QBITS, IntAttn
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
 from ..kv.cache import BLOCK, KVCache
-from ..models.transformer import AttendFn
+from ..kv.pool import PagedKV
+from ..models.transformer import AttendFn, Profiler, timed
 
 BACKENDS = ("auto", "torch", "numba", "triton", *BACKEND_QBITS)
 
@@ -101,11 +102,12 @@ def select_blocks(
 
 
 def make_attend(
-    cache: KVCache,
+    cache: KVCache | PagedKV,
     prefill: bool,
     backend: str = "torch",
     window: int | None = None,
     sparse: SparseConfig | None = None,
+    profiler: Profiler | None = None,
 ) -> AttendFn:
     """An ``attend`` callback for one forward pass (``prefill`` says which phase the mirror mode sees).
 
@@ -121,17 +123,21 @@ def make_attend(
     use_kernel = kernel is not None and not cache.options.keeps_exact and window is None
     if sparse is not None and cache.bounds is None:
         raise ValueError("sparse decode needs a cache created with track_blocks=True")
+    paged = isinstance(cache, PagedKV)  # the kernels then read through its block table
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         n = q.shape[1]
-        cache.write(layer, start, k, v)
+        timed(profiler, "kv_write", cache.write, layer, start, k, v)
         end = start + n
         decode = n == 1 and not prefill
         blocks = None
         if decode and sparse is not None and sparse.applies(layer, end):
             blocks = select_blocks(q[:, 0], cache, layer, end, sparse)
         if use_kernel and decode:
-            return kernel(q[:, 0], cache.k[layer], cache.v[layer], end, blocks=blocks).unsqueeze(1)
+            table = cache.table if paged else None
+            return kernel(q[:, 0], cache.k[layer], cache.v[layer], end, blocks=blocks, table=table).unsqueeze(
+                1
+            )
         k_all, v_all = cache.read(layer, end, prefill=prefill)
         q_pos = torch.arange(start, end, device=q.device)
         kv_mask = None if blocks is None else blocks_to_mask(blocks, end, BLOCK)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
 
 from ..checks import check_device, check_int, check_text, check_token_ids
+from ..kernels.threads import decode_threads
 from ..kv.blocks import SparseConfig
 from ..kv.cache import KVCache
 from ..kv.modes import MODES, CacheOptions, KVMode
@@ -43,6 +45,7 @@ class LLM:
         check_int(prefill_chunk, "prefill_chunk", minimum=1)
         self.sparse = sparse  # sparse decode policy (None: dense); caches then track block bounds
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
+        self.loaded = loaded  # the model file's digest (verifiable records) is cached on it
         self.weights_mode = loaded.weights_mode
         self.model = Transformer(loaded.config, loaded.weights)
         self.device = self.model.device
@@ -85,12 +88,25 @@ class LLM:
         ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
         self.check_fits(start + ids.shape[0])
         sparse = self.sparse if cache.bounds is not None and not prefill else None
-        attend = make_attend(cache, prefill, backend or self.attn_backend, self.config.sliding_window, sparse)
-        return self.model.forward(ids, start, attend)
+        attend = make_attend(
+            cache,
+            prefill,
+            backend or self.attn_backend,
+            self.config.sliding_window,
+            sparse,
+            self.model.profiler,
+        )
+        with self._step_threads(not prefill):
+            return self.model.forward(ids, start, attend)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of final hidden states [n, hidden] (what :meth:`forward` returns)."""
-        return self.model.logits(hidden)
+        with self._step_threads(hidden.shape[0] == 1):
+            return self.model.logits(hidden)
+
+    def _step_threads(self, decode: bool) -> AbstractContextManager:
+        """A decode step on CPU runs on the cores other processes leave free (kernels/threads.py)."""
+        return decode_threads() if decode and self.device.type == "cpu" else nullcontext()
 
     def variant(self, **changes) -> LLM:
         """The same loaded model with other engine settings (kv, sparse, attn_backend, ...), weights shared."""
@@ -152,13 +168,38 @@ class LLM:
         prefill_chunk: int | None = None,
     ) -> Iterator[int]:
         """Yield new token ids one by one: chunked prefill (chunks of ``prefill_chunk``, default the
-        engine's), then one-token decode steps; ``cache`` defaults to a fresh one of the engine's mode."""
+        engine's), then one-token decode steps.
+
+        Runs as a batch of one through the serving engine (:mod:`kvlens.engine.scheduler`), so a
+        request alone and the same request among others are one computation (batch invariance).
+        Given a ``cache``, or with sparse decode or cache options the paged pool does not implement
+        (keep-sink/recent), it runs this LLM's own loop over a contiguous cache instead."""
         prompt_ids = self.check_ids(prompt_ids)
         check_int(max_new_tokens, "max_new_tokens", minimum=0)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         self.check_fits(len(prompt_ids) + max_new_tokens)
-        cache = cache or self.new_cache(len(prompt_ids) + max_new_tokens)
-        logits = self.prefill(prompt_ids, cache, prefill_chunk)
-        yield from self.decode(cache, logits, len(prompt_ids), max_new_tokens, sampling, stop_at_eos)
+        if cache is not None or not self.servable:
+            cache = cache or self.new_cache(len(prompt_ids) + max_new_tokens)
+            logits = self.prefill(prompt_ids, cache, prefill_chunk)
+            yield from self.decode(cache, logits, len(prompt_ids), max_new_tokens, sampling, stop_at_eos)
+            return
+        if max_new_tokens == 0:
+            return
+        from .scheduler import Request, run_alone
+
+        llm = (
+            self if prefill_chunk in (None, self.prefill_chunk) else self.variant(prefill_chunk=prefill_chunk)
+        )
+        stop = None if stop_at_eos else frozenset()
+        req = Request("0", prompt_ids, max_new_tokens, sampling or SamplingParams(), stop)
+        for event in run_alone(llm, req):
+            yield event.token_id
+
+    @property
+    def servable(self) -> bool:
+        """Whether the serving engine can run this LLM (dense decode, no keep-sink/recent splicing)."""
+        return self.sparse is None and not self.cache_options.keeps_exact
 
     @torch.inference_mode()
     def decode(
@@ -184,6 +225,29 @@ class LLM:
             hidden = self.forward([tok], cache, pos, prefill=False)
             logits = self.lm_head(hidden)[0]
             pos += 1
+
+    def generate_batch(
+        self,
+        prompts: list[str],
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        chat: bool = False,
+    ) -> list[str]:
+        """Continuations of every prompt, in order, run together through the serving engine (each
+        output is what :meth:`generate` gives for that prompt alone). A seeded ``sampling`` seeds every
+        request's own generator with that seed."""
+        from .scheduler import Request, run_batch
+
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts must be a list of strings")
+        check_int(max_new_tokens, "max_new_tokens", minimum=1)
+        reqs = [
+            Request(str(i), self.encode_prompt(p, chat), max_new_tokens, sampling or SamplingParams())
+            for i, p in enumerate(prompts)
+        ]
+        outputs = run_batch(self, reqs)
+        eos = self.tokenizer.eos_ids
+        return [self.tokenizer.decode([t for t in outputs[r.request_id] if t not in eos]) for r in reqs]
 
     def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         check_text(prompt)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -31,7 +30,7 @@ from numba import njit, prange
 from ..kv.cache import BLOCK
 from ..kv.modes import StoreKind
 from ..kv.quant import quantize_q8
-from .threads import run_serial_if
+from .threads import run_serial_if, split_threads
 
 QBLOCK = 32  # query block of the int-dot variant (the seed: 32 values, one scale)
 # positions per online-softmax step = the cache block, so sparse decode can pick tiles by block index;
@@ -221,17 +220,20 @@ def _merge(part_acc, part_m, part_l, n_splits, group, out):  # pragma: no cover 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _decode_core(
-    qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, length, tiles, n_splits, out
+    qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, length, tiles, table, n_splits, out
 ):  # pragma: no cover
     """Flash-Decoding over (kv_head, split) items; ``int_dot`` selects the seed's int8-query scores.
 
     ``tiles [n_kv, n_tiles]``: the TILE-position tiles each KV head attends (sparse decode: the
-    selected blocks); empty (``n_tiles = 0``) = dense, every tile. Splits divide this list."""
+    selected blocks); empty (``n_tiles = 0``) = dense, every tile. Splits divide this list.
+    ``table [n_blocks]``: the block table of a paged cache (logical block j lives in physical block
+    ``table[j]`` of the store); empty = contiguous (logical = physical)."""
     n_heads, hd = qs.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
     k8 = k.view(np.int8)
     dense = tiles.shape[1] == 0
+    paged = table.shape[0] > 0
     n_tiles = (length + TILE - 1) // TILE if dense else tiles.shape[1]
     split_len = (n_tiles + n_splits - 1) // n_splits
     n_items = n_kv * n_splits
@@ -250,28 +252,29 @@ def _decode_core(
         e_f = e_u.view(np.float32)
         prod = np.empty(hd, np.int32)
         for ti in range(i_lo, i_hi):
-            t0 = ti * TILE if dense else tiles[h, ti] * TILE
-            nt = min(TILE, length - t0)
+            t_log = ti if dense else tiles[h, ti]
+            nt = min(TILE, length - t_log * TILE)
+            p0 = (table[t_log] if paged else t_log) * TILE  # where the tile's rows are stored
             if int_dot:
-                _dot_tile_int(q8, qsc, h * group, group, k8, h, t0, nt, prod, sc)
+                _dot_tile_int(q8, qsc, h * group, group, k8, h, p0, nt, prod, sc)
             else:
-                _stage(k, k_code, h, t0, nt, tile_u, tile)
+                _stage(k, k_code, h, p0, nt, tile_u, tile)
                 _dot_tile(qs, h * group, group, tile, nt, sc)
             if k_q8:  # fold the K row scale into the score
                 for g in range(group):
                     for j in range(nt):
-                        sc[g, j] *= k_scale[h, t0 + j] * np.float32(1.0 / 127.0)
+                        sc[g, j] *= k_scale[h, p0 + j] * np.float32(1.0 / 127.0)
             _softmax_tile(
-                sc, nt, group, part_m[item], part_l[item], part_acc[item], v_scale, v_q8, h, t0, e_u, e_f
+                sc, nt, group, part_m[item], part_l[item], part_acc[item], v_scale, v_q8, h, p0, e_u, e_f
             )
-            _stage(v, v_code, h, t0, nt, tile_u, tile)
+            _stage(v, v_code, h, p0, nt, tile_u, tile)
             _axpy_tile(sc, tile, nt, group, part_acc[item])
     _merge(part_acc, part_m, part_l, n_splits, group, out)
 
 
 def choose_splits(length: int, n_kv: int, n_threads: int | None = None) -> int:
     """Splits per KV head: enough (kv_head, split) items to keep every thread busy, none tiny."""
-    n_threads = n_threads or numba.get_num_threads()
+    n_threads = n_threads or split_threads()
     want = max(1, -(-2 * n_threads // n_kv))  # ~2 items per thread evens out ragged last splits
     return max(1, min(want, length // MIN_SPLIT))
 
@@ -307,6 +310,7 @@ def _raw(a: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 _DENSE = np.zeros((1, 0), np.int32)  # the core's "every tile" table
+_CONTIGUOUS = np.zeros(0, np.int32)  # the core's "no block table" (logical block = physical block)
 
 
 def _tile_table(n_kv: int, length: int, blocks: np.ndarray | None) -> np.ndarray:
@@ -321,11 +325,27 @@ def _tile_table(n_kv: int, length: int, blocks: np.ndarray | None) -> np.ndarray
     return blocks
 
 
-def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_dot=False, blocks=None):
+def _block_table(table: np.ndarray | None, length: int, cap: int) -> np.ndarray:
+    """A paged cache's block table as the core takes it (:data:`_CONTIGUOUS` when there is none)."""
+    if table is None:
+        if not 1 <= length <= cap:
+            raise ValueError(f"length {length} outside [1, cap={cap}]")
+        return _CONTIGUOUS
+    table = np.ascontiguousarray(table, np.int32)
+    if table.ndim != 1 or not 1 <= length <= table.shape[0] * TILE:
+        raise ValueError(f"length {length} outside the {table.shape[0]} blocks of the block table")
+    used = table[: -(-length // TILE)]
+    if used.min() < 0 or (int(used.max()) + 1) * TILE > cap:
+        raise ValueError(f"a block table entry lies outside the store's {cap // TILE} blocks")
+    return table
+
+
+def _run(
+    q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_dot=False, blocks=None, table=None
+):
     n_heads, hd = q.shape
     n_kv, cap = k.shape[:2]
-    if not 1 <= length <= cap:
-        raise ValueError(f"length {length} outside [1, cap={cap}]")
+    table = _block_table(table, length, cap)
     if n_heads % n_kv or v.shape[:2] != (n_kv, cap) or out.shape != q.shape:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}, out {out.shape}")
     if k.shape[2] != hd * _ITEMSIZE[k_code] or v.shape[2] != hd * _ITEMSIZE[v_code]:
@@ -334,7 +354,7 @@ def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_d
         raise ValueError("out must be a C-contiguous float32 array")
     tiles = _tile_table(n_kv, length, blocks)
     rows = tiles.shape[1] * TILE if blocks is not None else length  # positions each KV head reads
-    n_threads = numba.get_num_threads()
+    n_threads = split_threads()  # not the step's count: the splits, hence the sums, never vary with load
     serial = n_kv * rows < SERIAL_ROWS
     if n_splits is None:
         n_splits = 1 if serial else choose_splits(rows, n_kv, n_threads)
@@ -348,7 +368,9 @@ def _run(q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_d
         k_scale = np.ascontiguousarray(k_scale, np.float32)
     if v_scale.dtype != np.float32 or not v_scale.flags.c_contiguous:
         v_scale = np.ascontiguousarray(v_scale, np.float32)
-    args = (qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, int(length), tiles, n_splits, out)
+    args = (
+        qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, int(length), tiles, table, n_splits, out
+    )  # fmt: skip
     run_serial_if(serial, _decode_core, *args)  # waking the thread pool would cost more than the work
     return out
 
@@ -357,10 +379,9 @@ def decode_attention_q8(q, k_q8, k_max_abs, v_q8, v_max_abs, length: int, out, n
     """Attention of ``q [n_heads, hd]`` (f32) over the first ``length`` int8 rows ``[n_kv, cap, hd]``
     with ``max_abs [n_kv, cap]``; f32 math. Writes and returns ``out [n_heads, hd]`` (f32 numpy).
 
-    The default q8 kernel. It beat :func:`decode_attention_q8_intdot` 2.5-3x in
-    ``kvlens bench attention`` (numba types int8*int8 products as int64, so integer dots barely
-    vectorize, while int8 -> f32 converts + FMAs vectorize fully on AVX2; this CPU has no VNNI) and,
-    unlike it, it is exact up to f32 rounding.
+    The default q8 kernel: faster than :func:`decode_attention_q8_intdot` (numba types int8*int8
+    products as int64, so integer dots barely vectorize; docs/kernels.md) and, unlike it, exact up to
+    f32 rounding.
     """
     k, v = _raw(k_q8)[0], _raw(v_q8)[0]
     return _run(q, k, CODE_Q8, k_max_abs, v, CODE_Q8, v_max_abs, length, out, n_splits)
@@ -407,6 +428,7 @@ def decode_attention(
     n_splits: int | None = None,
     int_dot: bool = False,
     blocks: np.ndarray | torch.Tensor | None = None,
+    table: np.ndarray | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of one layer's K and V
     :class:`~kvlens.kv.cache.RowStore` (CPU; kinds f32/f16/bf16/q8, mixed K/V kinds included).
@@ -415,6 +437,8 @@ def decode_attention(
     (K must be q8). ``n_splits`` defaults to :func:`choose_splits`. ``blocks [n_kv, n_sel]`` (block
     indices of TILE = 32 positions, per KV head) restricts attention to those blocks (sparse decode:
     the kernel reads only them, no gather copy; the softmax runs over the selected set).
+    ``table [n_blocks]`` (int32): a paged cache's block table, logical block j of the sequence stored
+    at physical block ``table[j]`` of the stores (``blocks`` then name logical blocks); read in place.
     """
     k, kc, ks = _store_arrays(k_store)
     v, vc, vs = _store_arrays(v_store)
@@ -424,5 +448,7 @@ def decode_attention(
     out = np.empty(qn.shape, np.float32)
     if isinstance(blocks, torch.Tensor):
         blocks = blocks.numpy()
-    _run(qn, k, kc, ks, v, vc, vs, length, out, n_splits, int_dot, blocks)
+    if isinstance(table, torch.Tensor):
+        table = table.numpy()
+    _run(qn, k, kc, ks, v, vc, vs, length, out, n_splits, int_dot, blocks, table)
     return torch.from_numpy(out)

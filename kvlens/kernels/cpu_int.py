@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from numba import literally, njit, prange
 
-from ..kv.quant import KSUM_BLOCK
 from . import intdot
 from .cpu import (
     CODE_Q8,
@@ -43,6 +42,7 @@ from .cpu import (
     choose_splits,
     quantize_query_blocks,
 )
+from .q8store import KSUM_BLOCK
 
 PATH_ENV = "KVLENS_INT_PATH"  # forces the CPU path of the integer kernels (vnni512|vnni256|avx2|portable)
 Q16_MAX = 32767.0

@@ -31,10 +31,8 @@ class TritonUnavailableError(ImportError):
     """triton is not installed (or cannot run here); the Triton decode path cannot be used."""
 
 
-@functools.cache
-def _kernels():
-    """Import triton and define the kernel (decorated now, so TRITON_INTERPRET is read at first use)."""
-    global tl
+def _import_triton():
+    """(triton, triton.language), or :class:`TritonUnavailableError`."""
     try:
         import triton
         import triton.language as tl_mod
@@ -43,14 +41,22 @@ def _kernels():
             "decode_attention_triton needs the 'triton' package (pip install triton); "
             "use kvlens.kernels.cpu.decode_attention on CPU"
         ) from e
-    tl = tl_mod
+    return triton, tl_mod
+
+
+@functools.cache
+def _kernels():
+    """Import triton and define the kernel (decorated now, so TRITON_INTERPRET is read at first use)."""
+    global tl
+    triton, tl = _import_triton()
 
     @triton.jit
     def split_kernel(
-        Q, K, KS, V, VS, Acc, M, L, Blocks, n_sel,
+        Q, K, KS, V, VS, Acc, M, L, Blocks, n_sel, Table,
         length, split_len, stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh, qk_scale,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr, SPARSE: tl.constexpr,
+        PAGED: tl.constexpr,
     ):  # fmt: skip
         h = tl.program_id(0)
         s = tl.program_id(1)
@@ -67,30 +73,40 @@ def _kernels():
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-        # Splits divide the positions (dense) or this head's list of selected blocks (sparse, where
-        # BLOCK_N is the cache block); one loop serves both so the tile body exists once.
+        # Splits divide the positions (contiguous dense) or a list of cache blocks (BLOCK_N is then the
+        # cache block): this head's selected blocks (sparse) or every block of a paged cache, whose
+        # logical block b is stored in block Table[b]. One loop serves all so the tile body exists once.
         lo = s * split_len
-        if SPARSE:
+        if SPARSE or PAGED:
             hi = tl.minimum(lo + split_len, n_sel)
             n_iter = hi - lo
         else:
             hi = tl.minimum(lo + split_len, length)
             n_iter = tl.cdiv(hi - lo, BLOCK_N)
         for i in range(0, n_iter):
-            if SPARSE:
-                n = tl.load(Blocks + h * n_sel + lo + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+            if SPARSE or PAGED:
+                if SPARSE:
+                    lb = tl.load(Blocks + h * n_sel + lo + i)
+                else:
+                    lb = lo + i
+                n = lb * BLOCK_N + tl.arange(0, BLOCK_N)  # logical positions
                 nmask = n < length
+                if PAGED:
+                    r = tl.load(Table + lb) * BLOCK_N + tl.arange(0, BLOCK_N)  # where they are stored
+                else:
+                    r = n
             else:
                 n = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
                 nmask = n < hi
+                r = n
             kt = tl.load(
-                K + h * stride_kh + n[None, :] * stride_kt + d[:, None],
+                K + h * stride_kh + r[None, :] * stride_kt + d[:, None],
                 mask=nmask[None, :] & dmask[:, None],
                 other=0,
             )
             sc = tl.dot(q, kt.to(tl.float32), input_precision="ieee")  # [G_PAD, BLOCK_N]
             if K_Q8:  # K row scale folded into the score
-                ks = tl.load(KS + h * stride_ksh + n, mask=nmask, other=0.0)
+                ks = tl.load(KS + h * stride_ksh + r, mask=nmask, other=0.0)
                 sc = sc * (ks * (1.0 / 127.0))[None, :]
             sc = tl.where(nmask[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -98,10 +114,10 @@ def _kernels():
             p = tl.exp2(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if V_Q8:  # V row scale folded into the weight
-                vs = tl.load(VS + h * stride_vsh + n, mask=nmask, other=0.0)
+                vs = tl.load(VS + h * stride_vsh + r, mask=nmask, other=0.0)
                 p = p * (vs * (1.0 / 127.0))[None, :]
             vt = tl.load(
-                V + h * stride_vh + n[:, None] * stride_vt + d[None, :],
+                V + h * stride_vh + r[:, None] * stride_vt + d[None, :],
                 mask=nmask[:, None] & dmask[None, :],
                 other=0,
             )
@@ -137,6 +153,7 @@ def decode_attention_triton(
     n_splits: int | None = None,
     block_n: int = 64,
     blocks: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of one layer's K/V
     :class:`~kvlens.kv.cache.RowStore` (kinds f32/f16/bf16/q8, mixed K/V kinds included), in Triton.
@@ -144,6 +161,8 @@ def decode_attention_triton(
     Returns float32 ``[n_heads, hd]`` on the stores' device. ``block_n``: positions per step (power
     of 2, >= 16); ``n_splits``: sequence splits per KV head (default :func:`choose_splits_gpu`).
     ``blocks [n_kv, n_sel]``: sparse decode — attend only these cache blocks (BLOCK positions each).
+    ``table [n_blocks]``: a paged cache's block table (logical block j stored in block ``table[j]`` of
+    the stores; ``blocks`` then name logical blocks), read in place.
     """
     kernel = _kernels()
     k, v = k_store.data, v_store.data
@@ -153,8 +172,8 @@ def decode_attention_triton(
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("K/V rows must be contiguous")
-    if not 1 <= length <= cap:
-        raise ValueError(f"length {length} outside [1, cap={cap}]")
+    if not 1 <= length <= (cap if table is None else BLOCK * len(table)):
+        raise ValueError(f"length {length} outside [1, cap={cap}] or the block table")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError("block_n must be a power of 2 >= 16")
     if k.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -164,16 +183,30 @@ def decode_attention_triton(
     group = n_heads // n_kv
     g_pad, d_pad = _next_pow2(group, 16), _next_pow2(hd, 16)
     dev = k.device
-    n_sel, table = 0, torch.zeros(1, dtype=torch.int32, device=dev)
+    n_sel, selected = 0, torch.zeros(1, dtype=torch.int32, device=dev)
     if blocks is not None:
-        table = torch.as_tensor(blocks, dtype=torch.int32).to(dev).contiguous()
-        n_sel, block_n = table.shape[1], BLOCK
-        if table.shape[0] != n_kv or n_sel == 0 or int(table.max()) * BLOCK >= length or int(table.min()) < 0:
+        selected = torch.as_tensor(blocks, dtype=torch.int32).to(dev).contiguous()
+        n_sel, block_n = selected.shape[1], BLOCK
+        if (
+            selected.shape[0] != n_kv
+            or n_sel == 0
+            or int(selected.max()) * BLOCK >= length
+            or int(selected.min()) < 0
+        ):
             raise ValueError(f"blocks must be [n_kv={n_kv}, n_sel>0] indices of blocks below {length}")
-    work = n_sel * BLOCK if blocks is not None else length
+    page = torch.zeros(1, dtype=torch.int32, device=dev)
+    if table is not None:
+        page = torch.as_tensor(table, dtype=torch.int32).to(dev).contiguous()
+        used = page[: -(-length // BLOCK)]
+        if int(used.min()) < 0 or (int(used.max()) + 1) * BLOCK > cap:
+            raise ValueError(f"a block table entry lies outside the store's {cap // BLOCK} blocks")
+        block_n = BLOCK
+        if blocks is None:
+            n_sel = -(-length // BLOCK)  # the split loop walks every logical block
+    work = n_sel * BLOCK if blocks is not None or table is not None else length
     if n_splits is None:
         n_splits = choose_splits_gpu(work, n_kv, k.device, block_n)
-    split_len = -(-(n_sel if blocks is not None else length) // n_splits)
+    split_len = -(-(n_sel if blocks is not None or table is not None else length) // n_splits)
     acc = torch.empty(n_kv, n_splits, g_pad, d_pad, dtype=torch.float32, device=dev)
     m = torch.empty(n_kv, n_splits, g_pad, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
@@ -181,10 +214,11 @@ def decode_attention_triton(
     vs = v_store.scale if v_store.kind.quantized else m
     qc = q.detach().to(device=dev, dtype=torch.float32).contiguous()
     kernel[(n_kv, n_splits)](
-        qc, k, ks, v, vs, acc, m, lsum, table, n_sel,
+        qc, k, ks, v, vs, acc, m, lsum, selected, n_sel, page,
         length, split_len, k.stride(0), k.stride(1), v.stride(0), v.stride(1), ks.stride(0), vs.stride(0), LOG2E / math.sqrt(hd),
         GROUP=group, G_PAD=g_pad, HD=hd, D_PAD=d_pad, BLOCK_N=block_n,
         K_Q8=k_store.kind.quantized, V_Q8=v_store.kind.quantized, SPARSE=blocks is not None,
+        PAGED=table is not None,
     )  # fmt: skip
     # Exact merge of the splits (base 2): empty splits have m = -inf, l = 0 and weigh exp2(-inf) = 0.
     m_max = m.amax(dim=1, keepdim=True)

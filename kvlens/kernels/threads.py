@@ -9,11 +9,10 @@ them: docs/decode.md, "Steady speed".
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
-import sys
-from collections.abc import Callable, MutableMapping
+import threading
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -22,6 +21,9 @@ T = TypeVar("T")
 # the other's busy one; a short spin (GOMP_SPINCOUNT, which overrides PASSIVE's zero) keeps them
 # awake between the back-to-back parallel regions of one decode step.
 ENV_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
+THREADS_ENV = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS")  # a thread count the user set
+_user_count = any(name in os.environ for name in THREADS_ENV)
+_step = threading.local()  # .threads: the count a decode step divides work for, while it runs on fewer
 
 
 def apply_env_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
@@ -31,26 +33,12 @@ def apply_env_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[s
     return added
 
 
-OPENMP_ENV = "KVLENS_OPENMP"  # "separate": leave torch with its bundled OpenMP runtime
-
-
-def share_openmp_runtime(environ: MutableMapping[str, str] = os.environ) -> str | None:
-    """Load the system libgomp before torch, so that torch binds to it too and numba's ``omp`` layer
-    (which links the system libgomp) shares torch's runtime: one pool of threads, not two pools
-    taking turns on the same cores. Returns the library loaded, or None when it does not apply:
-    torch already imported, no system libgomp, or ``KVLENS_OPENMP=separate`` in the environment."""
-    if environ.get(OPENMP_ENV) == "separate" or "torch" in sys.modules:
-        return None
-    name = ctypes.util.find_library("gomp")
-    if name is None:
-        return None
-    ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-    return name
-
-
 def set_threads(threads: int | None) -> None:
-    """Threads for numba's kernels and torch's ops alike (``None``/0: leave both as they are)."""
+    """Threads for numba's kernels and torch's ops alike, fixed from now on (decode steps then keep
+    this count on a busy machine too); ``None``/0: leave both as they are."""
+    global _user_count
     if threads:
+        _user_count = True
         import numba
         import torch
 
@@ -75,16 +63,68 @@ def run_serial_if(small: bool, fn: Callable[..., T], *args) -> T:
 
 
 # -- decode steps on a shared machine ---------------------------------------------------------------
-THREADS_ENV = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "KVLENS_DECODE_THREADS")  # the user's count wins
+# A parallel region waits for its slowest thread; a thread that shares its core with another
+# process is the slowest by a whole time slice, and a decode step runs ~150 regions. So while other
+# processes hold CPUs, a step runs on the CPUs left (measured: docs/decode.md, "Steady speed").
 
 
-def others_running(loadavg: str) -> int:
-    """Runnable tasks besides the caller's thread, from ``/proc/loadavg`` text ("0.5 0.4 0.3 3/210 99")."""
-    return max(0, int(loadavg.split()[3].split("/")[0]) - 1)
+def others_running(loadavg: str, own_running: Callable[[], int]) -> int:
+    """Runnable tasks of other processes: the machine's ("3/210" in ``/proc/loadavg`` text) less this
+    process's ``own_running()`` (asked only when more than the caller's one thread is running)."""
+    running = int(loadavg.split()[3].split("/")[0])
+    return 0 if running <= 1 else max(0, running - own_running())
 
 
 def step_threads(threads: int, cpus: int, others: int) -> int:
-    """Threads for one decode step: ``threads`` while the CPUs are free, one fewer for every CPU
-    other runnable tasks hold (a parallel region waits for its slowest thread, and a thread that
-    shares its core with another process is the slowest by a time slice), never below one."""
+    """Threads for one decode step: ``threads``, less one for every CPU that other runnable tasks
+    hold, never below one."""
     return max(1, min(threads, cpus - others))
+
+
+def _own_running() -> int:
+    """This process's threads that are running or runnable now (``R`` in their /proc stat)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                n += f.read().rpartition(")")[2].split()[0] == "R"
+        except OSError:  # the thread ended
+            pass
+    return n
+
+
+def split_threads() -> int:
+    """The thread count to divide work for (Flash-Decoding splits): numba's count, and inside a decode
+    step that runs on fewer threads the count it had before, so results never depend on the load."""
+    base = getattr(_step, "threads", None)
+    if base is not None:
+        return base
+    import numba
+
+    return numba.get_num_threads()
+
+
+@contextmanager
+def decode_threads() -> Iterator[int]:
+    """Run one decode step on the CPUs other processes leave free (see above); yields the count used.
+    The numba count stays as it is where the user fixed a count (:data:`THREADS_ENV`,
+    :func:`set_threads`) or /proc is not there to read."""
+    import numba
+
+    threads = numba.get_num_threads()
+    if _user_count or threads == 1 or not os.path.exists("/proc/loadavg"):
+        yield threads
+        return
+    with open("/proc/loadavg") as f:
+        others = others_running(f.read(), _own_running)
+    n = step_threads(threads, len(os.sched_getaffinity(0)), others)
+    if n == threads:
+        yield n
+        return
+    numba.set_num_threads(n)
+    _step.threads = threads
+    try:
+        yield n
+    finally:
+        _step.threads = None
+        numba.set_num_threads(threads)

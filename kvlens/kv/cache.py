@@ -44,6 +44,17 @@ class NonFiniteKVError(ValueError):
     """NaN or Inf reached the KV cache."""
 
 
+def check_kv_finite(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise :class:`NonFiniteKVError` naming the layer and position if K or V holds NaN/Inf."""
+    for name, rows in (("K", k), ("V", v)):
+        bad = first_nonfinite(rows)
+        if bad is not None:
+            pos = start + bad // rows.shape[2] % rows.shape[1]  # rows are [n_kv, n, head_dim]
+            raise NonFiniteKVError(
+                f"non-finite {name} value at layer {layer}, position {pos}; refusing to store it in the KV cache"
+            )
+
+
 def round_up(n: int, multiple: int = BLOCK) -> int:
     return -(-n // multiple) * multiple
 
@@ -175,14 +186,7 @@ class KVCache:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows ``[n_kv, n, head_dim]`` for positions ``start .. start+n-1`` of ``layer``."""
         self._check_rows(layer, start, k, v)
-        for name, rows in (("K", k), ("V", v)):
-            bad = first_nonfinite(rows)
-            if bad is not None:
-                pos = start + bad // rows.shape[2] % rows.shape[1]  # rows are [n_kv, n, head_dim]
-                raise NonFiniteKVError(
-                    f"non-finite {name} value at layer {layer}, position {pos}; "
-                    "refusing to store it in the KV cache"
-                )
+        check_kv_finite(layer, start, k, v)
         self.reserve(start + k.shape[1])
         self.k[layer].write(start, k)
         self.v[layer].write(start, v)

@@ -73,6 +73,9 @@ class KVMode:
     def __str__(self) -> str:
         return self.name
 
+    def __format__(self, spec: str) -> str:
+        return format(self.name, spec)
+
     @property
     def quantized(self) -> bool:
         return self.k.quantized or self.v.quantized

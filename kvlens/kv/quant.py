@@ -12,18 +12,13 @@ so results are bit-identical with the seed's C engine.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from numba import njit
 
 from ..checks import check_tensor
+from ..kernels.q8store import KSUM_BLOCK, NO_KSUM, first_nonfinite_index, store_q8_rows
 
 Q8_MAX = 127.0
 TINY_MAX_ABS = 1e-6
-# the integer attention kernels (kernels.cpu_int) correct a +128-shifted query with the sum of each
-# 32-value block of key codes; |sum| <= 32 * 127 fits int16
-KSUM_BLOCK = 32
-_NO_KSUM = np.zeros((0, 0, 0), np.int16)
 
 
 class NonFiniteError(ValueError):
@@ -49,7 +44,10 @@ def quantize_q8(x: torch.Tensor, *, check: bool = True) -> tuple[torch.Tensor, t
     if check:
         check_finite(x)
     max_abs = row_max_abs(x)
-    inv = Q8_MAX / max_abs  # float32, as the C engine computes 127/max_abs once per row
+    # float32 127/max_abs once per row, as the C engine does. Not ``Q8_MAX / max_abs``: torch computes a
+    # scalar over a tensor as reciprocal(max_abs) * 127, which is an ulp off in ~1 row of 4 and then flips
+    # a code now and then against the JIT store (kernels/q8store.py), which divides.
+    inv = torch.full_like(max_abs, Q8_MAX).div_(max_abs)
     q = torch.floor(x * inv.unsqueeze(-1) + 0.5).clamp_(-Q8_MAX, Q8_MAX).to(torch.int8)
     return q, max_abs
 
@@ -67,46 +65,10 @@ def q8_step(max_abs: torch.Tensor) -> torch.Tensor:
     return max_abs.to(torch.float32) / Q8_MAX
 
 
-# -- the same rule as one JIT pass, for the engine's per-token cache writes on the CPU -----------------
-# quantize_q8 is ~8 small torch ops (~80 µs per K or V of a decode step); this is one call. Same float32
-# operations in the same order (no fastmath: no FMA contraction), so the codes are bit-identical.
-@njit(cache=True)
-def _first_nonfinite(x):  # pragma: no cover - compiled
-    flat = x.reshape(-1)
-    for i in range(flat.size):
-        if not np.isfinite(flat[i]):
-            return i
-    return -1
-
-
-@njit(cache=True)
-def _store_q8(x, data, scale, start, ksum):  # pragma: no cover - compiled
-    """``ksum [n_kv, cap, hd // 32]`` (or an empty array: none kept): the codes' sum per 32-block."""
-    n_kv, n, hd = x.shape
-    for h in range(n_kv):
-        for j in range(n):
-            m = np.float32(0.0)
-            for d in range(hd):
-                m = max(m, abs(x[h, j, d]))
-            if m < np.float32(TINY_MAX_ABS):
-                m = np.float32(1.0)
-            inv = np.float32(Q8_MAX) / m
-            for d in range(hd):
-                c = np.floor(x[h, j, d] * inv + np.float32(0.5))
-                data[h, start + j, d] = np.int8(min(max(c, np.float32(-Q8_MAX)), np.float32(Q8_MAX)))
-            scale[h, start + j] = m
-            if ksum.size:
-                for b in range(hd // KSUM_BLOCK):
-                    s = np.int32(0)
-                    for d in range(b * KSUM_BLOCK, (b + 1) * KSUM_BLOCK):
-                        s += np.int32(data[h, start + j, d])
-                    ksum[h, start + j, b] = s
-
-
 def first_nonfinite(x: torch.Tensor) -> int | None:
     """Flat index of the first NaN/Inf in ``x``, or None (one pass; a JIT loop for CPU float32)."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
-        i = _first_nonfinite(x.detach().contiguous().numpy())
+        i = first_nonfinite_index(x.detach().contiguous().numpy())
         return None if i < 0 else int(i)
     bad = ~torch.isfinite(x)
     return int(bad.reshape(-1).nonzero()[0, 0]) if bool(bad.any()) else None
@@ -124,8 +86,8 @@ def store_q8(
     ``scale[:, start:start+n]`` (max_abs), in place; rows must be finite (the caller checks). With
     ``ksum [n_kv, cap, d // 32]`` (int16), also the codes' sum per 32-block (:func:`block_sums`)."""
     if rows.device.type == "cpu":
-        ks = _NO_KSUM if ksum is None else ksum.numpy()
-        _store_q8(
+        ks = NO_KSUM if ksum is None else ksum.numpy()
+        store_q8_rows(
             rows.detach().to(torch.float32).contiguous().numpy(), data.numpy(), scale.numpy(), start, ks
         )
         return

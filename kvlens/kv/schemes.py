@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.blockquant import symmetric_blocks
 from .quant import Q8_MAX, check_finite, dequantize_q8, q8_step, quantize_q8
 
 ROLES = ("k", "v")
@@ -68,12 +69,6 @@ def _from_groups(y: torch.Tensor, shape: torch.Size, axis: int) -> torch.Tensor:
     n = shape[axis]
     y = y.reshape(*y.shape[:-2], -1)[..., :n]
     return y.movedim(-1, axis)
-
-
-def _roundf(y: torch.Tensor) -> torch.Tensor:
-    """C ``roundf``: round half away from zero. (``floor(|y| + 0.5)`` is wrong for 0.49999997.)"""
-    t = torch.trunc(y)
-    return t + torch.where((y - t).abs() >= 0.5, torch.sign(y), torch.zeros_like(y))
 
 
 class Scheme:
@@ -162,13 +157,11 @@ class BlockSym(Scheme):
     scale_bits, fp16_scale = 16, True
 
     def _quantize(self, xg):
-        d = xg.abs().amax(dim=-1) / self.qmax
+        q, d = symmetric_blocks(xg, self.qmax)
         if bool((d > FP16_MAX).any()):
             raise ValueError(
                 f"{self.name}: |x| up to {float(d.max()) * self.qmax:.3g} overflows the fp16 scale"
             )
-        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))  # llama.cpp: id = d ? 1/d : 0
-        q = _roundf(xg * inv.unsqueeze(-1)).clamp_(-self.qmax, self.qmax)
         d16 = d.to(torch.float16)
         # a scale that underflows fp16 dequantizes to 0 whatever the codes: store 0 codes then
         q = torch.where((d16 == 0).unsqueeze(-1), torch.zeros_like(q), q)

@@ -19,6 +19,7 @@ alone when the base is f32) and each mode (weights and KV combined) are compared
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,29 @@ from typing import Any
 import numpy as np
 
 from ..engine.llm import LLM
+from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode
-from .report import md_table, model_name, parse_modes
+from ..report import CommandOutput, md_table, print_table, run_command, write_markdown
+from .common import CompareConfig, load_compare, model_name, plot_divergence
 
 REF_KV = MODES["f32"]  # the reference's KV mode (with f32 weights)
 VS_F32_TITLE = "cost vs f32 weights + f32 KV"
+
+
+@dataclass
+class GreedyConfig(CompareConfig):
+    """``kvlens lab greedy``: ``prompts`` prompts of ``ctx`` tokens, ``tokens`` greedy tokens each;
+    ``show`` diverging continuations printed per mode."""
+
+    ctx: int = 64
+    prompts: int = 16
+    tokens: int = 32
+    show: int = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tokens < 1:
+            raise ValueError(f"--tokens must be at least 1 (got {self.tokens})")
 
 
 def cut_prompts(ids: list[int], n: int, length: int, bos_id: int | None = None) -> list[list[int]]:
@@ -140,67 +159,55 @@ def weights_label(r: GreedyResult, m: GreedyMode, short: bool = False) -> str:
     return label + (" (base)" if m.mode == r.base else "")
 
 
+def _continue_all(
+    llm: LLM,
+    prompts: list[list[int]],
+    mode: KVMode,
+    cfg: GreedyConfig,
+    options: CacheOptions | None,
+    step: Callable[[str], None],
+    label: str,
+) -> tuple[list[list[int]], float]:
+    """Every prompt's greedy continuation under ``mode``, and the seconds they took."""
+    t0, out = time.perf_counter(), []
+    for p in prompts:
+        out.append(greedy_continuation(llm, p, cfg.tokens, mode, cfg.prefill_chunk, options))
+        step(label)
+    return out, time.perf_counter() - t0
+
+
 def run_greedy(
     llm: LLM,
     text: str,
-    modes: list[str | KVMode] | str = "q8",
-    base: str | KVMode = "f32",
-    n_prompts: int = 16,
-    prompt_len: int = 64,
-    n_tokens: int = 32,
-    prefill_chunk: int = 32,
-    keep_sink: int = 0,
-    keep_recent: int = 0,
+    cfg: GreedyConfig,
     corpus_label: str = "",
-    on_step: Any = None,
-    sparse: Any = None,
+    on_step: Callable[[str], None] | None = None,
     ref_llm: LLM | None = None,
 ) -> GreedyResult:
-    """Greedy continuations of prompts cut from ``text`` under ``base`` and each mode; with ``ref_llm``
-    (the model with f32 weights, ``llm`` having others) also under f32 weights + f32 KV, compared with
-    the base and each mode into ``vs_f32_weights``."""
-    modes, base = parse_modes(modes), KVMode.parse(base)
-    if n_tokens < 1:
-        raise ValueError(f"--tokens must be at least 1 (got {n_tokens})")
+    """Greedy continuations of prompts cut from ``text`` under ``cfg.base`` and each mode; with
+    ``ref_llm`` (the model with f32 weights, ``llm`` having others) also under f32 weights + f32 KV,
+    compared with the base and each mode into ``vs_f32_weights``."""
+    step = on_step or (lambda _label: None)
     tok = llm.tokenizer
     bos = tok.bos_prefix[0] if tok.bos_prefix else None
-    prompts = cut_prompts(tok.encode(text, add_bos=False), n_prompts, prompt_len, bos)
-    test_options = CacheOptions(keep_sink=keep_sink, keep_recent=keep_recent)
-    t0 = time.perf_counter()
-    base_tokens = []
-    for p in prompts:
-        base_tokens.append(greedy_continuation(llm, p, n_tokens, base, prefill_chunk))
-        if on_step:
-            on_step(base)
-    base_s = time.perf_counter() - t0
-    ref_tokens, ref_s = [], 0.0
+    prompts = cut_prompts(tok.encode(text, add_bos=False), cfg.prompts, cfg.ctx, bos)
+    base, base_s = _continue_all(llm, prompts, cfg.base, cfg, None, step, str(cfg.base))
+    ref, ref_s = [], 0.0
     if ref_llm is not None:
-        t0 = time.perf_counter()
-        for p in prompts:
-            ref_tokens.append(greedy_continuation(ref_llm, p, n_tokens, REF_KV, prefill_chunk))
-            if on_step:
-                on_step("f32 weights")
-        ref_s = time.perf_counter() - t0
+        ref, ref_s = _continue_all(ref_llm, prompts, REF_KV, cfg, None, step, "f32 weights")
     # test modes with sparse decode (kvlens.kv.blocks.SparseConfig); the base stays dense
-    test_llm = llm if sparse is None else llm.variant(sparse=sparse)
-    results = []
-    vs_ref = [compare(base, base_tokens, ref_tokens, base_s)] if ref_tokens else []
-    for m in modes:
-        opts = None if m == base and not test_options.keeps_exact else test_options
-        t0 = time.perf_counter()
-        toks = []
-        for p in prompts:
-            toks.append(greedy_continuation(test_llm, p, n_tokens, m, prefill_chunk, opts))
-            if on_step:
-                on_step(m)
-        secs = time.perf_counter() - t0
-        results.append(compare(m, toks, base_tokens, secs))
-        if ref_tokens and m != base:  # a mode named like the base: its combined cost is the base row's
-            vs_ref.append(compare(m, toks, ref_tokens, secs))
+    test_llm = llm if cfg.sparse is None else llm.variant(sparse=cfg.sparse)
+    results, vs_ref = [], [compare(cfg.base, base, ref, base_s)] if ref else []
+    for m in cfg.kv:
+        options = None if cfg.same_as_base(m) else cfg.cache_options
+        toks, secs = _continue_all(test_llm, prompts, m, cfg, options, step, str(m))
+        results.append(compare(m, toks, base, secs))
+        if ref and m != cfg.base:  # a mode named like the base: its combined cost is the base row's
+            vs_ref.append(compare(m, toks, ref, secs))
     return GreedyResult(
-        model_name(llm), corpus_label, base, len(prompts), prompt_len, n_tokens, prefill_chunk,
-        keep_sink, keep_recent, prompts, base_tokens, base_s, results,
-        getattr(llm, "weights_mode", "f32"), ref_tokens, ref_s, vs_ref,
+        model_name(llm), corpus_label, cfg.base, len(prompts), cfg.ctx, cfg.tokens, cfg.prefill_chunk,
+        cfg.keep_sink, cfg.keep_recent, prompts, base, base_s, results,
+        getattr(llm, "weights_mode", "f32"), ref, ref_s, vs_ref,
     )  # fmt: skip
 
 
@@ -281,8 +288,6 @@ def titles(r: GreedyResult) -> tuple[str, str]:
 
 
 def write_report(r: GreedyResult, tokenizer: Any, out_dir: str | Path, command: str = "") -> Path:
-    from .report import plot_divergence, write_markdown
-
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     plot_divergence({m.mode.name: m.first_div for m in r.modes}, r.n_tokens, d / "greedy_divergence.png")
@@ -298,53 +303,38 @@ def write_report(r: GreedyResult, tokenizer: Any, out_dir: str | Path, command: 
     return write_markdown(d, "greedy.md", "\n".join(md))
 
 
-def cli(
-    model: str,
-    corpus: str | None,
-    prompt_len: int,
-    kv: str,
-    base: str,
-    n_prompts: int,
-    n_tokens: int,
-    prefill_chunk: int,
-    keep_sink: int,
-    keep_recent: int,
-    show: int,
-    json_out: bool,
-    report: str | Path | None,
-    sparse: Any = None,
-    weights: str = "f32",
-) -> None:
+def render(r: GreedyResult, tokenizer: Any, show: int, sparse: SparseConfig | None) -> None:
+    """The terminal output: the protocol, the tables and the first diverging continuations."""
+    print("\n".join(describe(r)))
+    if sparse is not None:
+        print(
+            f"test modes decode with sparse attention: {sparse.method}, budget {sparse.budget:g}, "
+            f"first {sparse.dense_layers} layers dense; base {r.base} dense"
+        )
+    print_table(titles(r)[0], *summary_rows(r))
+    print("\n".join(divergences(r, tokenizer, show)))
+    if r.vs_f32_weights:
+        print_table(titles(r)[1], *summary_rows(r, True))
+        print("\n".join(divergences(r, tokenizer, show, True)))
+    print(f"base: {r.n_prompts * r.n_tokens / r.base_seconds:.1f} tok/s")
+    if r.ref_seconds:
+        print(f"reference (f32 weights, f32 KV): {r.n_prompts * r.n_tokens / r.ref_seconds:.1f} tok/s")
+
+
+def main(cfg: GreedyConfig, json_out: bool = False, report: str | Path | None = None) -> GreedyResult:
     """The body of ``kvlens lab greedy``."""
-    import sys
-
-    from .report import dump_json, load_lab, load_reference, print_table, progress
-
-    modes = parse_modes(kv)
-    llm, text, label = load_lab(model, corpus, base, weights)
-    ref = load_reference(model, llm)
-    with progress(n_prompts * (1 + len(modes) + (ref is not None)), "lab greedy") as step:
-        r = run_greedy(
-            llm, text, modes, base, n_prompts, prompt_len, n_tokens, prefill_chunk, keep_sink, keep_recent,
-            label, step, sparse, ref,
-        )  # fmt: skip
-    if json_out:
-        print(dump_json(r.to_json()))
-    else:
-        print("\n".join(describe(r)))
-        if sparse is not None:
-            print(
-                f"test modes decode with sparse attention: {sparse.method}, budget {sparse.budget:g}, "
-                f"first {sparse.dense_layers} layers dense; base {r.base} dense"
-            )
-        print_table(titles(r)[0], *summary_rows(r))
-        print("\n".join(divergences(r, llm.tokenizer, show)))
-        if r.vs_f32_weights:
-            print_table(titles(r)[1], *summary_rows(r, True))
-            print("\n".join(divergences(r, llm.tokenizer, show, True)))
-        print(f"base: {r.n_prompts * r.n_tokens / r.base_seconds:.1f} tok/s")
-        if r.ref_seconds:
-            print(f"reference (f32 weights, f32 KV): {r.n_prompts * r.n_tokens / r.ref_seconds:.1f} tok/s")
-    if report is not None:
-        path = write_report(r, llm.tokenizer, report, "kvlens " + " ".join(sys.argv[1:]))
-        print(f"report: {path}", file=sys.stderr)
+    llm, ref, text, label = load_compare(cfg)
+    output = CommandOutput(
+        lambda r: render(r, llm.tokenizer, cfg.show, cfg.sparse),
+        GreedyResult.to_json,
+        lambda r, out_dir, command: write_report(r, llm.tokenizer, out_dir, command),
+    )
+    steps = cfg.prompts * (1 + len(cfg.kv) + (ref is not None))
+    return run_command(
+        "lab greedy",
+        steps,
+        lambda step: run_greedy(llm, text, cfg, label, step, ref),
+        output,
+        json_out,
+        report,
+    )

@@ -16,6 +16,7 @@ usual), or an attention sink (mean attention weight on position 0 large).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,18 @@ import torch
 from ..engine.llm import LLM
 from ..kernels.reference import reference_attention
 from ..kv.modes import CacheOptions, KVMode, StoreKind
+from ..report import CommandOutput, md_table, print_table, run_command, write_markdown
+from .common import LabConfig, load_lab, model_name, plot_layers
 from .ppl import make_chunks
-from .report import md_table, model_name, parse_modes
+
+
+@dataclass
+class LayersConfig(LabConfig):
+    """``kvlens lab layers``: ``chunks`` windows of ``ctx`` tokens (the ppl protocol's first chunks)."""
+
+    ctx: int = 512
+    chunks: int = 1
+
 
 FLAG_FACTOR = 3.0  # a head this many times the mode's median error is flagged
 OUTLIER_FACTOR = 2.0  # channel ratio this many times the model-wide median = "outlier channels"
@@ -136,28 +147,24 @@ class LayersResult:
 def run_layers(
     llm: LLM,
     text: str,
-    modes: list[str | KVMode] | str = "q8",
-    ctx: int = 512,
-    n_windows: int = 1,
-    keep_sink: int = 0,
-    keep_recent: int = 0,
+    cfg: LayersConfig,
     corpus_label: str = "",
-    on_step: Any = None,
+    on_step: Callable[[str], None] | None = None,
 ) -> LayersResult:
-    """Relative attention-output error per (layer, KV head) for each mode over ``n_windows`` windows of
-    ``ctx`` tokens (the ppl protocol's first chunks); errors pool squared norms over windows."""
+    """Relative attention-output error per (layer, KV head) for each mode over ``cfg.chunks`` windows
+    of ``cfg.ctx`` tokens (the ppl protocol's first chunks); errors pool squared norms over windows."""
     t0 = time.perf_counter()
-    modes = parse_modes(modes)
+    modes, ctx, keep_sink, keep_recent = cfg.kv, cfg.ctx, cfg.keep_sink, cfg.keep_recent
     tok = llm.tokenizer
-    windows = make_chunks(tok.encode(text), ctx, n_windows, tok.bos_prefix[0] if tok.bos_prefix else None)
-    cfg = llm.config
-    n_l, n_kv = cfg.n_layers, cfg.n_kv_heads
-    group = cfg.n_heads // n_kv
+    windows = make_chunks(tok.encode(text), ctx, cfg.chunks, tok.bos_prefix[0] if tok.bos_prefix else None)
+    model = llm.config
+    n_l, n_kv = model.n_layers, model.n_kv_heads
+    group = model.group
     num = {m: np.zeros((n_l, n_kv)) for m in modes}
     den = np.zeros((n_l, n_kv))
     max_abs, sum_abs, count = dict.fromkeys(modes, 0.0), dict.fromkeys(modes, 0.0), 0
     k_ratio, v_ratio, sink = (np.zeros((n_l, n_kv)) for _ in range(3))
-    options = CacheOptions(keep_sink=keep_sink, keep_recent=keep_recent)
+    options = cfg.cache_options
     for ids in windows:
         qkv = llm.capture_qkv(ids)
         stored = {m: stored_kv(llm, qkv, m, options) for m in modes}
@@ -166,7 +173,7 @@ def run_layers(
         for layer, (q, k, v) in enumerate(qkv):
             q64 = q.double()
             ref, w = reference_attention(
-                q64, k.double(), v.double(), pos, cfg.sliding_window, return_weights=True
+                q64, k.double(), v.double(), pos, model.sliding_window, return_weights=True
             )
             den[layer] += ref.pow(2).view(n_kv, group, n, -1).sum(dim=(1, 2, 3)).cpu().numpy()
             k_ratio[layer] += channel_ratio(k).cpu().numpy() / len(windows)
@@ -176,7 +183,7 @@ def run_layers(
             count += ref.numel()
             for m in modes:
                 kq, vq = stored[m][layer]
-                diff = reference_attention(q64, kq.double(), vq.double(), pos, cfg.sliding_window) - ref
+                diff = reference_attention(q64, kq.double(), vq.double(), pos, model.sliding_window) - ref
                 num[m][layer] += diff.pow(2).view(n_kv, group, n, -1).sum(dim=(1, 2, 3)).cpu().numpy()
                 max_abs[m] = max(max_abs[m], float(diff.abs().max()))
                 sum_abs[m] += float(diff.abs().sum())
@@ -256,8 +263,6 @@ def flag_lines(r: LayersResult) -> list[str]:
 
 
 def write_report(r: LayersResult, out_dir: str | Path, command: str = "") -> Path:
-    from .report import plot_layers, write_markdown
-
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     plot_layers({m.name: e for m, e in r.err.items()}, d / "layers_error.png")
@@ -269,34 +274,21 @@ def write_report(r: LayersResult, out_dir: str | Path, command: str = "") -> Pat
     return write_markdown(d, "layers.md", "\n".join(md))
 
 
-def cli(
-    model: str,
-    corpus: str | None,
-    ctx: int,
-    kv: str,
-    n_windows: int,
-    keep_sink: int,
-    keep_recent: int,
-    json_out: bool,
-    report: str | Path | None,
-) -> None:
+def render(r: LayersResult) -> None:
+    print("\n".join(describe(r)))
+    print_table("Attention-output error per mode", *summary_rows(r))
+    print_table("Per layer (RMS over KV heads)", *layer_rows(r))
+    print("\n".join(flag_lines(r)))
+    print(f"time {r.seconds:.1f} s")
+
+
+OUTPUT = CommandOutput(render, LayersResult.to_json, write_report)
+
+
+def main(cfg: LayersConfig, json_out: bool = False, report: str | Path | None = None) -> LayersResult:
     """The body of ``kvlens lab layers``."""
-    import sys
-
-    from .report import dump_json, load_lab, print_table, progress
-
-    modes = parse_modes(kv)
-    llm, text, label = load_lab(model, corpus, "f32")
-    with progress(n_windows * llm.config.n_layers, "lab layers") as step:
-        r = run_layers(llm, text, modes, ctx, n_windows, keep_sink, keep_recent, label, step)
-    if json_out:
-        print(dump_json(r.to_json()))
-    else:
-        print("\n".join(describe(r)))
-        print_table("Attention-output error per mode", *summary_rows(r))
-        print_table("Per layer (RMS over KV heads)", *layer_rows(r))
-        print("\n".join(flag_lines(r)))
-        print(f"time {r.seconds:.1f} s")
-    if report is not None:
-        path = write_report(r, report, "kvlens " + " ".join(sys.argv[1:]))
-        print(f"report: {path}", file=sys.stderr)
+    llm, text, label = load_lab(cfg.model, cfg.corpus, "f32")
+    steps = cfg.chunks * llm.config.n_layers
+    return run_command(
+        "lab layers", steps, lambda step: run_layers(llm, text, cfg, label, step), OUTPUT, json_out, report
+    )

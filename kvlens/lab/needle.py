@@ -10,13 +10,16 @@ rewound between them), so the only variable is how decode attends the history.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode
+from ..report import CommandOutput, figure, print_table, run_command, save_figure
 
 QUESTION = "\n\nQuestion: What is the special magic number mentioned in the text above?\nAnswer: The special magic number is"
 ANSWER_TOKENS = 8
@@ -30,9 +33,6 @@ class NeedleRow:
     recalled: bool
     answer: str
     needle: str
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def build_prompt(llm: LLM, filler_ids: list[int], ctx: int, depth: float, secret: str) -> list[int]:
@@ -58,24 +58,36 @@ def answer(llm: LLM, cache, logits: torch.Tensor, pos: int) -> str:
     return llm.tokenizer.decode(ids, skip_special=True)
 
 
+@dataclass
+class NeedleConfig:
+    """``kvlens lab needle``: contexts ``ctx`` × needle depths, f32 dense vs ``kv`` dense vs ``kv``
+    sparse (``sparse`` method) at each of ``sparse_budget``; ``seed`` picks the secret numbers."""
+
+    model: str = "smollm2"
+    corpus: str | None = None
+    kv: KVMode | str = "q8"
+    ctx: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    depth: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    sparse: str = "quest"
+    sparse_budget: list[float] = field(default_factory=lambda: [0.125, 0.25])
+    dense_layers: int = 2
+    seed: int = 0
+    plot: str | None = None
+
+    def __post_init__(self) -> None:
+        self.kv = KVMode.parse(self.kv)
+        if not self.ctx or not self.depth:
+            raise ValueError("give at least one context and one depth")
+        for d in self.depth:
+            if not 0 <= d <= 1:
+                raise ValueError(f"depth {d} must lie in [0, 1]")
+
+
 def run_needle(
-    llm: LLM,
-    filler: str,
-    contexts: list[int],
-    depths: list[float],
-    budgets: list[float],
-    method: str = "quest",
-    kv: str | KVMode = "q8",
-    seed: int = 0,
-    dense_layers: int = 2,
-    progress=None,
+    llm: LLM, filler: str, cfg: NeedleConfig, progress: Callable[[int, float], None] | None = None
 ) -> list[NeedleRow]:
-    kv = KVMode.parse(kv)
-    if not contexts or not depths:
-        raise ValueError("give at least one context and one depth")
-    for d in depths:
-        if not 0 <= d <= 1:
-            raise ValueError(f"depth {d} must lie in [0, 1]")
+    contexts, depths, budgets, method, kv = cfg.ctx, cfg.depth, cfg.sparse_budget, cfg.sparse, cfg.kv
+    seed, dense_layers = cfg.seed, cfg.dense_layers
     filler_ids = llm.tokenizer.encode(filler, add_bos=False)
     rng = random.Random(seed)
     rows: list[NeedleRow] = []
@@ -120,11 +132,7 @@ def recall_table(rows: list[NeedleRow]) -> dict[str, dict[int, float]]:
 
 def plot_heatmap(rows: list[NeedleRow], path: str) -> None:
     """One panel per mode: depth × context → recalled (1) or not (0)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figure()
     modes = list(dict.fromkeys(r.mode for r in rows))
     ctxs = sorted({r.ctx for r in rows})
     depths = sorted({r.depth for r in rows})
@@ -140,55 +148,39 @@ def plot_heatmap(rows: list[NeedleRow], path: str) -> None:
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
         ax.set_xlabel("context", fontsize=7)
     axes[0][0].set_ylabel("needle depth", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
-def cli(
-    model: str,
-    corpus: str | None,
-    kv: str,
-    contexts: list[int],
-    depth: str,
-    sparse: str,
-    sparse_budget: str,
-    dense_layers: int,
-    seed: int,
-    plot: str | None,
-    json_out: bool,
-) -> None:
-    """The body of ``kvlens lab needle``."""
-    import json
-    import sys
-
-    import kvlens
-
-    from .corpus import load_corpus
-
-    budgets = [float(b) for b in sparse_budget.split(",") if b]
-    depths = [float(d) for d in depth.split(",") if d]
-    llm = kvlens.load(model, kv=kv)
-    text, label = load_corpus(corpus)
-    rows = run_needle(
-        llm, text, contexts, depths, budgets, sparse, kv, seed, dense_layers,
-        progress=None if json_out else lambda c, d: print(f"  ctx {c} depth {d:g} done", file=sys.stderr),
-    )  # fmt: skip
-    if plot:
-        plot_heatmap(rows, plot)
-        print(f"wrote {plot}", file=sys.stderr)
-    if json_out:
-        print(json.dumps({"rows": [r.as_dict() for r in rows], "recall": recall_table(rows)}, indent=1))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
+def render(rows: list[NeedleRow], cfg: NeedleConfig, label: str, source: str) -> None:
     table = recall_table(rows)
     ctxs = sorted({r.ctx for r in rows})
-    t = Table(title=f"needle recall over depths {depth} — filler: {label}, {llm.source.name}")
-    t.add_column("mode")
-    for c in ctxs:
-        t.add_column(f"ctx {c}", justify="right")
-    for mode, by_ctx in table.items():
-        t.add_row(mode, *[f"{100 * by_ctx[c]:.0f}%" for c in ctxs])
-    Console().print(t)
+    depths = ",".join(f"{d:g}" for d in cfg.depth)
+    print_table(
+        f"needle recall over depths {depths} — filler: {label}, {source}",
+        ["mode", *(f"ctx {c}" for c in ctxs)],
+        [[mode, *(f"{100 * by_ctx[c]:.0f}%" for c in ctxs)] for mode, by_ctx in table.items()],
+        width=0,
+    )
+
+
+def main(cfg: NeedleConfig, json_out: bool = False) -> list[NeedleRow]:
+    """The body of ``kvlens lab needle``."""
+    import kvlens
+
+    from ..corpus import load_corpus
+
+    llm = kvlens.load(cfg.model, kv=cfg.kv)
+    text, label = load_corpus(cfg.corpus)
+    output = CommandOutput(
+        lambda rows: render(rows, cfg, label, llm.source.name),
+        lambda rows: {"rows": rows, "recall": recall_table(rows)},
+    )
+
+    def run(step: Callable[[str], None]) -> list[NeedleRow]:
+        rows = run_needle(llm, text, cfg, progress=lambda c, d: step(f"ctx {c} depth {d:g}"))
+        if cfg.plot:
+            plot_heatmap(rows, cfg.plot)
+            print(f"wrote {cfg.plot}", file=sys.stderr)
+        return rows
+
+    return run_command("lab needle", len(cfg.ctx) * len(cfg.depth), run, output, json_out)

@@ -23,6 +23,7 @@ row are scored against it: the base (the weights' cost alone when the base is f3
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +31,9 @@ import numpy as np
 import torch
 
 from ..engine.llm import LLM
+from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode
-from .report import model_name, parse_modes
+from .common import CompareConfig, model_name
 from .stats import summarize
 
 MIRROR_NOTE = (
@@ -40,6 +42,20 @@ MIRROR_NOTE = (
 )
 _METRIC_KEYS = ("nll_q", "nll_base", "kld", "top_q", "top_base")
 REF_KV = MODES["f32"]  # the reference's KV mode (with f32 weights)
+OnStep = Callable[[str], None]
+
+
+@dataclass
+class PplConfig(CompareConfig):
+    """``kvlens lab ppl``: chunks of ``ctx`` tokens (at most ``chunks`` of them), the second half of
+    each scored; the base, test modes, weights, sub-chunks and sparse policy of :class:`CompareConfig`.
+    ``attn_backend`` (e.g. ``numba``, ``numba-int16``): the test modes' attention backend; their scored
+    positions then run one decode step each (the fused kernels are decode kernels); the base stays on
+    the torch path."""
+
+    ctx: int = 512
+    chunks: int | None = None
+    attn_backend: str | None = None
 
 
 def make_chunks(
@@ -222,137 +238,138 @@ def _summarize(acc: dict[str, list[np.ndarray]]) -> tuple[dict[str, float], np.n
     return summarize(a["nll_q"], a["nll_base"], a["kld"], a["top_q"], a["top_base"]), a["kld"]
 
 
+def _add(into: dict[str, list[np.ndarray]], metrics: dict[str, torch.Tensor]) -> None:
+    for k, v in metrics.items():
+        into[k].append(v.cpu().numpy())
+
+
+def sparse_note(sparse: SparseConfig) -> str:
+    return (
+        f"sparse decode: {sparse.method}, budget {sparse.budget:g}, first {sparse.dense_layers} layers "
+        "dense, scored positions run as decode steps"
+    )
+
+
+class _PplRun:
+    """One ``run_ppl``: what runs how (the plan), and per row its per-token metrics and forward seconds."""
+
+    def __init__(self, llm: LLM, cfg: PplConfig, ref_llm: LLM | None, on_step: OnStep | None) -> None:
+        self.llm, self.cfg, self.ref_llm = llm, cfg, ref_llm
+        self.step = on_step or (lambda _label: None)
+        self.first = scored_span(cfg.ctx)[0]
+        self.base_pc = cfg.ctx if cfg.base == REF_KV else cfg.prefill_chunk  # f32 is chunk-invariant
+        # test modes with sparse decode (kvlens.kv.blocks.SparseConfig); the base stays dense
+        self.test_llm = llm if cfg.sparse is None else llm.variant(sparse=cfg.sparse)
+        if cfg.attn_backend is not None:
+            self.test_llm = self.test_llm.variant(attn_backend=cfg.attn_backend)
+        # vs the f32-weights reference: the base, then every other mode (a mode named like the base is
+        # the base's path, or the base with --keep-*: its combined cost is the base row's)
+        self.ref_rows = [] if ref_llm is None else [cfg.base, *(m for m in cfg.kv if m != cfg.base)]
+        self.acc = {m: {k: [] for k in _METRIC_KEYS} for m in cfg.kv}
+        self.ref_acc = {m: {k: [] for k in _METRIC_KEYS} for m in self.ref_rows}
+        self.secs = dict.fromkeys(cfg.kv, 0.0)
+        self.base_secs = self.ref_secs = 0.0
+
+    def plan(self, m: KVMode) -> tuple[int, CacheOptions | None]:
+        """(prefill sub-chunk, cache options) of mode ``m``: the base's own path when it equals it."""
+        cfg = self.cfg
+        return (self.base_pc, None) if cfg.same_as_base(m) else (cfg.prefill_chunk, cfg.cache_options)
+
+    def score(self, chunk: list[int]) -> None:
+        """The base (and reference) logits of ``chunk`` once, then every mode against them."""
+        cfg, first = self.cfg, self.first
+        targets = torch.tensor(chunk[first + 1 :], dtype=torch.long)
+        t0 = time.perf_counter()
+        base_logits = scored_logits(self.llm, chunk, cfg.base, self.base_pc, first)
+        self.base_secs += time.perf_counter() - t0
+        lb = BaseLogProbs(base_logits)
+        self.step(str(cfg.base))
+        if self.ref_rows:
+            t0 = time.perf_counter()
+            lr = BaseLogProbs(scored_logits(self.ref_llm, chunk, REF_KV, cfg.ctx, first))  # f32: one pass
+            self.ref_secs += time.perf_counter() - t0
+            _add(self.ref_acc[cfg.base], chunk_metrics(lr, base_logits, targets))
+            self.step("f32 weights")
+        for m in cfg.kv:
+            pc, options = self.plan(m)
+            t0 = time.perf_counter()
+            lq = scored_logits(self.test_llm, chunk, m, pc, first, options)
+            self.secs[m] += time.perf_counter() - t0
+            _add(self.acc[m], chunk_metrics(lb, lq, targets))
+            if m in self.ref_acc and m != cfg.base:
+                _add(self.ref_acc[m], chunk_metrics(lr, lq, targets))
+            self.step(str(m))
+
+    def mode_results(self, tokens_run: int) -> list[ModeResult]:
+        cfg, out = self.cfg, []
+        for m in cfg.kv:
+            stats, kld = _summarize(self.acc[m])
+            note = MIRROR_NOTE if m.mirror else ""
+            if cfg.same_as_base(m):
+                note = "same path as the base (determinism check)"
+            if cfg.sparse is not None:
+                note = sparse_note(cfg.sparse)
+            if cfg.attn_backend is not None:
+                note += (
+                    "; " * bool(note) + f"attention {cfg.attn_backend}: scored positions run as decode steps"
+                )
+            bpt = self.llm.new_cache(1, m).bytes_per_token()
+            out.append(ModeResult(m, stats, bpt, self.secs[m], tokens_run, self.plan(m)[0], kld, note))
+        return out
+
+    def ref_results(self, tokens_run: int) -> list[ModeResult]:
+        out = []
+        for m in self.ref_rows:
+            stats, kld = _summarize(self.ref_acc[m])
+            base = m == self.cfg.base
+            secs, pc = (self.base_secs, self.base_pc) if base else (self.secs[m], self.plan(m)[0])
+            note = "cost of the weights alone" if m == REF_KV else f"cost of the weights and KV {m} combined"
+            bpt = self.llm.new_cache(1, m).bytes_per_token()
+            out.append(ModeResult(m, stats, bpt, secs, tokens_run, pc, kld, note))
+        return out
+
+
 def run_ppl(
     llm: LLM,
     text: str,
-    ctx: int = 512,
-    modes: list[str | KVMode] | str = "q8",
-    base: str | KVMode = "f32",
-    n_chunks: int | None = None,
-    prefill_chunk: int = 32,
-    keep_sink: int = 0,
-    keep_recent: int = 0,
+    cfg: PplConfig,
     corpus_label: str = "",
-    on_step: Any = None,
-    sparse: Any = None,
+    on_step: OnStep | None = None,
     ref_llm: LLM | None = None,
-    attn_backend: str | None = None,
 ) -> PplResult:
-    """Score ``text`` under ``base`` and every mode of ``modes`` (one model, chunk-outer loop so each
-    chunk's base logits are computed once). ``on_step(label)`` is called after every forward.
+    """Score ``text`` under ``cfg.base`` and every mode of ``cfg.kv`` (one model, chunk-outer loop so
+    each chunk's base logits are computed once). ``on_step(label)`` is called after every forward.
 
     ``ref_llm``: the same model with f32 weights (``llm`` having other weights): the base and each
-    mode are also scored against it with an f32 cache, into ``vs_f32_weights``.
-
-    ``attn_backend`` (e.g. ``numba``, ``numba-int16``): the test modes' attention backend; the scored
-    positions then run one decode step each (the fused kernels are decode kernels), the base stays
-    on the torch path."""
+    mode are also scored against it with an f32 cache, into ``vs_f32_weights``."""
     t_wall = time.perf_counter()
-    modes, base = parse_modes(modes), KVMode.parse(base)
-    if prefill_chunk < 1:
-        raise ValueError(f"--prefill-chunk must be at least 1 (got {prefill_chunk})")
-    if keep_sink < 0 or keep_recent < 0:
-        raise ValueError("--keep-sink / --keep-recent must be >= 0")
     tok = llm.tokenizer
     bos = tok.bos_prefix[0] if tok.bos_prefix else None
     ids = tok.encode(text)  # whole text at once; BOS first where the tokenizer adds one
-    chunks = make_chunks(ids, ctx, n_chunks, bos)
-    llm.check_fits(ctx)
-    first, _ = scored_span(ctx)
-    base_pc = ctx if base == MODES["f32"] else prefill_chunk
-    test_options = CacheOptions(keep_sink=keep_sink, keep_recent=keep_recent)
-
-    def same_as_base(m: KVMode) -> bool:
-        # A mode equal to the base runs the base's exact path: KLD is then exactly 0 (determinism check).
-        return m == base and not test_options.keeps_exact
-
-    def plan(m: KVMode) -> tuple[int, CacheOptions | None]:
-        return (base_pc, None) if same_as_base(m) else (prefill_chunk, test_options)
-
-    # test modes with sparse decode (kvlens.kv.blocks.SparseConfig); the base stays dense
-    test_llm = llm if sparse is None else llm.variant(sparse=sparse)
-    if attn_backend is not None:
-        test_llm = test_llm.variant(attn_backend=attn_backend)
-    # vs the f32-weights reference: the base, then every other mode (a mode named like the base is
-    # the base's path, or the base with --keep-*: its combined cost is the base row's)
-    ref_rows = [] if ref_llm is None else [base, *(m for m in modes if m != base)]
-    acc = {m: {k: [] for k in _METRIC_KEYS} for m in modes}
-    ref_acc = {m: {k: [] for k in _METRIC_KEYS} for m in ref_rows}
-
-    def add(into: dict[str, list[np.ndarray]], metrics: dict[str, torch.Tensor]) -> None:
-        for k, v in metrics.items():
-            into[k].append(v.cpu().numpy())
-
-    secs = dict.fromkeys(modes, 0.0)
-    base_secs = ref_secs = 0.0
+    chunks = make_chunks(ids, cfg.ctx, cfg.chunks, bos)
+    llm.check_fits(cfg.ctx)
+    run = _PplRun(llm, cfg, ref_llm, on_step)
     for chunk in chunks:
-        targets = torch.tensor(chunk[first + 1 :], dtype=torch.long)
-        t0 = time.perf_counter()
-        base_logits = scored_logits(llm, chunk, base, base_pc, first)
-        base_secs += time.perf_counter() - t0
-        lb = BaseLogProbs(base_logits)
-        if on_step:
-            on_step(base)
-        if ref_rows:
-            t0 = time.perf_counter()
-            lr = BaseLogProbs(scored_logits(ref_llm, chunk, REF_KV, ctx, first))  # f32: one pass
-            ref_secs += time.perf_counter() - t0
-            add(ref_acc[base], chunk_metrics(lr, base_logits, targets))
-            if on_step:
-                on_step("f32 weights")
-        for m in modes:
-            pc, opts = plan(m)
-            t0 = time.perf_counter()
-            lq = scored_logits(test_llm, chunk, m, pc, first, opts)
-            secs[m] += time.perf_counter() - t0
-            add(acc[m], chunk_metrics(lb, lq, targets))
-            if m in ref_acc and m != base:
-                add(ref_acc[m], chunk_metrics(lr, lq, targets))
-            if on_step:
-                on_step(m)
-
-    results = []
-    for m in modes:
-        stats, kld = _summarize(acc[m])
-        note = MIRROR_NOTE if m.mirror else ""
-        if same_as_base(m):
-            note = "same path as the base (determinism check)"
-        bpt = llm.new_cache(1, m).bytes_per_token()
-        if sparse is not None:
-            note = (
-                f"sparse decode: {sparse.method}, budget {sparse.budget:g}, first {sparse.dense_layers} layers "
-                f"dense, scored positions run as decode steps"
-            )
-        if attn_backend is not None:
-            note = (
-                f"{note}; " * bool(note) + f"attention {attn_backend}: scored positions run as decode steps"
-            )
-        results.append(ModeResult(m, stats, bpt, secs[m], len(chunks) * ctx, plan(m)[0], kld, note))
-    vs_ref = []
-    for m in ref_rows:
-        stats, kld = _summarize(ref_acc[m])
-        s, pc = (base_secs, base_pc) if m == base else (secs[m], plan(m)[0])
-        note = "cost of the weights alone" if m == REF_KV else f"cost of the weights and KV {m} combined"
-        bpt = llm.new_cache(1, m).bytes_per_token()
-        vs_ref.append(ModeResult(m, stats, bpt, s, len(chunks) * ctx, pc, kld, note))
+        run.score(chunk)
+    tokens_run = len(chunks) * cfg.ctx
     return PplResult(
         model=model_name(llm),
         corpus=corpus_label,
-        ctx=ctx,
+        ctx=cfg.ctx,
         chunks=len(chunks),
-        chunks_available=len(ids) // ctx,
+        chunks_available=len(ids) // cfg.ctx,
         corpus_tokens=len(ids),
         bos_id=bos,
-        base=base,
-        base_prefill_chunk=base_pc,
-        prefill_chunk=prefill_chunk,
-        keep_sink=keep_sink,
-        keep_recent=keep_recent,
-        base_seconds=base_secs,
-        base_bytes_per_token=llm.new_cache(1, base).bytes_per_token(),
+        base=cfg.base,
+        base_prefill_chunk=run.base_pc,
+        prefill_chunk=cfg.prefill_chunk,
+        keep_sink=cfg.keep_sink,
+        keep_recent=cfg.keep_recent,
+        base_seconds=run.base_secs,
+        base_bytes_per_token=llm.new_cache(1, cfg.base).bytes_per_token(),
         wall_seconds=time.perf_counter() - t_wall,
-        modes=results,
+        modes=run.mode_results(tokens_run),
         weights=getattr(llm, "weights_mode", "f32"),
-        ref_seconds=ref_secs,
-        vs_f32_weights=vs_ref,
+        ref_seconds=run.ref_secs,
+        vs_f32_weights=run.ref_results(tokens_run),
     )

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .ppl import MIRROR_NOTE, REF_KV, ModeResult, PplResult, run_ppl, scored_span, weights_label
-from .report import md_table, parse_modes
+from ..report import CommandOutput, md_table, print_table, run_command, write_markdown
+from .common import load_compare, plot_kld
+from .ppl import MIRROR_NOTE, REF_KV, ModeResult, PplConfig, PplResult, run_ppl, scored_span, weights_label
 from .stats import format_kld_report
 
 HEADERS = ["mode", "KV B/token", "PPL", "ΔPPL", "PPL ratio", "KLD mean", "KLD 99%", "same top p", "tok/s"]
@@ -113,8 +114,6 @@ def _titles(r: PplResult) -> tuple[str, str]:
 
 
 def write_report(r: PplResult, out_dir: str | Path, command: str = "") -> Path:
-    from .report import plot_kld, write_markdown
-
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     plot_kld({m.mode.name: m.kld for m in r.modes}, d / "ppl_kld.png")
@@ -139,61 +138,28 @@ def write_report(r: PplResult, out_dir: str | Path, command: str = "") -> Path:
     return write_markdown(d, "ppl.md", "\n".join(md))
 
 
-def cli(
-    model: str,
-    corpus: str | None,
-    ctx: int,
-    kv: str,
-    base: str,
-    chunks: int | None,
-    prefill_chunk: int,
-    keep_sink: int,
-    keep_recent: int,
-    json_out: bool,
-    report: str | Path | None,
-    sparse: Any = None,
-    weights: str = "f32",
-    attn_backend: str | None = None,
-) -> None:
+def render(r: PplResult) -> None:
+    """The terminal output: the protocol and llama-perplexity's blocks, then the tables."""
+    print(format_text(r))
+    main_title, ref_title = _titles(r)
+    print_table(main_title, *summary_rows(r))
+    if r.vs_f32_weights:
+        print_table(ref_title, *weights_rows(r))
+    for m in r.modes:
+        if m.mode.mirror:
+            print(f"* {m.mode} {MIRROR_NOTE}")
+    print(f"wall time {r.wall_seconds:.1f} s")
+
+
+OUTPUT = CommandOutput(render, PplResult.to_json, write_report)
+
+
+def main(cfg: PplConfig, json_out: bool = False, report: str | Path | None = None) -> PplResult:
     """The body of ``kvlens lab ppl``."""
-    import sys
-
-    from .report import dump_json, load_lab, load_reference, print_table, progress
-
-    modes = parse_modes(kv)
-    llm, text, label = load_lab(model, corpus, base, weights)
-    ref = load_reference(model, llm)
-    ids_est = len(llm.tokenizer.encode(text)) // max(ctx, 1)
-    n = min(chunks or ids_est, ids_est) or 1
-    with progress(n * (1 + len(modes) + (ref is not None)), "lab ppl") as step:
-        r = run_ppl(
-            llm,
-            text,
-            ctx,
-            modes,
-            base,
-            chunks,
-            prefill_chunk,
-            keep_sink,
-            keep_recent,
-            label,
-            step,
-            sparse,
-            ref,
-            attn_backend,
-        )
-    if json_out:
-        print(dump_json(r.to_json()))
-    else:
-        print(format_text(r))
-        main_title, ref_title = _titles(r)
-        print_table(main_title, *summary_rows(r))
-        if r.vs_f32_weights:
-            print_table(ref_title, *weights_rows(r))
-        for m in r.modes:
-            if m.mode.mirror:
-                print(f"* {m.mode} {MIRROR_NOTE}")
-        print(f"wall time {r.wall_seconds:.1f} s")
-    if report is not None:
-        path = write_report(r, report, "kvlens " + " ".join(sys.argv[1:]))
-        print(f"report: {path}", file=sys.stderr)
+    llm, ref, text, label = load_compare(cfg)
+    available = len(llm.tokenizer.encode(text)) // max(cfg.ctx, 1)
+    n = min(cfg.chunks or available, available) or 1
+    steps = n * (1 + len(cfg.kv) + (ref is not None))
+    return run_command(
+        "lab ppl", steps, lambda step: run_ppl(llm, text, cfg, label, step, ref), OUTPUT, json_out, report
+    )

@@ -26,8 +26,9 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..kernels.threads import set_threads
 from .store import CellOutcome, Store
-from .sweep_cell import run_cell, set_threads
+from .sweep_cell import run_cell
 from .sweep_spec import Cell, Spec, cell_label, load_spec
 
 CORES_PER_WORKER = 8  # a lab run uses every thread it gets; more workers only on larger machines

@@ -15,6 +15,7 @@ import platform
 import subprocess
 import time
 import traceback
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -102,20 +103,11 @@ def machine() -> dict[str, Any]:
     }
 
 
-def set_threads(threads: int) -> None:
-    """Torch and numba threads for every cell of this process (results depend on the GEMM split)."""
-    import numba
-    import torch
-
-    torch.set_num_threads(threads)
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-
-
 def _models(model: str, weights: str) -> tuple[Any, Any, float]:
     """(llm, f32-weights reference or None, seconds spent loading now) for ``model`` with ``weights``."""
     import kvlens
 
-    from .report import load_reference
+    from .common import load_reference
 
     if _LOADED["model"] != model:
         _LOADED["model"], _LOADED["llms"] = model, {}
@@ -136,35 +128,40 @@ def _measure(c: dict[str, Any], llm: Any, ref: Any, text: str, label: str) -> di
     m, kv = c["measurement"], KVMode.parse(c["kv"])
     keep = {k: c[k] for k in ("keep_sink", "keep_recent") if k in c}
     if m == "ppl":
-        from .ppl import run_ppl
+        from .ppl import PplConfig, run_ppl
 
-        r = run_ppl(
-            llm, text, ctx=c["ctx"], modes=[kv], base=c["base"], n_chunks=c["chunks"],
-            prefill_chunk=c["prefill_chunk"], corpus_label=label, ref_llm=ref, **keep,
-        )  # fmt: skip
-        return r.to_json()
+        cfg = PplConfig(
+            kv=[kv],
+            base=c["base"],
+            ctx=c["ctx"],
+            chunks=c["chunks"],
+            prefill_chunk=c["prefill_chunk"],
+            **keep,
+        )
+        return run_ppl(llm, text, cfg, label, ref_llm=ref).to_json()
     if m == "greedy":
-        from .greedy import run_greedy
+        from .greedy import GreedyConfig, run_greedy
 
-        r = run_greedy(
-            llm, text, modes=[kv], base=c["base"], n_prompts=c["prompts"], prompt_len=c["ctx"],
-            n_tokens=c["tokens"], prefill_chunk=c["prefill_chunk"], corpus_label=label, ref_llm=ref, **keep,
+        cfg = GreedyConfig(
+            kv=[kv], base=c["base"], prompts=c["prompts"], ctx=c["ctx"], tokens=c["tokens"],
+            prefill_chunk=c["prefill_chunk"], **keep,
         )  # fmt: skip
-        return r.to_json()
+        return run_greedy(llm, text, cfg, label, ref_llm=ref).to_json()
     if m == "layers":
-        from .layers import run_layers
+        from .layers import LayersConfig, run_layers
 
-        r = run_layers(llm, text, modes=[kv], ctx=c["ctx"], n_windows=c["chunks"], corpus_label=label, **keep)
-        return r.to_json()
+        cfg = LayersConfig(kv=[kv], ctx=c["ctx"], chunks=c["chunks"], **keep)
+        return run_layers(llm, text, cfg, label).to_json()
     if m == "needle":
-        from .needle import recall_table, run_needle
+        from .needle import NeedleConfig, recall_table, run_needle
 
-        rows = run_needle(
-            llm, text, contexts=[c["ctx"]], depths=c["depths"], budgets=c["budgets"], method=c["method"],
-            kv=kv, seed=c["seed"], dense_layers=c["dense_layers"],
+        cfg = NeedleConfig(
+            kv=kv, ctx=[c["ctx"]], depth=c["depths"], sparse=c["method"], sparse_budget=c["budgets"],
+            seed=c["seed"], dense_layers=c["dense_layers"],
         )  # fmt: skip
+        rows = run_needle(llm, text, cfg)
         table = recall_table(rows)
-        return {"rows": [r.as_dict() for r in rows], "recall": {k: v[c["ctx"]] for k, v in table.items()}}
+        return {"rows": [asdict(r) for r in rows], "recall": {k: v[c["ctx"]] for k, v in table.items()}}
     raise ValueError(f"unknown measurement {m!r}")
 
 
@@ -182,7 +179,7 @@ def metrics_of(c: dict[str, Any], result: dict[str, Any]) -> dict[str, float | i
 
 def run_cell(key: str, config_json: str, worker: str) -> CellOutcome:
     """Run one cell; any exception becomes a 'failed' outcome with its message (the sweep goes on)."""
-    from .corpus import load_corpus
+    from ..corpus import load_corpus
 
     c = json.loads(config_json)
     ver, commit = provenance()

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..kv.modes import KVMode, StoreKind
-from .report import _figure, md_table, write_markdown
+from ..report import figure, md_table, write_markdown
 from .store import Store
 from .sweep_spec import cell_label
 
@@ -88,38 +88,33 @@ def _errbar(ax, x, y, err, label: str, linestyle: str = "-") -> None:
 
 def plot_frontier(model: str, rows: list[dict[str, Any]], path: Path) -> Path:
     """PPL ratio and KLD mean vs KV bytes/token, one line per (corpus, ctx, weights), modes labelled."""
-    plt = _figure()
+    plt = figure()
     fig, (ax_p, ax_k) = plt.subplots(1, 2, figsize=(11, 4.2))
     by = defaultdict(list)
     for r in rows:
         by[_series_key(r["config"])].append(r)
-    for label, rs in sorted(by.items()):
+    for i, (label, rs) in enumerate(sorted(by.items())):
         rs = sorted(rs, key=lambda r: r["bytes_per_token"])
-        x = [r["bytes_per_token"] for r in rs]
+        # series spread sideways by a few % so equal-size modes do not hide each other
+        x = [r["bytes_per_token"] * (1 + 0.015 * (i - (len(by) - 1) / 2)) for r in rs]
         for ax, col in ((ax_p, "ppl_ratio"), (ax_k, "kld_mean")):
             _errbar(ax, x, [r[col] for r in rs], [r[f"{col}_err"] for r in rs], label, "none")
-            for r in rs:
-                ax.annotate(
-                    r["kv"],
-                    (r["bytes_per_token"], r[col]),
-                    fontsize=7,
-                    xytext=(3, 3),
-                    textcoords="offset points",
-                )
+            for xi, r in zip(x, rs, strict=True):
+                ax.annotate(r["kv"], (xi, r[col]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax_p.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax_p.set_ylabel("PPL(mode) / PPL(base)")
     ax_p.ticklabel_format(axis="y", useOffset=False)
     ax_k.set_ylabel("KLD(base ‖ mode), mean per token")
     ax_k.set_yscale("log")
     for ax in (ax_p, ax_k):
-        ax.set_xlabel("KV cache bytes per token (all layers)")
+        ax.set_xlabel("KV cache bytes per token (all layers; series spread ±few % for legibility)")
         ax.legend(fontsize=7)
     fig.suptitle(f"{model}: accuracy vs KV memory (±1 s.e.)")
     return _save(fig, path)
 
 
 def plot_kld_vs_ctx(rows: list[dict[str, Any]], path: Path) -> Path:
-    plt = _figure()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     by = defaultdict(list)
     for r in rows:
@@ -131,6 +126,9 @@ def plot_kld_vs_ctx(rows: list[dict[str, Any]], path: Path) -> Path:
             ax, [r["ctx"] for r in rs], [r["kld_mean"] for r in rs], [r["kld_mean_err"] for r in rs], label
         )
     ax.set_xscale("log", base=2)
+    ctxs = sorted({r["ctx"] for r in rows})
+    ax.set_xticks(ctxs, [str(c) for c in ctxs])
+    ax.minorticks_off()
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens per chunk; the second half is scored)")
     ax.set_ylabel("KLD(base ‖ mode), mean per token")
@@ -148,7 +146,7 @@ def side(kv: str) -> str | None:
 
 def plot_k_vs_v(rows: list[dict[str, Any]], path: Path) -> Path:
     """Grouped bars of KLD mean ± s.e. per (model, corpus, ctx, weights): K-only, V-only, both."""
-    plt = _figure()
+    plt = figure()
     groups = sorted({(_short(r["model"]), _series_key(r["config"])) for r in rows})
     modes = sorted({r["kv"] for r in rows}, key=lambda m: (["K only", "V only", "K and V"].index(side(m)), m))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * len(modes) / 2), 4.2))
@@ -171,7 +169,7 @@ def plot_k_vs_v(rows: list[dict[str, Any]], path: Path) -> Path:
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _figure().close(fig)
+    figure().close(fig)
     return path
 
 
@@ -222,7 +220,10 @@ def _provenance(store: Store, rows: list[dict[str, Any]], failed: list[dict[str,
     machines = sorted({f"{m['host']}: {m['cpu']}, {m['logical_cores']} cores ({', '.join(m['isa'])}), "
                        f"torch {m['torch']}, {m['torch_threads']} threads" for r in rows if (m := r["machine"])})  # fmt: skip
     builds = sorted({f"kvlens {r['kvlens_version']} @ {r['git_commit'] or 'no git checkout'}" for r in rows})
-    lines = [f"- {len(rows)} cells done, {len(failed)} failed"]
+    secs = sum(r["run_seconds"] or 0 for r in rows), sum(r["load_seconds"] or 0 for r in rows)
+    lines = [
+        f"- {len(rows)} cells done, {len(failed)} failed; cells' run time {secs[0]:.0f} s, model loads {secs[1]:.0f} s"
+    ]
     lines += [f"- machine: {m}" for m in machines] + [f"- code: {b}" for b in builds]
     lines += [
         f"- sweep run {r['run_id']} ({r['started_at']}, {r['executor']}): `{r['command']}`"

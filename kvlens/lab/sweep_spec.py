@@ -206,7 +206,7 @@ def _corpus(root: Path) -> Callable[[str, str], str]:
             return str(path.resolve())
         if "/" in name or path.suffix:
             raise SpecError(f"{where}: corpus file {name!r} does not exist (looked for {path.resolve()})")
-        from .corpus import list_corpora
+        from ..corpus import list_corpora
 
         names = list_corpora()
         if name not in names:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from ..kv.schemes import get_scheme
+from ..report import figure, save_figure
 from .metrics import amplitude_verdicts, compare, pooled_t
 
 SYNTH_DEFAULTS = {"head_dim": 128, "heads": 1, "kv_heads": 1}
@@ -135,7 +137,7 @@ class RealSource:
     """Q/K/V of one layer of a real model on real text; one capture per trial serves every L."""
 
     def __init__(self, cfg: UnitConfig, llm: Any = None) -> None:
-        from .corpus import load_corpus
+        from ..corpus import load_corpus
 
         if llm is None:
             if cfg.model not in _LLMS:
@@ -155,7 +157,7 @@ class RealSource:
                 )
         if cfg.head is not None and not 0 <= cfg.head < c.n_heads:
             raise ValueError(f"--head {cfg.head} out of range: the model has {c.n_heads} query heads")
-        self.head, self.group = cfg.head, c.n_heads // c.n_kv_heads
+        self.head, self.group = cfg.head, c.group
         text, self.text_label = load_corpus(cfg.text)
         self.ids = llm.tokenizer.encode(text)
         self.window, self.seed = max(cfg.seq_len), cfg.seed
@@ -358,12 +360,7 @@ def to_json(result: UnitResult) -> str:
 
 def write_plot(result: UnitResult, path: str | Path) -> Path:
     """PNG: error vs L (sweep), rel L2 vs amplitude (amplitude mode), else a histogram of Δ."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = figure().subplots(figsize=(7, 4.5))
     c = result.config
     if result.amplitude is not None:
         for which in ("v", "k"):
@@ -393,8 +390,16 @@ def write_plot(result: UnitResult, path: str | Path) -> Path:
         ax.set(xlabel="Δout = out_q - out_f", ylabel="density")
     ax.set_title(f"{c.scheme} on {c.quantize.upper()}, dist {c.dist}, L {','.join(map(str, c.seq_len))}")
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
+
+
+def main(cfg: UnitConfig, json_out: bool = False, plot: str | None = None) -> UnitResult:
+    """The body of ``kvlens lab unit``."""
+    result = run(cfg)
+    if json_out:
+        print(to_json(result))
+    else:
+        render(result)
+    if plot:
+        print(f"wrote {write_plot(result, plot)}", file=sys.stderr)
+    return result

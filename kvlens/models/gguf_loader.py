@@ -29,8 +29,6 @@ from .config import (
 )
 from .weights import check_structure
 
-# Tensor types we have tested; gguf.quants can decode more, which we accept too.
-TESTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"}
 # architectures whose attn_q/attn_k rows the converter permutes
 PERMUTED_ARCHS = {"llama", "mistral"}
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +30,29 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: Path
     weights_mode: str = "f32"  # f32, bf16, int8, int4 or auto (per tensor, see load_model)
+    _sha256: str | None = field(default=None, repr=False)
+
+    @property
+    def file_sha256(self) -> str:
+        """sha256 of the model file (an HF directory: of its files' names and digests, sorted);
+        computed once per load, on first use."""
+        if self._sha256 is None:
+            self._sha256 = file_digest(self.source)
+        return self._sha256
+
+
+def file_digest(path: Path) -> str:
+    def one(p: Path) -> str:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+    if path.is_file():
+        return one(path)
+    listing = "".join(f"{p.relative_to(path)}\0{one(p)}\n" for p in sorted(path.rglob("*")) if p.is_file())
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def resolve_model(name_or_path: str | Path) -> Path:

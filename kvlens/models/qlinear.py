@@ -30,8 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..kernels.threads import run_serial_if
-from .qkernels import (
+from ..kernels.qkernels import (
     G,
     _deq_bf16,
     _deq_int4,
@@ -44,6 +43,8 @@ from .qkernels import (
     _mv_int4,
     _mv_int8,
 )
+from ..kernels.threads import run_serial_if
+from .blockquant import symmetric_blocks
 
 WEIGHT_MODES = ("f32", "bf16", "int8", "int4")
 PRECISION = {"int4": 0, "int8": 1, "bf16": 2, "f32": 3}  # fusing mixed parts keeps the finest
@@ -80,10 +81,8 @@ class QCodes:
         pad = "constant" if kind == "int8" or ng * G == k else "replicate"
         wg = F.pad(w.float(), (0, ng * G - k), mode=pad).view(n, ng, G)
         if kind == "int8":
-            scale = wg.abs().amax(-1) / 127  # Q8_0's rule
-            inv = torch.where(scale > 0, 1 / scale, 0)
-            q = torch.round(wg * inv[..., None]).clamp_(-127, 127).to(torch.int8)
-            return QCodes(kind, q.view(n, -1)[:, :k].contiguous(), scale)
+            q, scale = symmetric_blocks(wg, 127.0)  # Q8_0's rule, llama.cpp's rounding
+            return QCodes(kind, q.to(torch.int8).view(n, -1)[:, :k].contiguous(), scale)
         if kind != "int4":
             raise ValueError(f"cannot quantize to {kind!r}")
         lo, hi = wg.amin(-1), wg.amax(-1)
@@ -164,14 +163,26 @@ class QLinear:
     # the kind's JIT kernels (qkernels): one input row, a few rows, dequantize tiles for the GEMM path
     _mv = _mm = _deq = None
 
-    def _kernel(self, x: np.ndarray, out: np.ndarray) -> None:
-        if x.shape[0] == 1:
-            self._mv(x[0], *self._np, out[0])
+    def _kernel(self, x: np.ndarray, out: np.ndarray, rows: bool = False) -> None:
+        if x.shape[0] == 1 or rows:
+            self._mv(x, *self._np, out)
         else:
             self._mm(x, *self._np, out)
 
     def _deq_tiles(self, t0: int, out: np.ndarray) -> None:
         self._deq(*self._np, t0, out)
+
+    def decode_rows(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``self(x)`` for independent rows ``x [m, k]`` (a decode batch), each row bit-identical to a
+        one-row call: the decode kernel for any m (weights read once for all rows)."""
+        if self._np is None:
+            return torch.cat([self(x[b : b + 1], bias) for b in range(x.shape[0])])
+        x2 = x.float().contiguous()
+        out = torch.empty(x2.shape[0], self.shape[0], dtype=torch.float32)
+        _run(self._kernel, x2.numel() * self.shape[0], x2.numpy(), out.numpy(), True)
+        if bias is not None:
+            out += bias
+        return out
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n, k = self.shape
@@ -233,10 +244,10 @@ class Int4Linear(QLinear):
         q = torch.stack([packed & 15, packed >> 4], -1).view(packed.shape[0], -1)[:, : self.shape[1]]
         return QCodes("int4", q, s, mn).dequantize()
 
-    def _kernel(self, x, out):
+    def _kernel(self, x, out, rows=False):
         if x.shape[1] % 2:  # the kernel reads inputs in pairs: give the padding code a zero input
             x = np.pad(x, ((0, 0), (0, 1)))
-        super()._kernel(x, out)
+        super()._kernel(x, out, rows)
 
 
 class BF16Linear(QLinear):
@@ -264,14 +275,22 @@ def linear(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None) -> torc
     kernel for a quantized one."""
     if not isinstance(w, torch.Tensor):
         return w(x, bias)
-    if x.numel() == x.shape[-1] and w.device.type == "cpu" and w.dtype == x.dtype == torch.float32:
-        out = np.empty(w.shape[0], np.float32)
-        _run(_mv_f32, w.numel(), w.numpy(), x.contiguous().numpy().reshape(-1), out)
-        y = torch.from_numpy(out)
-        if bias is not None:
-            y += bias
-        return y.view(*x.shape[:-1], w.shape[0])
+    if x.numel() == x.shape[-1] and _f32_rows_kernel(x, w):
+        return _f32_rows(x.reshape(1, -1), w, bias).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w, bias)
+
+
+def _f32_rows_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and w.dtype == x.dtype == torch.float32
+
+
+def _f32_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    _run(_mv_f32, w.numel() * x.shape[0], w.numpy(), x.contiguous().numpy(), out)
+    y = torch.from_numpy(out)
+    if bias is not None:
+        y += bias
+    return y
 
 
 def embedding(w: Matrix, ids: torch.Tensor) -> torch.Tensor:
@@ -329,3 +348,15 @@ def make_matrix(
         return Int8Linear(c) if mode == "int8" else Int4Linear(c)
 
     return matrix
+
+
+def linear_rows(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear`` of a batch of independent rows ``x [B, k]`` (one decode token per sequence), each
+    row's result bit-identical to a one-row call (batch invariance): on the CPU one call of the decode
+    kernel reads every weight once for the batch; elsewhere (torch's GEMMs pick their reduction by
+    shape) the rows run one at a time."""
+    if not isinstance(w, torch.Tensor):
+        return w.decode_rows(x, bias)
+    if _f32_rows_kernel(x, w):
+        return _f32_rows(x, w, bias)
+    return torch.cat([F.linear(x[b : b + 1], w, bias) for b in range(x.shape[0])])

@@ -8,19 +8,39 @@ returns the attention output. This keeps one forward pass for every cache mode a
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import rowops
+from ..kernels import rowops
 from .config import ModelConfig
-from .qlinear import embedding, linear
+from .qlinear import embedding, linear, linear_rows
 from .weights import LayerWeights, Weights
 
 # attend(layer, q [H, n, d], k [KV, n, d], v [KV, n, d], start) -> out [H, n, d]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+class Profiler(Protocol):
+    """Told the seconds of each timed part of a forward pass: ``"linear"`` (every weight matmul, LM head
+    included), ``"attend"`` (a layer's attention call, KV write included) and ``"kv_write"``."""
+
+    def add(self, part: str, seconds: float) -> None: ...
+
+
+def timed(profiler: Profiler | None, part: str, fn: Callable, *args):
+    """``fn(*args)``, its seconds reported to ``profiler`` as ``part`` (no clock read without one)."""
+    if profiler is None:
+        return fn(*args)
+    t0 = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        profiler.add(part, time.perf_counter() - t0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,7 +82,7 @@ class Transformer:
         s = cfg.rope_scaling or {}
         self.pos_scale = 1.0 / float(s["factor"]) if s.get("rope_type", s.get("type")) == "linear" else 1.0
         self._cos = self._sin = torch.empty(0, cfg.head_dim)
-        self.linear = linear  # every weight matmul goes through here (benchmarks time it)
+        self.profiler: Profiler | None = None  # set to time the parts of each forward (bench decode)
         # single-token steps run the layer glue as JIT calls (rowops); Qwen3's q/k norms stay in torch
         self.row_ops = self.device.type == "cpu" and not cfg.qk_norm and weights.norm.dtype == torch.float32
         self._row_norms = (
@@ -90,7 +110,16 @@ class Transformer:
         if n == 1 and self.row_ops:
             return self.layer_row(i, x, start, cos, sin, attend)
         h = rms_norm(x, L.attn_norm, cfg.rms_eps)
-        qkv = self.linear(h, L.wqkv, L.bqkv)
+        q, k, v = self.split_rope(L, self.linear(h, L.wqkv, L.bqkv), cos, sin)
+        o = attend(i, q, k, v, start)
+        x = x + self.linear(o.transpose(0, 1).reshape(n, cfg.n_heads * d), L.wo)
+        return x + self.mlp(L, rms_norm(x, L.ffn_norm, cfg.rms_eps))
+
+    def split_rope(
+        self, L: LayerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused QKV rows [n, ...] → head-major q [H, n, d], k, v [KV, n, d], q/k-normed and rotated."""
+        cfg, n, d = self.cfg, qkv.shape[0], self.cfg.head_dim
         q, k, v = qkv.split((cfg.n_heads * d, cfg.n_kv_heads * d, cfg.n_kv_heads * d), dim=-1)
         q = q.view(n, cfg.n_heads, d).transpose(0, 1)
         k = k.view(n, cfg.n_kv_heads, d).transpose(0, 1)
@@ -99,9 +128,7 @@ class Transformer:
             q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        o = attend(i, q, k, v.contiguous(), start)
-        x = x + self.linear(o.transpose(0, 1).reshape(n, cfg.n_heads * d), L.wo)
-        return x + self.mlp(L, rms_norm(x, L.ffn_norm, cfg.rms_eps))
+        return q, k, v.contiguous()
 
     def layer_row(
         self, i: int, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
@@ -124,17 +151,94 @@ class Transformer:
         rowops.silu_mul_row(gate_up, act[0])
         return x + self.linear(torch.from_numpy(act), L.w_down)
 
+    def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Every weight matmul goes through here (the profiler times them)."""
+        return timed(self.profiler, "linear", linear, x, w, bias)
+
     def mlp(self, L: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear(h, L.w_gate_up).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, L.w_down)
+        return self.linear(self._silu_mul(self.linear(h, L.w_gate_up)), L.w_down)
 
     def forward(self, ids: torch.Tensor, start: int, attend: AttendFn) -> torch.Tensor:
         """Final-normed hidden states [n, hidden] for tokens at positions start..start+n-1."""
         x = self.embed(ids)
         cos, sin = self.rope_tables(start, ids.shape[0])
+        if self.profiler is not None:
+            inner, profiler = attend, self.profiler
+            attend = lambda *args: timed(profiler, "attend", inner, *args)  # noqa: E731
         for i in range(self.cfg.n_layers):
             x = self.layer(i, x, start, cos, sin, attend)
         return rms_norm(x, self.w.norm, self.cfg.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden, self.w.lm_head)
+
+    # -- batched decode: one token of each of B sequences, rows independent of each other -----------
+    def decode_rows(self, ids: torch.Tensor, positions: list[int], attends: list[AttendFn]) -> torch.Tensor:
+        """Final-normed hidden states [B, hidden] for token ``ids[b]`` at ``positions[b]`` of sequence
+        ``b`` (attending through ``attends[b]``). Every weight matrix is read once for the batch by
+        :func:`linear_rows`; the glue runs row by row, so a row's arithmetic does not depend on B."""
+        x = self.embed(ids)
+        for i in range(self.cfg.n_layers):
+            x = self.layer_rows(i, x, positions, attends)
+        return self._norm_rows(x, self.w.norm, None)
+
+    def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear_rows(hidden, self.w.lm_head)
+
+    def _norm_rows(
+        self, x: torch.Tensor, weight: torch.Tensor, row_weight: np.ndarray | None
+    ) -> torch.Tensor:
+        if row_weight is None or not self.row_ops:
+            return torch.cat([rms_norm(x[b : b + 1], weight, self.cfg.rms_eps) for b in range(x.shape[0])])
+        h = np.empty(tuple(x.shape), np.float32)
+        rowops.rms_norm_rows(x.numpy(), row_weight, self.cfg.rms_eps, h)
+        return torch.from_numpy(h)
+
+    def _attend_rows(
+        self, i: int, qkv: torch.Tensor, positions: list[int], attends: list[AttendFn]
+    ) -> torch.Tensor:
+        """Attention output [B, H*d] of each row's query over its own sequence."""
+        cfg, L, d, n = self.cfg, self.w.layers[i], self.cfg.head_dim, qkv.shape[0]
+        out = torch.empty(n, cfg.n_heads * d, dtype=qkv.dtype, device=qkv.device)
+        if self.row_ops:
+            cos, sin = self._rope_rows(positions)
+            q, k, v = (
+                np.empty((n, m, 1, d), np.float32) for m in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)
+            )
+            rowops.rope_split_rows(qkv.numpy(), cos, sin, q[:, :, 0], k[:, :, 0], v[:, :, 0])
+            q, k, v = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
+            for b, pos in enumerate(positions):
+                out[b] = attends[b](i, q[b], k[b], v[b], pos).reshape(-1)
+            return out
+        for b, pos in enumerate(positions):
+            cos, sin = self.rope_tables(pos, 1)
+            q, k, v = self.split_rope(L, qkv[b : b + 1], cos, sin)
+            out[b] = attends[b](i, q, k, v, pos).reshape(-1)
+        return out
+
+    def _rope_rows(self, positions: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin rows [B, head_dim] of each row's position (numpy)."""
+        self.rope_tables(max(positions), 1)  # grows the tables when needed
+        idx = np.asarray(positions)
+        return self._cos.numpy()[idx], self._sin.numpy()[idx]
+
+    def layer_rows(
+        self, i: int, x: torch.Tensor, positions: list[int], attends: list[AttendFn]
+    ) -> torch.Tensor:
+        L = self.w.layers[i]
+        norms = self._row_norms[i] if self.row_ops else (None, None)
+        qkv = linear_rows(self._norm_rows(x, L.attn_norm, norms[0]), L.wqkv, L.bqkv)
+        x = x + linear_rows(self._attend_rows(i, qkv, positions, attends), L.wo)
+        gate_up = linear_rows(self._norm_rows(x, L.ffn_norm, norms[1]), L.w_gate_up)
+        if self.row_ops:
+            act = np.empty((x.shape[0], gate_up.shape[1] // 2), np.float32)
+            rowops.silu_mul_rows(gate_up.numpy(), act)
+            act = torch.from_numpy(act)
+        else:
+            act = torch.cat([self._silu_mul(gate_up[b : b + 1]) for b in range(x.shape[0])])
+        return x + linear_rows(act, L.w_down)
+
+    @staticmethod
+    def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,21 +1,19 @@
-"""Shared output of the lab commands: loading, progress bars, rich tables, Markdown + PNG reports.
+"""What the lab commands share: KV-mode lists, the lab config, model and corpus loading, figures.
 
-Terminal output goes to stdout (tables, llama-perplexity blocks) and stderr (progress), so that
-``--json`` can print nothing but JSON on stdout.
-"""
+Generic output (tables, progress, JSON, Markdown, the command skeleton) is :mod:`kvlens.report`."""
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..kv.modes import MODES, KVMode
+from ..kv.blocks import SparseConfig
+from ..kv.modes import MODES, CacheOptions, KVMode
+from ..report import figure, save_figure
 
 
 def parse_modes(spec: str | Sequence[str | KVMode]) -> list[KVMode]:
@@ -40,8 +38,8 @@ def load_lab(model: str, corpus: str | None, base: str | KVMode, weights: str = 
     """
     import kvlens
 
+    from ..corpus import load_corpus
     from ..models.loader import check_weights_mode
-    from .corpus import load_corpus
 
     base = KVMode.parse(base)
     check_weights_mode(weights)
@@ -64,83 +62,10 @@ def model_name(llm: Any) -> str:
     return getattr(llm.config, "name", None) or str(getattr(llm, "source", "model"))
 
 
-# -- terminal --------------------------------------------------------------------------------------
-@contextmanager
-def progress(total: int, description: str, enabled: bool = True) -> Iterator[Callable[[str], None]]:
-    """A rich progress bar on stderr; yields ``step(label)`` that advances it by one."""
-    if not enabled:
-        yield lambda _label="": None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*cols, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(description, total=total)
-
-        def step(label: str = "") -> None:
-            bar.update(task, advance=1, description=f"{description} {label}".rstrip())
-
-        yield step
-
-
-def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], width: int = 120) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i == 0 else "right")
-    for r in rows:
-        table.add_row(*(str(c) for c in r))
-    Console(width=max(width, Console().width)).print(table)
-
-
-def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    out = ["| " + " | ".join(str(h).replace("|", "\\|") for h in headers) + " |"]
-    out.append("|" + "|".join("---" for _ in headers) + "|")
-    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
-    return "\n".join(out) + "\n"
-
-
-def dump_json(obj: Any) -> str:
-    """JSON with NaN/Inf as null (strict JSON readers reject NaN)."""
-
-    def clean(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        if isinstance(x, (float, np.floating)):
-            return float(x) if math.isfinite(x) else None
-        if isinstance(x, np.integer):
-            return int(x)
-        return x
-
-    return json.dumps(clean(obj), indent=2, ensure_ascii=False)
-
-
-# -- report files ------------------------------------------------------------------------------------
-def write_markdown(out_dir: str | Path, name: str, text: str) -> Path:
-    d = Path(out_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / name
-    path.write_text(text, encoding="utf-8")
-    return path
-
-
-def _figure():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
+# -- figures ---------------------------------------------------------------------------------------
 def plot_kld(kld_by_mode: dict[str, np.ndarray], path: Path) -> Path:
     """Distribution of per-token KLD, one step histogram per mode, log10 x axis (0 clipped to 1e-12)."""
-    plt = _figure()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4))
     logs = {m: np.log10(np.maximum(k, 1e-12)) for m, k in kld_by_mode.items()}
     lo = min(float(v.min()) for v in logs.values())
@@ -152,15 +77,12 @@ def plot_kld(kld_by_mode: dict[str, np.ndarray], path: Path) -> Path:
     ax.set_ylabel("tokens")
     ax.legend(fontsize=8)
     ax.set_title("Per-token KL divergence from the base")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_layers(err_by_mode: dict[str, np.ndarray], path: Path) -> Path:
     """Per-layer relative attention-output error (one line per mode, worst KV head dotted), log y."""
-    plt = _figure()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4))
     for (
         m,
@@ -177,15 +99,12 @@ def plot_layers(err_by_mode: dict[str, np.ndarray], path: Path) -> Path:
     ax.set_ylabel("relative attention-output error")
     ax.set_title("Per-layer error (dotted: worst KV head)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_divergence(first_div: dict[str, list[int]], n_tokens: int, path: Path) -> Path:
     """Histogram of the first diverging greedy token per mode; bar at n_tokens = never diverged."""
-    plt = _figure()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4))
     bins = np.arange(n_tokens + 2) - 0.5
     ax.hist(list(first_div.values()), bins=bins, label=list(first_div), histtype="bar")
@@ -193,7 +112,56 @@ def plot_divergence(first_div: dict[str, list[int]], n_tokens: int, path: Path) 
     ax.set_ylabel("prompts")
     ax.set_title("Greedy: where each mode first leaves the base's continuation")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
+
+
+# -- configs -----------------------------------------------------------------------------------------
+@dataclass
+class LabConfig:
+    """Options of every lab command that runs a model over a corpus (built by the CLI, passed whole).
+
+    ``kv``: the KV modes under test (a comma list or names are parsed into :class:`KVMode`);
+    ``keep_sink`` / ``keep_recent``: positions kept exact in the test modes' caches."""
+
+    model: str = "smollm2"
+    corpus: str | None = None
+    kv: list[KVMode] | str = "q8"
+    keep_sink: int = 0
+    keep_recent: int = 0
+
+    def __post_init__(self) -> None:
+        self.kv = parse_modes(self.kv)
+        self.cache_options  # noqa: B018 - validates keep_sink / keep_recent now
+
+    @property
+    def cache_options(self) -> CacheOptions:
+        """The test modes' cache options."""
+        return CacheOptions(keep_sink=self.keep_sink, keep_recent=self.keep_recent)
+
+
+@dataclass
+class CompareConfig(LabConfig):
+    """A lab command comparing test modes with a ``base`` mode on one model: ``weights`` for the base
+    and every mode, test modes prefilled in sub-chunks of ``prefill_chunk`` tokens, optionally with
+    sparse decode (``sparse``)."""
+
+    base: KVMode | str = "f32"
+    weights: str = "f32"
+    prefill_chunk: int = 32
+    sparse: SparseConfig | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.base = KVMode.parse(self.base)
+        if self.prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be at least 1 (got {self.prefill_chunk})")
+
+    def same_as_base(self, mode: KVMode) -> bool:
+        """A mode equal to the base, with no kept-exact positions, runs the base's own path."""
+        return mode == self.base and not self.cache_options.keeps_exact
+
+
+def load_compare(cfg: CompareConfig):
+    """(llm, f32-weights reference or None, corpus text, corpus label) for a :class:`CompareConfig`."""
+    llm, text, label = load_lab(cfg.model, cfg.corpus, cfg.base, cfg.weights)
+    return llm, load_reference(cfg.model, llm), text, label

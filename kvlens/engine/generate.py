@@ -1,0 +1,61 @@
+"""``kvlens generate``: load a model and stream a continuation of the prompt to stdout."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from ..kv.blocks import SparseConfig
+from ..kv.modes import CacheOptions
+from .llm import DEFAULT_PREFILL_CHUNK
+from .sampling import SamplingParams
+
+
+@dataclass
+class GenerateConfig:
+    prompt: str
+    model: str = "smollm2"
+    kv: str = "q8"
+    max_tokens: int = 64
+    chat: bool = False
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    attn_backend: str = "auto"
+    mirror_prefill: str = "exact"
+    device: str | None = None
+    weights: str = "auto"
+    sparse: SparseConfig | None = None
+
+
+def main(cfg: GenerateConfig) -> str:
+    """The body of ``kvlens generate``: the text streams to stdout as it is produced; nothing is printed
+    before the prompt is known to fit."""
+    import kvlens  # the public entry point (tests stand in for it)
+
+    llm = kvlens.load(
+        cfg.model,
+        kv=cfg.kv,
+        device=cfg.device,
+        attn_backend=cfg.attn_backend,
+        cache_options=CacheOptions(mirror_prefill=cfg.mirror_prefill),
+        prefill_chunk=cfg.prefill_chunk,
+        weights=cfg.weights,
+        sparse=cfg.sparse,
+    )
+    params = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
+    llm.check_fits(len(llm.encode_prompt(cfg.prompt, cfg.chat)) + cfg.max_tokens)
+    if not cfg.chat:
+        sys.stdout.write(cfg.prompt)
+        sys.stdout.flush()
+    text = llm.generate(
+        cfg.prompt,
+        cfg.max_tokens,
+        chat=cfg.chat,
+        sampling=params,
+        on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
+    )
+    sys.stdout.write("\n")
+    return text

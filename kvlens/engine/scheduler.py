@@ -1,0 +1,327 @@
+"""Continuous batching over a paged KV block pool (the vLLM / nano-vllm design, for this engine).
+
+Each :meth:`Engine.step`:
+
+1. **decode**: every running sequence past its prompt feeds one token, all as ONE batch through the
+   weights (:meth:`ModelRunner.decode`); a sequence that needs a new block and finds none free
+   preempts the newest running sequence (its blocks are freed; it is recomputed later);
+2. **prefill**: pending prompt chunks, oldest first, then newly admitted requests (admitted only when
+   the blocks of their first chunk are free and fewer than ``max_batch`` run), up to
+   ``prefill_token_budget`` tokens, spent in whole chunks (the first chunk of a step always runs).
+
+Chunk rule (batch invariance of prefill): a prompt is cut at absolute multiples of the LLM's
+``prefill_chunk`` — ``[0, c), [c, 2c), ...`` — exactly as :meth:`LLM.prefill` cuts it alone, and a
+chunk holds one sequence's positions only. So a prompt's prefill is the same computation whether it
+runs alone or interleaved with others, whatever the budget.
+
+Recompute after preemption: the prompt is prefilled again by the same chunks, then the tokens it
+had generated are fed again as decode rows (teacher-forced, not sampled), so its KV cache — and
+everything after — is bit-identical to an uninterrupted run. Its sampler (and seed state) is kept.
+
+A finished (stop id or max_tokens) or aborted request frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..checks import check_int, check_token_ids
+from ..kv.cache import BLOCK
+from ..kv.modes import MODES
+from ..kv.pool import BlockPool, PagedKV, kv_bytes_per_token
+from .budget import default_kv_budget
+from .llm import LLM
+from .model_runner import ModelRunner
+from .sampling import Sampler, SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound (HTTP: 429 with Retry-After)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_budget_bytes: int | None = None  # None: a sensible share of free memory (engine.budget)
+    max_batch: int = 16  # running sequences per step
+    max_waiting: int = 64  # bound of the waiting queue
+    prefill_token_budget: int = 512  # prompt tokens prefilled per step (chunked prefill)
+    prefix_cache: bool = False  # (issue 13) reuse of full cached blocks; not implemented yet
+    keep_logits: bool = False  # attach each sampled token's logits to its TokenEvent (tests, verify)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_waiting", "prefill_token_budget"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.prefix_cache:
+            raise ValueError("prefix_cache is not implemented yet (issue 13)")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] | None = None  # None: the tokenizer's EOS ids
+    logprobs: int | None = None  # None: no logprobs; N >= 0: chosen token's logprob + top-N
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    token_id: int | None  # None only for a finish without a new token (abort)
+    logprob: float | None  # log-softmax of the chosen token (temperature-free logits)
+    top_logprobs: list[tuple[int, float]] | None
+    finished: bool
+    finish_reason: str | None  # "stop" (a stop id; the stop token IS reported), "length", "abort"
+    logits: torch.Tensor | None = field(default=None, repr=False)  # with EngineConfig.keep_logits
+
+
+@dataclass
+class EngineStats:
+    blocks_total: int
+    blocks_used: int
+    block_size: int  # positions per block
+    tokens_capacity: int  # blocks_total * block_size
+    f16_tokens_same_bytes: int  # what an f16 cache would hold in the same bytes
+    bytes_per_token: int  # of this engine's KV mode
+    running: int
+    waiting: int
+    preemptions: int  # cumulative
+    prompt_tokens: int
+    generated_tokens: int  # cumulative counters
+
+
+@dataclass
+class Sequence:
+    req: Request
+    kv: PagedKV
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    tokens: list[int]  # prompt, then the generated tokens
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.req.prompt_ids)
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.kv.length < self.n_prompt
+
+    def next_chunk(self, chunk: int) -> tuple[int, int]:
+        """The next prefill chunk ``[start, end)``: up to the next absolute multiple of ``chunk``."""
+        start = self.kv.length
+        return start, min(self.n_prompt, (start // chunk + 1) * chunk)
+
+
+class Engine:
+    """Continuous-batching engine over one :class:`LLM` (not thread-safe: drive it from one thread)."""
+
+    def __init__(self, llm: LLM, config: EngineConfig = EngineConfig()) -> None:
+        if not llm.servable:
+            raise ValueError(
+                "the serving engine runs dense decode without keep-sink/recent; load the model without them"
+            )
+        self.llm, self.config = llm, config
+        cfg = llm.config
+        budget = config.kv_budget_bytes
+        if budget is None:
+            budget = default_kv_budget(llm, config.max_batch)
+        self.pool = BlockPool(
+            cfg.n_layers,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            llm.kv,
+            budget,
+            llm.device,
+            llm.cache_options.mirror_prefill,
+        )
+        self.runner = ModelRunner(llm)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._events: list[TokenEvent] = []  # finishes without a step (aborts)
+        self.preemptions = self.prompt_tokens = self.generated_tokens = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self._check(req)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        if req.sampling.temperature > 0 and req.sampling.seed is None:
+            # every sampled request gets a recorded seed, so its output can be re-run (verify)
+            req.sampling = replace(req.sampling, seed=secrets.randbits(63))
+        stop = req.stop_ids if req.stop_ids is not None else frozenset(self.llm.tokenizer.eos_ids)
+        seq = Sequence(req, PagedKV(self.pool), Sampler(req.sampling), frozenset(stop), list(req.prompt_ids))
+        self.waiting.append(seq)
+        self.prompt_tokens += seq.n_prompt
+
+    def _check(self, req: Request) -> None:
+        if not isinstance(req, Request):
+            raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
+        if not req.prompt_ids:
+            raise ValueError("the prompt is empty")
+        req.prompt_ids = check_token_ids(req.prompt_ids, self.llm.config.vocab, "prompt token ids")
+        check_int(req.max_tokens, "max_tokens", minimum=1)
+        if req.logprobs is not None:
+            check_int(req.logprobs, "logprobs", minimum=0)
+        if not isinstance(req.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(req.sampling).__name__}")
+        total = len(req.prompt_ids) + req.max_tokens
+        self.llm.check_fits(total)
+        if -(-total // BLOCK) > self.pool.n_blocks:
+            raise ValueError(
+                f"{total} tokens (prompt + max_tokens) can never fit in the KV pool "
+                f"({self.pool.n_blocks * BLOCK} tokens)"
+            )
+        if any(s.req.request_id == req.request_id for s in (*self.waiting, *self.running)):
+            raise ValueError(f"duplicate request_id {req.request_id!r}")
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its blocks are freed now, its final event comes with the next step."""
+        for queue in (self.waiting, self.running):
+            for seq in list(queue):
+                if seq.req.request_id == request_id:
+                    queue.remove(seq)
+                    seq.kv.free()
+                    self._events.append(TokenEvent(request_id, None, None, None, True, "abort"))
+                    return
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._events)
+
+    def stats(self) -> EngineStats:
+        p, cfg = self.pool, self.llm.config
+        f16_per_token = kv_bytes_per_token(MODES["f16"], cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+        return EngineStats(
+            p.n_blocks, p.blocks_used, BLOCK, p.n_blocks * BLOCK, p.bytes_total // f16_per_token,
+            p.bytes_per_token, len(self.running), len(self.waiting), self.preemptions,
+            self.prompt_tokens, self.generated_tokens,
+        )  # fmt: skip
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        events, self._events = self._events, []
+        self._decode(events)
+        self._prefill(events)
+        return events
+
+    def _reserve(self, seq: Sequence, end: int) -> bool:
+        """Hold blocks for positions ``[0, end)`` of a running sequence, preempting the newest running
+        sequences while the pool is short; False if ``seq`` itself had to go."""
+        while seq.kv.blocks_needed(end) > self.pool.blocks_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.kv.grow(end)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.kv.free()
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _decode(self, events: list[TokenEvent]) -> None:
+        batch = []
+        for seq in [s for s in self.running if not s.in_prefill]:
+            if seq in self.running and self._reserve(seq, seq.kv.length + 1):
+                batch.append(seq)
+        batch = [s for s in batch if s in self.running]  # a later reservation may have preempted it
+        if not batch:
+            return
+        positions = [s.kv.length for s in batch]
+        logits = self.runner.decode(
+            [s.kv for s in batch], [s.tokens[p] for s, p in zip(batch, positions, strict=True)], positions
+        )
+        for b, seq in enumerate(batch):
+            if seq.kv.length == len(seq.tokens):  # not a recompute replay: sample the next token
+                events.append(self._emit(seq, logits[b]))
+
+    def _prefill(self, events: list[TokenEvent]) -> None:
+        chunk, budget = self.llm.prefill_chunk, self.config.prefill_token_budget
+        spent = 0
+        for seq in [s for s in self.running if s.in_prefill]:
+            start, end = seq.next_chunk(chunk)
+            if spent and spent + end - start > budget:
+                return
+            if seq in self.running and self._reserve(seq, end):
+                self._run_chunk(seq, start, end, events)
+                spent += end - start
+        while self.waiting and len(self.running) < self.config.max_batch and spent < budget:
+            seq = self.waiting[0]
+            start, end = seq.next_chunk(chunk)
+            if (spent and spent + end - start > budget) or seq.kv.blocks_needed(end) > self.pool.blocks_free:
+                return
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.kv.grow(end)
+            self._run_chunk(seq, start, end, events)
+            spent += end - start
+
+    def _run_chunk(self, seq: Sequence, start: int, end: int, events: list[TokenEvent]) -> None:
+        logits = self.runner.prefill(seq.kv, seq.tokens[start:end], start)
+        if end == len(seq.tokens):  # the prompt is in and nothing was generated yet
+            events.append(self._emit(seq, logits))
+
+    def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
+        req = seq.req
+        tok = seq.sampler(logits)
+        seq.tokens.append(tok)
+        self.generated_tokens += 1
+        logprob = top = None
+        if req.logprobs is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            logprob = float(lp[tok])
+            if req.logprobs:
+                vals, idx = torch.topk(lp, min(req.logprobs, lp.numel()))
+                top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
+            else:
+                top = []
+        reason = "stop" if tok in seq.stop_ids else "length" if seq.n_generated >= req.max_tokens else None
+        if reason is not None:
+            self.running.remove(seq)
+            seq.kv.free()
+        kept = logits.clone() if self.config.keep_logits else None
+        return TokenEvent(req.request_id, tok, logprob, top, reason is not None, reason, kept)
+
+
+def _fitted_config(llm: LLM, reqs: list[Request], **changes) -> EngineConfig:
+    """A config whose pool holds every request whole at once (no preemption)."""
+    blocks = sum(-(-(len(r.prompt_ids) + r.max_tokens) // BLOCK) for r in reqs)
+    per_token = kv_bytes_per_token(llm.kv, llm.config.n_layers, llm.config.n_kv_heads, llm.config.head_dim)
+    return EngineConfig(kv_budget_bytes=blocks * BLOCK * per_token, **changes)
+
+
+def run_alone(llm: LLM, req: Request, config: EngineConfig | None = None) -> Iterator[TokenEvent]:
+    """Events of one request run alone (a batch of one): what ``kvlens generate`` runs."""
+    engine = Engine(llm, config or _fitted_config(llm, [req], max_batch=1))
+    engine.add_request(req)
+    while engine.has_unfinished():
+        yield from engine.step()
+
+
+def run_batch(llm: LLM, reqs: list[Request], config: EngineConfig | None = None) -> dict[str, list[int]]:
+    """Generated token ids of every request, run together; ``{request_id: ids}``."""
+    if not reqs:
+        return {}
+    config = config or _fitted_config(llm, reqs, max_batch=min(len(reqs), 16), max_waiting=len(reqs))
+    engine = Engine(llm, config)
+    out: dict[str, list[int]] = {}
+    for req in reqs:
+        engine.add_request(req)
+        out[req.request_id] = []
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.token_id is not None:
+                out[ev.request_id].append(ev.token_id)
+    return out

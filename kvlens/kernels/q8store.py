@@ -1,0 +1,47 @@
+"""The seed's int8 KV rule (:mod:`kvlens.kv.quant`) as one JIT pass, for the engine's per-token cache
+writes on the CPU, and a one-pass finite check. Imports nothing from kvlens (a leaf the kv layer calls)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# the integer attention kernels (kernels.cpu_int) correct a +128-shifted query with the sum of each
+# 32-value block of key codes; |sum| <= 32 * 127 fits int16
+KSUM_BLOCK = 32
+NO_KSUM = np.zeros((0, 0, 0), np.int16)  # passed as ``ksum`` where a store keeps none
+
+
+# quantize_q8 is ~8 small torch ops per K or V of a decode step; this is one call. The same float32
+# operations in the same order (no fastmath: no FMA contraction), so the codes are bit-identical.
+@njit(cache=True)
+def first_nonfinite_index(x):  # pragma: no cover - compiled
+    flat = x.reshape(-1)
+    for i in range(flat.size):
+        if not np.isfinite(flat[i]):
+            return i
+    return -1
+
+
+@njit(cache=True)
+def store_q8_rows(x, data, scale, start, ksum):  # pragma: no cover - compiled
+    """``ksum [n_kv, cap, hd // 32]`` int16 (or :data:`NO_KSUM`): the codes' sum per 32-block."""
+    n_kv, n, hd = x.shape
+    for h in range(n_kv):
+        for j in range(n):
+            m = np.float32(0.0)
+            for d in range(hd):
+                m = max(m, abs(x[h, j, d]))
+            if m < np.float32(1e-6):
+                m = np.float32(1.0)
+            inv = np.float32(127.0) / m
+            for d in range(hd):
+                c = np.floor(x[h, j, d] * inv + np.float32(0.5))
+                data[h, start + j, d] = np.int8(min(max(c, np.float32(-127.0)), np.float32(127.0)))
+            scale[h, start + j] = m
+            if ksum.size:
+                for b in range(hd // KSUM_BLOCK):
+                    s = np.int32(0)
+                    for d in range(b * KSUM_BLOCK, (b + 1) * KSUM_BLOCK):
+                        s += np.int32(data[h, start + j, d])
+                    ksum[h, start + j, b] = s

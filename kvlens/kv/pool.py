@@ -1,0 +1,192 @@
+"""A paged KV block pool: one fixed byte budget per cache mode, shared by many sequences.
+
+Storage is the cache's own :class:`~kvlens.kv.cache.RowStore` per layer (so every mode works paged:
+f32, f16, bf16, q8, q8-k, q8-v and q8+mirror with its exact copy), sized ``n_blocks * BLOCK``
+positions. Physical block ``b`` is rows ``[b * BLOCK, (b + 1) * BLOCK)`` of every layer's K and V
+(and mirror) store. A sequence owns a *block table*: its logical block ``j`` (positions
+``j * BLOCK ..``) lives in physical block ``table[j]``. The fused decode kernels read through the table
+in place (no gather copy); prefill's torch path gathers the rows it attends.
+
+Blocks carry reference counts so that a later prefix cache can share full blocks between sequences:
+``allocate`` hands out blocks at count 1, ``share`` adds a reference, ``release`` drops one and
+returns a block to the free list when none is left.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+
+from .cache import BLOCK, F32, RowStore, check_kv_finite
+from .modes import MIRROR_PREFILL, CacheOptions, KVMode, StoreKind
+
+
+def kv_bytes_per_token(mode: KVMode, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+    """Stored KV bytes per token position over all layers in ``mode`` (the mirror copy included)."""
+    per_layer = mode.k.row_bytes(head_dim) + mode.v.row_bytes(head_dim)
+    if mode.mirror:
+        per_layer += 2 * F32.row_bytes(head_dim)
+    return per_layer * n_kv_heads * n_layers
+
+
+class PoolExhaustedError(RuntimeError):
+    """More blocks were asked for than the pool has free (the scheduler checks before asking)."""
+
+
+class BlockPool:
+    """``n_blocks`` blocks of BLOCK positions for every layer, in one KV mode."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        mode: KVMode,
+        budget_bytes: int,
+        device: torch.device | str = "cpu",
+        mirror_prefill: str = "exact",
+    ) -> None:
+        if not isinstance(mode, KVMode):
+            raise TypeError(f"BlockPool takes a KVMode (KVMode.parse(name)), got {type(mode).__name__}")
+        if mirror_prefill not in MIRROR_PREFILL:
+            raise ValueError("mirror_prefill must be 'exact' or 'q8'")
+        self.mode, self.n_layers, self.n_kv_heads, self.head_dim = mode, n_layers, n_kv_heads, head_dim
+        self.mirror_prefill, self.has_mirror = mirror_prefill, mode.mirror
+        self.device = torch.device(device)
+        self.bytes_per_token = kv_bytes_per_token(mode, n_layers, n_kv_heads, head_dim)
+        self.n_blocks = int(budget_bytes) // (self.bytes_per_token * BLOCK)
+        if self.n_blocks < 1:
+            raise ValueError(
+                f"a KV budget of {budget_bytes} bytes holds no block of {BLOCK} positions "
+                f"({self.bytes_per_token * BLOCK} bytes in mode {mode})"
+            )
+        cap = self.n_blocks * BLOCK
+
+        def stores(kind: StoreKind) -> list[RowStore]:
+            return [RowStore.empty(kind, n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
+
+        self.k, self.v = stores(mode.k), stores(mode.v)
+        self.k_exact, self.v_exact = (stores(F32), stores(F32)) if mode.mirror else ([], [])
+        self.refcount = np.zeros(self.n_blocks, np.int32)
+        self._free: deque[int] = deque(range(self.n_blocks))
+
+    # -- accounting ------------------------------------------------------------------------------
+    @property
+    def blocks_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def blocks_used(self) -> int:
+        return self.n_blocks - len(self._free)
+
+    @property
+    def bytes_total(self) -> int:
+        return self.n_blocks * BLOCK * self.bytes_per_token
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free blocks, each now referenced once."""
+        if n > len(self._free):
+            raise PoolExhaustedError(f"asked for {n} blocks, {len(self._free)} free")
+        blocks = [self._free.popleft() for _ in range(n)]
+        self.refcount[blocks] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """One more reference to each of ``blocks`` (prefix sharing)."""
+        if blocks and self.refcount[blocks].min() < 1:
+            raise ValueError("cannot share a free block")
+        self.refcount[blocks] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; blocks left unreferenced go back to the free list."""
+        for b in blocks:
+            if self.refcount[b] < 1:
+                raise ValueError(f"block {b} released more often than it was referenced")
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                self._free.append(b)
+
+
+class PagedKV:
+    """One sequence's view of a :class:`BlockPool`: the KV-cache interface attention uses
+    (``write`` / ``read`` / stores ``k``, ``v``) over the sequence's block table."""
+
+    bounds = None  # no sparse-decode block metadata in the pool
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.mode, self.n_layers, self.head_dim = pool.mode, pool.n_layers, pool.head_dim
+        self.options = CacheOptions(mirror_prefill=pool.mirror_prefill)  # what attention asks a cache
+        self.k, self.v = pool.k, pool.v
+        self.has_mirror, self.mirror_prefill = pool.has_mirror, pool.mirror_prefill
+        self.blocks: list[int] = []
+        self.length = 0  # positions written in every layer
+        self._table: np.ndarray | torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * BLOCK
+
+    @property
+    def table(self) -> np.ndarray | torch.Tensor:
+        """The block table as the decode kernel takes it (int32; a tensor on the pool's device off the CPU)."""
+        if self._table is None or len(self._table) != len(self.blocks):
+            t = np.asarray(self.blocks, np.int32)
+            self._table = t if self.pool.device.type == "cpu" else torch.from_numpy(t).to(self.pool.device)
+        return self._table
+
+    def blocks_needed(self, end: int) -> int:
+        """Blocks to add so that positions ``[0, end)`` are covered."""
+        return max(0, -(-end // BLOCK) - len(self.blocks))
+
+    def grow(self, end: int) -> None:
+        """Take the blocks that positions ``[0, end)`` need from the pool."""
+        self.blocks += self.pool.allocate(self.blocks_needed(end))
+
+    def free(self) -> None:
+        """Give every block back to the pool (the sequence keeps no KV)."""
+        self.pool.release(self.blocks)
+        self.blocks, self.length, self._table = [], 0, None
+
+    def _segments(self, start: int, end: int):
+        """(physical row, offset into the rows, count) runs of positions ``[start, end)``."""
+        pos = start
+        while pos < end:
+            n = min(end, (pos // BLOCK + 1) * BLOCK) - pos
+            yield self.blocks[pos // BLOCK] * BLOCK + pos % BLOCK, pos - start, n
+            pos += n
+
+    def _physical(self, end: int) -> torch.Tensor:
+        pos = torch.arange(end)
+        table = torch.as_tensor(self.blocks, dtype=torch.long)
+        return (table[pos // BLOCK] * BLOCK + pos % BLOCK).to(self.pool.device)
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V rows ``[n_kv, n, head_dim]`` for positions ``start ..`` of ``layer`` (blocks must be held)."""
+        end = start + k.shape[1]
+        if end > self.capacity:
+            raise ValueError(
+                f"positions up to {end} need blocks the sequence does not hold ({self.capacity})"
+            )
+        check_kv_finite(layer, start, k, v)
+        stores = [(self.k, k), (self.v, v)]
+        if self.has_mirror:
+            stores += [(self.pool.k_exact, k), (self.pool.v_exact, v)]
+        for phys, off, n in self._segments(start, end):
+            for store, rows in stores:
+                store[layer].write(phys, rows[:, off : off + n])
+        if layer == self.n_layers - 1:
+            self.length = max(self.length, end)
+
+    def read(self, layer: int, end: int, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions ``[0, end)`` as float32 ``[n_kv, end, head_dim]`` (gathered)."""
+        k, v = self.k, self.v
+        if prefill and self.has_mirror and self.mirror_prefill == "exact":
+            k, v = self.pool.k_exact, self.pool.v_exact
+        phys = self._physical(end)
+        return k[layer].read_index(phys), v[layer].read_index(phys)
+
+    def bytes_per_token(self) -> int:
+        return self.pool.bytes_per_token

@@ -1,0 +1,80 @@
+"""Prometheus metrics of the server (``GET /metrics``), in a registry of its own.
+
+Pool and queue gauges and the token counters are read from the engine's latest stats snapshot at
+scrape time (one source of truth: ``EngineStats``); latencies are observed by the HTTP layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ..engine.serving import EngineStats
+
+# Seconds: a decode step of a small model on a laptop CPU is ~10-100 ms; a long prefill, seconds.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+_GAUGES = {
+    "kvlens_kv_blocks_used": ("KV blocks owned by sequences", "blocks_used"),
+    "kvlens_kv_blocks_total": ("KV blocks in the pool", "blocks_total"),
+    "kvlens_kv_tokens_capacity": ("token positions the pool holds", "tokens_capacity"),
+    "kvlens_kv_f16_tokens_same_bytes": (
+        "token positions an f16 pool of the same bytes holds",
+        "f16_tokens_same_bytes",
+    ),
+    "kvlens_kv_bytes_per_token": ("KV bytes per token position (all layers) in this mode", "bytes_per_token"),
+    "kvlens_kv_block_size": ("token positions per block", "block_size"),
+    "kvlens_requests_running": ("sequences in the running batch", "running"),
+    "kvlens_requests_waiting": ("requests in the waiting queue", "waiting"),
+}
+_COUNTERS = {
+    "kvlens_prompt_tokens": ("prompt tokens admitted", "prompt_tokens"),
+    "kvlens_generation_tokens": ("tokens generated", "generated_tokens"),
+    "kvlens_preemptions": ("sequences preempted (blocks freed, recomputed later)", "preemptions"),
+}
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator:
+        s = self._stats()
+        for name, (doc, attr) in _GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=getattr(s, attr))
+        for name, (doc, attr) in _COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(s, attr))
+
+
+class ServeMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        self.ttft = Histogram(
+            "kvlens_time_to_first_token_seconds",
+            "request arrival to its first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kvlens_inter_token_latency_seconds",
+            "time between consecutive tokens of a request",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "kvlens_requests",
+            "requests answered, by endpoint and finish reason",
+            ["endpoint", "finish_reason"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "kvlens_request_errors", "requests refused, by HTTP status", ["status"], registry=self.registry
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

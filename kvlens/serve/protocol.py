@@ -1,0 +1,178 @@
+"""OpenAI wire format: request models (validated, unknown fields refused) and response builders.
+
+Field names, defaults and limits follow OpenAI's completions and chat-completions APIs. Fields
+kvlens cannot honour are accepted only at their neutral value (``n=1``, penalties 0, no
+``logit_bias``, ``echo`` false), so a client never silently gets something it did not ask for;
+fields OpenAI does not know are refused, as OpenAI's API does ("Unrecognized request argument"),
+except vLLM's ``ignore_eos`` (load generators use it to get exact output lengths).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+# OpenAI's own bounds (completions: logprobs ≤ 5; chat: top_logprobs ≤ 20; up to 4 stop sequences).
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 4
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(
+    message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's own logs; no effect on the output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: StrictBool = False  # vLLM's extension (benchmarks): run to max_tokens whatever comes
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("a stop sequence must not be empty")
+        return stops
+
+    @model_validator(mode="after")
+    def _neutral_only(self) -> _Common:
+        if self.n != 1:
+            raise ValueError("only n=1 is supported")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])  # a list once validated; None when left out
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: StrictBool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]  # text, or OpenAI's list of content parts (text parts only)
+    name: str | None = None
+
+    def for_template(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprobs_top(self) -> int | None:
+        """The engine's ``logprobs``: None for none, else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def envelope(kind: str, rid: str, model: str, created: int | None = None) -> dict[str, Any]:
+    """The fields every response object starts with."""
+    return {"id": rid, "object": kind, "created": created or int(time.time()), "model": model}

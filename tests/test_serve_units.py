@@ -1,0 +1,148 @@
+"""Server pieces without a server: streamed text with stop strings, request validation, sizes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlens.models.tokenizer import Tokenizer
+from kvlens.serve.cli import parse_size
+from kvlens.serve.output import OutputText
+from kvlens.serve.protocol import ChatRequest, CompletionRequest
+from tests.tiny_models import write_tokenizer_json
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    """A byte-level BPE tokenizer: multi-byte characters span several tokens."""
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer_json(d)
+    return Tokenizer.from_hf_dir(d)
+
+
+def _reference(tok: Tokenizer, ids: list[int], stops: list[str]) -> tuple[str, bool]:
+    """Decode growing prefixes; the first one whose text holds a stop string ends the output there
+    (the stop string's earliest start in that text), as OpenAI-style servers check after each token."""
+    for k in range(1, len(ids) + 1):
+        text = tok.decode(ids[:k], skip_special=True).rstrip("\ufffd")
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            return text[: min(hits)], True
+    return tok.decode(ids, skip_special=True), False
+
+
+ALPHABET = "ab th\né€😀"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.text(alphabet=ALPHABET, min_size=1, max_size=24),
+    stops=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3),
+    extra=st.integers(0, 3),
+)
+def test_streamed_text_is_the_decode_cut_at_the_first_stop(tok, text, stops, extra):
+    ids = tok.encode(text)
+    want, want_stopped = _reference(tok, ids, stops)
+    out = OutputText(tok, stops)
+    released = []
+    for t in ids:
+        released.append(out.push(t))
+        if out.stopped and extra == 0:
+            break
+        if out.stopped:  # a few more tokens may arrive before the abort lands: they change nothing
+            extra -= 1
+        assert out.text.startswith("".join(released)), "released text was taken back"
+    released.append(out.finish())
+    assert "".join(released) == want
+    assert out.stopped == want_stopped
+
+
+def test_stop_token_counts_but_adds_no_text_or_logprob(tok):
+    out = OutputText(tok, [])
+    ids = tok.encode("the a")
+    for t in ids:
+        out.push(t, logprob=-0.5, top=[])
+    eos = tok.eos_ids and next(iter(tok.eos_ids))
+    assert out.push(eos, logprob=-0.1, top=[], is_stop_token=True) == ""
+    assert out.text + out.finish() == "the a"
+    assert out.token_ids == [*ids, eos] and len(out.logprobs) == len(ids)
+
+
+@pytest.mark.parametrize(
+    "text,size",
+    [("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("64KiB", 64 << 10), ("4096", 4096), (" 2 gib ", 2 << 30)],
+)
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "12XB", "-1MiB", "0MiB", "1e9", "5 MB"])
+def test_parse_size_refuses(text):
+    with pytest.raises(ValueError, match="bad size"):
+        parse_size(text)
+
+
+def test_serve_bad_budget_is_one_error_line():
+    r = subprocess.run(
+        [sys.executable, "-m", "kvlens.cli", "serve", "--kv-budget", "12XB"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: bad size '12XB': use a number with KiB, MiB or GiB (e.g. 512MiB)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"model": "m", "prompt": "x", "n": 3}, "n=1"),
+        ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
+        ({"model": "m", "prompt": "x", "tools": []}, "tools"),
+        ({"model": "m", "prompt": "x", "temperature": 2.5}, "temperature"),
+    ],
+)
+def test_completion_request_refuses_what_it_cannot_honour(body, needle):
+    with pytest.raises(ValueError, match=needle):
+        CompletionRequest.model_validate(body)
+
+
+def test_chat_content_parts_are_joined():
+    msg = {
+        "role": "user",
+        "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}],
+    }
+    chat = ChatRequest.model_validate({"model": "m", "messages": [msg]})
+    assert chat.messages[0].for_template() == {"role": "user", "content": "Hello, world"}
+    with pytest.raises(ValueError):  # image parts: not a text model
+        ChatRequest.model_validate(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            }
+        )
+
+
+def test_requests_accept_openai_defaults():
+    c = CompletionRequest.model_validate({"model": "m", "prompt": "x", "stop": "END", "user": "u", "n": 1})
+    assert (c.max_tokens, c.temperature, c.stop_strings) == (16, 1.0, ["END"])
+    chat = ChatRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
+         "logprobs": True, "top_logprobs": 2}
+    )  # fmt: skip
+    assert (chat.token_limit, chat.logprobs_top) == (5, 2)
+    assert (
+        ChatRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        ).logprobs_top
+        is None
+    )
