@@ -35,7 +35,8 @@ PATH_PARAMS = [
     pytest.param(
         p,
         marks=pytest.mark.skipif(
-            not intdot.path_supported(p, HOST), reason=f"this CPU lacks the {p} features"
+            not intdot.path_supported(p, HOST),
+            reason=f"numba compiles for CPU features without {p} here (CPU or NUMBA_CPU_* pin)",
         ),
     )
     for p in intdot.PATHS
@@ -238,3 +239,19 @@ def test_backend_names():
             RowStore.empty(StoreKind.F32, 1, 32, 64, CPU),
             1,
         )
+
+
+def test_pinned_numba_target_limits_the_paths(monkeypatch):
+    """NUMBA_CPU_NAME=generic (CI's baseline) compiles without CPU features: only the portable path may
+    be chosen, whatever this CPU has (a VNNI function would fail to compile there)."""
+    monkeypatch.setattr(numba.core.config, "CPU_FEATURES", "")
+    intdot.host_features.cache_clear()
+    try:
+        assert intdot.host_features() == frozenset()
+        assert IntAttn(8).resolved_path() == "portable"
+        monkeypatch.setattr(numba.core.config, "CPU_FEATURES", "+avx2,+avx,-avx512vnni")
+        intdot.host_features.cache_clear()
+        assert intdot.host_features() == {"avx2", "avx"} and IntAttn(16).resolved_path() == "avx2"
+    finally:
+        monkeypatch.undo()
+        intdot.host_features.cache_clear()

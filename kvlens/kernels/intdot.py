@@ -34,7 +34,7 @@ import functools
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.core.errors import RequireLiteralValue
 from numba.extending import intrinsic
 
@@ -68,8 +68,17 @@ def choose_path(features: dict[str, bool] | set[str] | frozenset[str]) -> str:
 
 @functools.cache
 def host_features() -> frozenset[str]:
-    """This CPU's features as LLVM sees them (what numba compiles for); asked once (~1 ms a call)."""
+    """The CPU features numba compiles for; asked once (~1 ms a call). That is this CPU's, unless
+    ``NUMBA_CPU_FEATURES`` (or ``NUMBA_CPU_NAME=generic``: none) pins them: a path's instructions
+    then fail to compile in LLVM even where the CPU has them, so only the pinned set counts."""
+    if config.CPU_FEATURES is not None:
+        return features_from_flags(config.CPU_FEATURES)
     return frozenset(k for k, v in llvm.get_host_cpu_features().items() if v)
+
+
+def features_from_flags(flags: str) -> frozenset[str]:
+    """The enabled names of an LLVM feature string such as ``"+avx2,+fma,-avx512f"``."""
+    return frozenset(f.strip()[1:] for f in flags.split(",") if f.strip().startswith("+"))
 
 
 def _vec(elem: ir.Type, n: int) -> ir.VectorType:
