@@ -55,5 +55,6 @@ SPARSE = Option(None, help="Sparse decode for the test modes: quest or probe (de
 BUDGET = Option(0.25, help="Sparse budget: tokens, or a context fraction (< 1).", callback=cb.budget_option)
 DENSE = Option(2, min=0, help="First layers kept dense under --sparse.")
 LAB_ATTN_BACKEND = Option(
-    None, help="Test modes' attention: numba, numba-int, numba-int16 (:PATH forces a CPU path); decode steps."
+    None,
+    help="Test side's attention through a decode kernel: numba, numba-int, numba-int16 (:PATH: CPU path).",
 )

@@ -32,6 +32,7 @@ def lab_unit(
     layer: int | None = Option(None, min=0, help="--dist real: layer (default: the middle one)."),
     head: int | None = Option(None, min=0, help="--dist real: one query head (default: all)."),
     text: str | None = Option(None, help="--dist real: corpus name or UTF-8 file (default corpus)."),
+    attn_backend: str | None = opt.LAB_ATTN_BACKEND,
     json_out: bool = opt.JSON,
     plot: str | None = Option(None, help="PNG: error vs L, or Δ.", callback=cb.output_file_option),
 ) -> None:

@@ -162,3 +162,51 @@ def test_real_model_heads_prefix_and_prediction(smol_f32):
     )
     with pytest.raises(ValueError, match="differs from the model"):
         unit.run(UnitConfig(dist="real", seq_len=[48], head_dim=128), llm=smol_f32)
+
+
+def _q8(x):
+    """The seed's q8 rule written out: codes and step per row (an independent copy)."""
+    m = x.abs().amax(-1, keepdim=True)
+    m = torch.where(m < 1e-6, torch.ones_like(m), m)
+    return torch.floor(x * (127.0 / m) + 0.5).clamp(-127, 127), m / 127.0
+
+
+@pytest.mark.parametrize(
+    "backend,query_rule",
+    [("numba", "exact"), ("numba-int:portable", "int8 per 32"), ("numba-int16:portable", "int16 per row")],
+)
+def test_attn_backend_runs_the_kernel_on_the_quantized_side(backend, query_rule):
+    """--attn-backend: out_q is the decode kernel's attention over the q8 cache, i.e. float64
+    attention over the dequantized K/V with the query as that kernel quantizes it."""
+    cfg = UnitConfig(seq_len=[200], heads=8, kv_heads=2, head_dim=64, attn_backend=backend)
+    q, k, v = unit.synthetic_qkv(cfg, 200, 0)
+    r = unit.run_trial(cfg, q, k, v)
+    kq, vq = (c * s for c, s in map(_q8, (k, v)))
+    if query_rule == "int8 per 32":
+        c, s = _q8(q.view(8, 1, 2, 32))
+        q_used = (c * s).view(8, 1, 64)
+    elif query_rule == "int16 per row":
+        m = q.abs().amax(-1, keepdim=True)
+        q_used = torch.floor(q * (32767.0 / m) + 0.5) * (m / 32767.0)
+    else:
+        q_used = q
+    want = attention_f64(q_used, kq, vq)
+    # f32 arithmetic in the kernel over |scores| of a few units: 1e-5 absolute with headroom
+    torch.testing.assert_close(r["out_q"].double(), want, rtol=0, atol=1e-5)
+    ref_q = attention_f64(q, kq, vq)  # the quantized side without the kernel's own arithmetic
+    rel = float((want - ref_q).norm() / r["out_f"].double().norm())
+    assert r["metrics"]["kernel_rel_l2"] == pytest.approx(rel, rel=1e-2, abs=2e-6)
+
+
+def test_attn_backend_refusals():
+    for kw, msg in [
+        ({"attn_backend": "numba-int", "quantize": "v"}, "int8 keys"),
+        ({"attn_backend": "numba", "scheme": "q4"}, "--scheme q8"),
+        ({"attn_backend": "numba-int:sse9"}, "unknown integer attention path"),
+        ({"attn_backend": "cuda-magic"}, "unknown attention backend"),
+        ({"attn_backend": "torch"}, "no fused decode kernel"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            UnitConfig(**kw).validate()
+    res = CliRunner().invoke(app, ["lab", "unit", "--attn-backend", "numba-int", "--quantize", "v"])
+    assert isinstance(res.exception, ValueError) and "int8 keys" in str(res.exception)  # main: one line

@@ -46,6 +46,15 @@ def _fused_kernel(backend: str):
     return decode_attention
 
 
+def decode_kernel(backend: str, device: torch.device = torch.device("cpu")):
+    """The fused decode kernel ``kernel(q [H, hd], k_store, v_store, length)`` of ``backend`` on
+    ``device`` (``auto`` resolved); BackendError for one that cannot run there or has none (torch)."""
+    kernel = _fused_kernel(resolve_backend(backend, device))
+    if kernel is None:
+        raise BackendError(f"the {backend} backend has no fused decode kernel on {device.type}")
+    return kernel
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     try:
         spec = IntAttn.parse(backend)

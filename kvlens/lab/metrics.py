@@ -97,16 +97,19 @@ def compare(
     v_hat: torch.Tensor,
     k_step: torch.Tensor | None,
     v_step: torch.Tensor | None,
+    out_q: torch.Tensor | None = None,
 ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the reference attention on exact and quantized K/V; return ``(metrics, Δ, out_f, out_q)``.
 
     Both sides use :func:`kvlens.kernels.reference.reference_attention` in float32 (the seed's
-    setting); the KL divergence and the prediction are computed in float64 from the same tensors.
+    setting), unless ``out_q`` gives the quantized side's output (a decode kernel's); the KL
+    divergence and the prediction are computed in float64 from the same tensors.
     """
     from ..kernels.reference import reference_attention
 
     out_f = reference_attention(q, k, v)
-    out_q = reference_attention(q, k_hat, v_hat)
+    if out_q is None:
+        out_q = reference_attention(q, k_hat, v_hat)
     delta = (out_q - out_f).to(torch.float64)
     of, oq = out_f.to(torch.float64).flatten(), out_q.to(torch.float64).flatten()
     d = delta.flatten()

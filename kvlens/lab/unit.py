@@ -27,9 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..kernels.reference import reference_attention
 from ..kv.schemes import get_scheme
 from ..report import figure, save_figure
 from .metrics import amplitude_verdicts, compare, pooled_t
+from .unit_kernel import check_backend, kernel_attention
 
 SYNTH_DEFAULTS = {"head_dim": 128, "heads": 1, "kv_heads": 1}
 DISTS = ("normal", "uniform", "student-t:NU", "outlier-channels[:F]", "real")
@@ -54,6 +56,7 @@ class UnitConfig:
     layer: int | None = None  # None: the middle layer
     head: int | None = None  # None: every query head of the layer
     text: str | None = None  # corpus name or UTF-8 file; None: the default corpus
+    attn_backend: str | None = None  # the quantized side through this decode kernel (lab.unit_kernel)
 
     def validate(self) -> None:
         if not self.seq_len or min(self.seq_len) < 1:
@@ -62,6 +65,8 @@ class UnitConfig:
             raise ValueError(f"--quantize must be k, v or kv, not {self.quantize!r}")
         get_scheme(self.scheme)
         parse_dist(self.dist)
+        if self.attn_backend is not None:
+            check_backend(self.attn_backend, self.scheme, self.quantize)
         if self.trials < 1:
             raise ValueError("--trials must be >= 1")
         for name in ("head_dim", "heads", "kv_heads"):
@@ -196,8 +201,14 @@ def run_trial(cfg: UnitConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             k_hat, k_step = x_hat, step
         else:
             v_hat, v_step = x_hat, step
-    m, delta, out_f, out_q = compare(q, k, v, k_hat, v_hat, k_step, v_step)
+    out_kernel = (
+        None if cfg.attn_backend is None else kernel_attention(cfg.attn_backend, q, k, v, cfg.quantize)
+    )
+    m, delta, out_f, out_q = compare(q, k, v, k_hat, v_hat, k_step, v_step, out_kernel)
     m["k_scale_mean"], m["v_scale_mean"] = scale.get("k", 0.0), scale.get("v", 0.0)
+    if out_kernel is not None:  # the kernel's own part: vs the reference over the same quantized K/V
+        ref_q = reference_attention(q, k_hat, v_hat)
+        m["kernel_rel_l2"] = float((out_kernel - ref_q).double().norm() / out_f.double().norm())
     return {
         "metrics": m,
         "delta": delta,
@@ -222,7 +233,7 @@ def run_point(cfg: UnitConfig, seq_len: int, source: RealSource | None = None) -
     del point["std"]["signed_t"]  # the t-statistic is pooled over all trials' components, one number
     point.update(
         seq_len=seq_len, head_dim=d, heads=h, kv_heads=kvh, dist=cfg.dist, scheme=cfg.scheme,
-        quantize=cfg.quantize, k_amp=cfg.k_amp, v_amp=cfg.v_amp, seed=cfg.seed, trials=cfg.trials,
+        quantize=cfg.quantize, attn_backend=cfg.attn_backend, k_amp=cfg.k_amp, v_amp=cfg.v_amp, seed=cfg.seed, trials=cfg.trials,
         bits_per_value=get_scheme(cfg.scheme).bits_per_value(d),
         out_f=[round(float(x), 6) for x in runs[0]["out_f"].flatten()[:4]],
         out_q=[round(float(x), 6) for x in runs[0]["out_q"].flatten()[:4]],
@@ -296,6 +307,8 @@ def render(result: UnitResult, console: Any = None) -> None:
         con.print(seed_line(p), markup=False, highlight=False, soft_wrap=True)
     c = result.config
     title = f"lab unit: {c.scheme} on {c.quantize.upper()}, dist {c.dist}, trials {c.trials} (mean ± std), seed {c.seed}"
+    if c.attn_backend:
+        title += f", attention {c.attn_backend}"
     src = (result.points or result.amplitude or [{}])[0]
     if "layer" in src:
         head = "all heads" if src["head"] is None else f"head {src['head']}"
@@ -321,6 +334,8 @@ def render(result: UnitResult, console: Any = None) -> None:
             ("effective keys 1/Σw²", "eff_keys", None),
             ("rms(out_f)", "out_rms", None),
         ]
+        if "kernel_rel_l2" in p:
+            rows.append((f"rel L2 {c.attn_backend} vs reference, same K/V", "kernel_rel_l2", None))
         for label, key, pred in rows:
             t.add_row(label, _fmt(p, key), _fmt(p, pred) if pred else "")
         t.add_row("bits per K/V value", f"{p['bits_per_value']:g}", "")
@@ -332,6 +347,8 @@ def render(result: UnitResult, console: Any = None) -> None:
         cols = {"max_abs_diff": "max|Δ|", "mean_abs_diff": "mean|Δ|", "predicted_mean_abs_diff": "pred",
                 "rel_l2": "rel L2", "predicted_rel_l2": "pred", "mean_signed_diff": "signed Δ",
                 "signed_t": "t", "kl_weights": "KL(w‖ŵ)", "eff_keys": "eff keys", "out_rms": "rms out"}  # fmt: skip
+        if c.attn_backend:
+            cols["kernel_rel_l2"] = "kernel rel L2"
         for col in lead + list(cols.values()):
             t.add_column(col)
         for p in rows_src:
