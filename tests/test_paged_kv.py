@@ -126,3 +126,24 @@ def test_pool_accounting_and_refcounts():
     assert pool.blocks_used == 1
     with pytest.raises(ValueError, match="no block"):
         BlockPool(1, N_KV, HD, MODES["f32"], 100)
+
+
+@pytest.mark.parametrize("backend", ["numba-int:portable", "numba-int16:portable", "numba-int"])
+def test_integer_kernels_read_through_the_table(backend):
+    """The integer-score kernels over the pool (its K stores keep the 32-block code sums) equal
+    themselves over the contiguous cache, through make_attend as the engine calls them."""
+    from kvlens.engine.attention import make_attend
+    from kvlens.kernels.cpu_int import IntAttn, decode_attention_int
+
+    pool, seq, _, cache = filled("q8", 75)
+    assert pool.k[0].ksum is not None and pool.v[0].ksum is None
+    q = torch.randn(N_HEADS, HD, generator=torch.Generator().manual_seed(5))
+    spec = IntAttn.parse(backend)
+    want = decode_attention_int(q, cache.k[0], cache.v[0], 75, 2, spec=spec)
+    assert torch.equal(decode_attention_int(q, pool.k[0], pool.v[0], 75, 2, spec=spec, table=seq.table), want)
+    k_new, v_new = (torch.randn(N_KV, 1, HD, generator=torch.Generator().manual_seed(i)) for i in (6, 7))
+    seq.grow(76)
+    out = make_attend(seq, prefill=False, backend=backend)(0, q[:, None], k_new, v_new, 75)
+    cache.reserve(76)
+    cache.write(0, 75, k_new, v_new)
+    assert torch.equal(out[:, 0], decode_attention_int(q, cache.k[0], cache.v[0], 76, spec=spec))

@@ -34,6 +34,7 @@ from .cpu import (
     SERIAL_ROWS,
     TILE,
     _axpy_tile,
+    _block_table,
     _merge,
     _softmax_tile,
     _stage,
@@ -155,15 +156,17 @@ def _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, hq0, group, sc):  # pragma
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _core(
-    path, qbits, qc, k, k_scale, ksum, v, v_code, v_scale, length, tiles, n_splits, out
+    path, qbits, qc, k, k_scale, ksum, v, v_code, v_scale, length, tiles, table, n_splits, out
 ):  # pragma: no cover
-    """cpu._decode_core with integer scores; compiled once per literal (path, qbits)."""
+    """cpu._decode_core with integer scores; compiled once per literal (path, qbits). ``tiles`` and
+    ``table`` (a paged cache's block table; empty = contiguous) as there."""
     path, qbits = literally(path), literally(qbits)
     n_heads, hd = out.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
     k8 = k.view(np.int8)
     dense = tiles.shape[1] == 0
+    paged = table.shape[0] > 0
     n_tiles = (length + TILE - 1) // TILE if dense else tiles.shape[1]
     split_len = (n_tiles + n_splits - 1) // n_splits
     n_items = n_kv * n_splits
@@ -181,8 +184,9 @@ def _core(
         e_u = np.empty(TILE, np.uint32)
         e_f = e_u.view(np.float32)
         for ti in range(i_lo, i_hi):
-            t0 = ti * TILE if dense else tiles[h, ti] * TILE
-            nt = min(TILE, length - t0)
+            t_log = ti if dense else tiles[h, ti]
+            nt = min(TILE, length - t_log * TILE)
+            t0 = (table[t_log] if paged else t_log) * TILE  # where the tile's rows are stored
             _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, h * group, group, sc)
             for g in range(group):  # fold the K row scale into the score
                 for j in range(nt):
@@ -221,6 +225,7 @@ def decode_attention_int(
     n_splits: int | None = None,
     blocks: np.ndarray | torch.Tensor | None = None,
     spec: IntAttn = IntAttn(),
+    table: np.ndarray | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of an int8 K store (with
     its ``ksum``) and any V store, integer scores per ``spec``. Same contract as
@@ -238,12 +243,13 @@ def decode_attention_int(
     n_heads = qn.shape[0]
     if hd % KSUM_BLOCK:
         raise ValueError(f"integer attention needs head_dim divisible by {KSUM_BLOCK}, got {hd}")
-    if not 1 <= length <= cap:
-        raise ValueError(f"length {length} outside [1, cap={cap}]")
     if qn.shape[1] != hd or n_heads % n_kv or v.shape[:2] != (n_kv, cap):
         raise ValueError(f"shape mismatch: q {tuple(qn.shape)}, k {k.shape}, v {v.shape}")
     if isinstance(blocks, torch.Tensor):
         blocks = blocks.numpy()
+    if isinstance(table, torch.Tensor):
+        table = table.numpy()
+    table = _block_table(table, length, cap)
     tiles = _tile_table(n_kv, length, blocks)
     rows = tiles.shape[1] * TILE if blocks is not None else length
     n_threads = numba.get_num_threads()
@@ -254,7 +260,7 @@ def decode_attention_int(
     ksum = k_store.ksum.numpy() if shifted else _NO_KSUM
     out = np.empty((n_heads, hd), np.float32)
     codes = (qc.qu, qc.q8, qc.lane_scale, qc.block_scale, qc.q16, qc.scale16)
-    args = (intdot.PATHS.index(path), spec.qbits, codes, k, ks, ksum, v, vc, vs, int(length), tiles,
+    args = (intdot.PATHS.index(path), spec.qbits, codes, k, ks, ksum, v, vc, vs, int(length), tiles, table,
             max(1, int(n_splits)), out)  # fmt: skip
     core = _compiled_core(args)
     if serial and n_threads > 1:

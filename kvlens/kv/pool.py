@@ -19,7 +19,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from .cache import BLOCK, F32, RowStore, check_kv_finite
+from .cache import BLOCK, F32, KSUM_BLOCK, RowStore, check_kv_finite
 from .modes import MIRROR_PREFILL, CacheOptions, KVMode, StoreKind
 
 
@@ -64,10 +64,14 @@ class BlockPool:
             )
         cap = self.n_blocks * BLOCK
 
-        def stores(kind: StoreKind) -> list[RowStore]:
-            return [RowStore.empty(kind, n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
+        def stores(kind: StoreKind, with_ksum: bool = False) -> list[RowStore]:
+            return [
+                RowStore.empty(kind, n_kv_heads, cap, head_dim, self.device, with_ksum)
+                for _ in range(n_layers)
+            ]
 
-        self.k, self.v = stores(mode.k), stores(mode.v)
+        # int8 K keeps its code sums per 32-block, as the contiguous cache does (the integer kernels)
+        self.k, self.v = stores(mode.k, head_dim % KSUM_BLOCK == 0), stores(mode.v)
         self.k_exact, self.v_exact = (stores(F32), stores(F32)) if mode.mirror else ([], [])
         self.refcount = np.zeros(self.n_blocks, np.int32)
         self._free: deque[int] = deque(range(self.n_blocks))
