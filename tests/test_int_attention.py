@@ -255,3 +255,58 @@ def test_pinned_numba_target_limits_the_paths(monkeypatch):
     finally:
         monkeypatch.undo()
         intdot.host_features.cache_clear()
+
+
+def pv8_rule(q_used, kf, vs, length):
+    """Integer P.V by its documented rule, in float64: per tile of 32 positions and query head the
+    weights w (softmax, V step folded in) become round-half-up(255 w / max_t w) times a step of
+    max_t w / 255, times the V codes. Returns (output, tolerance for near-ties): a weight within
+    1e-3 of a rounding tie may round either way in the kernel's f32, one step times |v code| each."""
+    group = q_used.shape[0] // kf.shape[0]
+    s = torch.einsum("hd,hld->hl", q_used, kf.repeat_interleave(group, 0)) / math.sqrt(q_used.shape[1])
+    w = torch.softmax(s, -1) * (vs.scale[:, :length].double() / 127).repeat_interleave(group, 0)
+    v8 = vs.data[:, :length].double().repeat_interleave(group, 0)
+    out = torch.zeros(q_used.shape, dtype=torch.float64)
+    tie_tol = torch.zeros(q_used.shape, dtype=torch.float64)
+    for t0 in range(0, length, 32):
+        wt, vt = w[:, t0 : t0 + 32], v8[:, t0 : t0 + 32]
+        step = wt.amax(-1, keepdim=True) / 255
+        x = wt / step
+        out += step * torch.einsum("hj,hjd->hd", torch.floor(x + 0.5), vt)
+        near = ((x - torch.floor(x)) - 0.5).abs() < 1e-3
+        tie_tol += step * torch.einsum("hj,hjd->hd", near.double(), vt.abs())
+    return out, tie_tol
+
+
+@pytest.mark.parametrize("qbits", [8, 16])
+@pytest.mark.parametrize("path", PATH_PARAMS)
+@pytest.mark.parametrize("n_heads,n_kv,hd,length", [(8, 2, 128, 1000), (9, 3, 64, 33), (4, 4, 256, 1)])
+def test_integer_pv_matches_its_rule_in_float64(path, qbits, n_heads, n_kv, hd, length):
+    ks, vs = make_stores(n_kv, hd, length, seed=length)
+    q = torch.randn(n_heads, hd, generator=torch.Generator().manual_seed(hd)) * 2
+    out = decode_attention_int(q, ks, vs, length, spec=IntAttn(qbits, path, pv8=True)).double()
+    kf = dequantize_q8(ks.data[:, :length], ks.scale[:, :length]).double()
+    vf = dequantize_q8(vs.data[:, :length], vs.scale[:, :length]).double()
+    codes, step = quantized_query(q, qbits)
+    ref, tie_tol = pv8_rule(codes * step, kf, vs, length)
+    f32 = 2e-5 * float(ref.abs().max())  # f32 scores and sums (8-bit query: f32 lane sums), headroom
+    assert bool(((out - ref).abs() <= tie_tol + f32).all()), float(((out - ref).abs() - tie_tol).max())
+    exact = reference_attention((codes * step)[:, None], kf, vf)[:, 0]  # P.V in float: the cost
+    assert float((out - exact).abs().max()) > 10 * f32 or length == 1  # the weights really are 8-bit
+    if qbits == 16:  # every sum is an exact integer: all paths give the same bits
+        want = decode_attention_int(q, ks, vs, length, spec=IntAttn(16, "portable", pv8=True))
+        assert torch.equal(out.float(), want)
+
+
+def test_integer_pv_names_and_refusal():
+    assert IntAttn.parse("numba-int16+pv8:avx2") == IntAttn(16, "avx2", pv8=True)
+    assert IntAttn(8, None, pv8=True).backend == "numba-int+pv8"
+    ks = RowStore.empty(Q8, 1, 32, 64, CPU, with_ksum=True)
+    with pytest.raises(ValueError, match="int8 V store"):
+        decode_attention_int(
+            torch.zeros(1, 64),
+            ks,
+            RowStore.empty(StoreKind.F16, 1, 32, 64, CPU),
+            1,
+            spec=IntAttn(16, pv8=True),
+        )

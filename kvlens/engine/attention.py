@@ -6,7 +6,9 @@ Backends:
     numba   fused single-pass CPU decode kernel reading int8/f16/f32 rows directly (kernels.cpu);
             prefill chunks use the torch path.
     numba-int, numba-int16  the same with integer Q·K scores (8- / 16-bit query, kernels.cpu_int);
-            ``:PATH`` forces a CPU path (vnni512, vnni256, avx2, portable); int8 K only.
+            ``+pv8`` (e.g. ``numba-int16+pv8``): P·V in integers too (int8 V only; opt-in, it costs
+            accuracy: docs/kernels.md); ``:PATH`` forces a CPU path (vnni512, vnni256, avx2,
+            portable); int8 K only.
     triton  the same algorithm on CUDA (kernels.gpu).
     auto    the fastest correct backend for the device and cache mode.
 """

@@ -48,6 +48,7 @@ from .q8store import KSUM_BLOCK
 PATH_ENV = "KVLENS_INT_PATH"  # forces the CPU path of the integer kernels (vnni512|vnni256|avx2|portable)
 Q16_MAX = 32767.0
 BACKEND_QBITS = {"numba-int": 8, "numba-int16": 16}  # attention backend name -> query bits
+PV8_SUFFIX = "+pv8"  # backend name suffix: integer P.V too (u8 weights per tile x int8 V codes)
 _FM = {"reassoc", "contract", "nsz"}
 
 
@@ -57,6 +58,7 @@ class IntAttn:
 
     qbits: int = 8
     path: str | None = None
+    pv8: bool = False  # P.V in integers too: each tile's weights as u8 (scale per tile, query head)
 
     def __post_init__(self) -> None:
         if self.qbits not in (8, 16):
@@ -68,15 +70,18 @@ class IntAttn:
 
     @classmethod
     def parse(cls, backend: str) -> IntAttn | None:
-        """``numba-int`` (8-bit query) / ``numba-int16``, optionally ``:PATH``; None for another name."""
+        """``numba-int`` (8-bit query) / ``numba-int16``, optionally ``+pv8`` and ``:PATH``; None for
+        another name."""
         name, _, path = backend.partition(":")
+        pv8 = name.endswith(PV8_SUFFIX)
+        name = name.removesuffix(PV8_SUFFIX)
         if name not in BACKEND_QBITS:
             return None
-        return cls(BACKEND_QBITS[name], path or None)
+        return cls(BACKEND_QBITS[name], path or None, pv8)
 
     @property
     def backend(self) -> str:
-        name = next(n for n, b in BACKEND_QBITS.items() if b == self.qbits)
+        name = next(n for n, b in BACKEND_QBITS.items() if b == self.qbits) + PV8_SUFFIX * self.pv8
         return f"{name}:{self.path}" if self.path else name
 
     def resolved_path(self, features: dict[str, bool] | set[str] | frozenset[str] | None = None) -> str:
@@ -154,13 +159,42 @@ def _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, hq0, group, sc):  # pragma
                     sc[g, j] -= c * np.float32(ksum[h, t0 + j, b])
 
 
+@njit(fastmath=_FM, cache=True)
+def _pv8_tile(path, w, v, h, t0, nt, group, vt, p8, acc8, acc):  # pragma: no cover - compiled
+    """acc[g] += sum_j w[g, j] v[j] with the weights (V scale folded in, >= 0) quantized to u8 per
+    query head over the tile (step = max / 255, round half up) and exact int32 sums (intdot.pv8)."""
+    hd = acc.shape[1]
+    v8 = v.view(np.int8)
+    n4 = (nt + 3) // 4
+    for j in range(n4 * 4):
+        for d in range(hd):
+            vt[j >> 2, d, j & 3] = v8[h, t0 + j, d] if j < nt else np.int8(0)
+    for g in range(group):
+        m = np.float32(0.0)
+        for j in range(nt):
+            m = max(m, w[g, j])
+        if m == 0.0:
+            continue
+        inv = np.float32(255.0) / m
+        for j in range(nt):
+            p8[g, j] = np.uint8(min(np.floor(w[g, j] * inv + np.float32(0.5)), np.float32(255.0)))
+        for j in range(nt, n4 * 4):
+            p8[g, j] = 0
+        acc8[g, :] = 0
+        intdot.pv8(path, acc8[g].ctypes.data, p8[g].ctypes.data, vt.ctypes.data, n4, hd)
+        step = m * np.float32(1.0 / 255.0)
+        for d in range(hd):
+            acc[g, d] += step * np.float32(acc8[g, d])
+
+
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _core(
-    path, qbits, qc, k, k_scale, ksum, v, v_code, v_scale, length, tiles, table, n_splits, out
+    path, qbits, pv8, qc, k, k_scale, ksum, v, v_code, v_scale, length, tiles, table, n_splits, out
 ):  # pragma: no cover
-    """cpu._decode_core with integer scores; compiled once per literal (path, qbits). ``tiles`` and
-    ``table`` (a paged cache's block table; empty = contiguous) as there."""
-    path, qbits = literally(path), literally(qbits)
+    """cpu._decode_core with integer scores (and with ``pv8``, integer P.V); compiled once per
+    literal (path, qbits, pv8). ``tiles`` and ``table`` (a paged cache's block table; empty =
+    contiguous) as there."""
+    path, qbits, pv8 = literally(path), literally(qbits), literally(pv8)
     n_heads, hd = out.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
@@ -183,6 +217,9 @@ def _core(
         sc = np.empty((group, TILE), np.float32)
         e_u = np.empty(TILE, np.uint32)
         e_f = e_u.view(np.float32)
+        vt = np.zeros((TILE // 4, hd, 4), np.int8)  # pv8: V codes interleaved by 4 rows
+        p8 = np.zeros((group, TILE), np.uint8)
+        acc8 = np.empty((group, hd), np.int32)
         for ti in range(i_lo, i_hi):
             t_log = ti if dense else tiles[h, ti]
             nt = min(TILE, length - t_log * TILE)
@@ -194,22 +231,25 @@ def _core(
             _softmax_tile(
                 sc, nt, group, part_m[item], part_l[item], part_acc[item], v_scale, v_q8, h, t0, e_u, e_f
             )
-            _stage(v, v_code, h, t0, nt, tile_u, tile)
-            _axpy_tile(sc, tile, nt, group, part_acc[item])
+            if pv8:
+                _pv8_tile(path, sc, v, h, t0, nt, group, vt, p8, acc8, part_acc[item])
+            else:
+                _stage(v, v_code, h, t0, nt, tile_u, tile)
+                _axpy_tile(sc, tile, nt, group, part_acc[item])
     _merge(part_acc, part_m, part_l, n_splits, group, out)
 
 
-_ENTRY: dict[tuple[int, int], object] = {}
+_ENTRY: dict[tuple[int, int, int], object] = {}
 
 
 def _compiled_core(args: tuple):
     """The compiled specialization of :func:`_core` for ``args``' literal (path, qbits). Calling the
     dispatcher itself would re-run literal typing on every call (~0.1 s); the entry point does not."""
-    key = args[:2]
+    key = args[:3]
     if key not in _ENTRY:
         _core(*args)  # compiles (or loads from the disk cache) the specialization, and runs it once
         for sig, cres in _core.overloads.items():
-            if (sig[0].literal_value, sig[1].literal_value) == key:
+            if tuple(t.literal_value for t in sig[:3]) == key:
                 _ENTRY[key] = cres.entry_point
     return _ENTRY[key]
 
@@ -233,6 +273,8 @@ def decode_attention_int(
     path = spec.resolved_path()
     if k_store.kind != "q8":
         raise ValueError(f"integer attention needs an int8 K store, got {k_store.kind}")
+    if spec.pv8 and v_store.kind != "q8":
+        raise ValueError(f"integer P.V ({spec.backend}) needs an int8 V store, got {v_store.kind}")
     shifted = spec.qbits == 8 and path in ("vnni512", "vnni256")
     if shifted and k_store.ksum is None:
         raise ValueError("integer attention with an 8-bit query on a VNNI path needs the K store's ksum")
@@ -260,7 +302,7 @@ def decode_attention_int(
     ksum = k_store.ksum.numpy() if shifted else _NO_KSUM
     out = np.empty((n_heads, hd), np.float32)
     codes = (qc.qu, qc.q8, qc.lane_scale, qc.block_scale, qc.q16, qc.scale16)
-    args = (intdot.PATHS.index(path), spec.qbits, codes, k, ks, ksum, v, vc, vs, int(length), tiles, table,
+    args = (intdot.PATHS.index(path), spec.qbits, int(spec.pv8), codes, k, ks, ksum, v, vc, vs, int(length), tiles, table,
             max(1, int(n_splits)), out)  # fmt: skip
     core = _compiled_core(args)
     if serial and n_threads > 1:

@@ -197,3 +197,46 @@ def dot16(typingctx, path_code, q_addr, k_addr, hd):
         return _call(builder, f"llvm.vector.reduce.add.v{n_lane}i32", _I32, [builder.load(acc)])
 
     return sig, codegen
+
+
+def _pv_lanes(builder, path: str, acc, w4, vb, n: int):
+    """acc + per 32-bit lane the dot of the 4 weight bytes ``w4`` (u8, the same in every lane) with
+    the lane's 4 V bytes (i8): ``vpdpbusd`` on VNNI, generic widen-multiply-add elsewhere."""
+    if path in ("vnni512", "vnni256"):
+        return _vnni(builder, "vpdpbusd", acc, w4, vb, 32 * n)
+    prod = builder.mul(builder.zext(w4, _vec(_I32, 4 * n)), builder.sext(vb, _vec(_I32, 4 * n)))
+    parts = [builder.shuffle_vector(prod, prod, ir.Constant(_vec(_I32, n), list(range(r, 4 * n, 4))))
+             for r in range(4)]  # fmt: skip
+    return builder.add(acc, builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3])))
+
+
+@intrinsic
+def pv8(typingctx, path_code, acc_addr, p_addr, vt_addr, n4, hd):
+    """``pv8(PATH, acc, p, vt, n4, hd)``: ``acc[d] += sum_j p[j] * v[j, d]`` in int32 for j < 4 * n4,
+    ``p`` u8 weights, ``vt`` the int8 V rows interleaved by 4 (``vt[j // 4, d, j % 4]``), so each
+    32-bit lane d takes 4 rows in one ``vpdpbusd`` (u8 x i8, no saturation) against the 4 weights
+    broadcast to every lane. Exact integer sums on every path."""
+    path = _literal_path(path_code)
+    n = 16 if path == "vnni512" else 8  # 32-bit lanes (values of d) per step
+    sig = types.void(path_code, types.uintp, types.uintp, types.uintp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        _, acc_a, p_a, vt_a, n4_v, hd_v = args
+        ivec, bvec = _vec(_I32, n), _vec(_I8, 4 * n)
+        idx = hd_v.type
+        with cgutils.for_range(builder, builder.udiv(hd_v, ir.Constant(idx, n))) as chunk:
+            acc_at = builder.add(acc_a, builder.mul(chunk.index, ir.Constant(idx, 4 * n)))
+            acc = cgutils.alloca_once_value(builder, _load(builder, acc_at, ivec))
+            with cgutils.for_range(builder, n4_v) as row4:
+                w = _load(
+                    builder, builder.add(p_a, builder.mul(row4.index, ir.Constant(idx, 4))), _vec(_I32, 1)
+                )
+                w4 = builder.bitcast(builder.shuffle_vector(w, w, ir.Constant(ivec, [0] * n)), bvec)
+                v_off = builder.add(builder.mul(row4.index, builder.mul(hd_v, ir.Constant(idx, 4))),
+                                    builder.mul(chunk.index, ir.Constant(idx, 4 * n)))  # fmt: skip
+                vb = _load(builder, builder.add(vt_a, v_off), bvec)
+                builder.store(_pv_lanes(builder, path, builder.load(acc), w4, vb, n), acc)
+            builder.store(builder.load(acc), builder.inttoptr(acc_at, ivec.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
