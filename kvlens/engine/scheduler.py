@@ -38,11 +38,11 @@ import torch
 
 from ..checks import check_int, check_token_ids
 from ..kv.cache import BLOCK
+from ..kv.disk import DiskStats
 from ..kv.modes import MODES
 from ..kv.pool import BlockPool, PagedKV, kv_bytes_per_token
 from .budget import default_kv_budget
 from .llm import LLM
-from ..kv.disk import DiskStats
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
