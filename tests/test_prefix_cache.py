@@ -57,7 +57,7 @@ def fresh_logits(llm, prompt: list[int]) -> torch.Tensor:
 def test_second_turn_reuses_whole_chunks_and_matches_a_fresh_prefill(llm):
     rng = random.Random(1)
     engine = Engine(llm, EngineConfig(kv_budget_bytes=1 << 22, prefix_cache=True, keep_logits=True))
-    turn1 = ids(rng, 3 * CHUNK + 10)
+    turn1 = ids(rng, 3 * CHUNK + 40)  # its last, partial chunk holds a full block
     first = run(engine, "t1", turn1)
     assert first[0].cached_tokens == 0
     turn2 = turn1 + [e.token_id for e in first] + ids(rng, 40)

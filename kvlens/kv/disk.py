@@ -62,6 +62,11 @@ class DiskStats:
     restore_seconds: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
+def _raw(t: torch.Tensor) -> bytes:
+    """The stored bytes of ``t`` (any dtype, bf16 included)."""
+    return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
 class DiskTier:
     """Block files of one pool under ``root``, at most ``budget_bytes`` of them (oldest deleted first)."""
 
@@ -97,7 +102,7 @@ class DiskTier:
             return
         header = json.dumps(self.meta | {"hash": h.hex()}, sort_keys=True).encode()
         body = MAGIC + _LEN.pack(len(header)) + header
-        blob = body + b"".join(t.contiguous().cpu().numpy().tobytes() for t in self.pool.block_rows(block))
+        blob = body + b"".join(_raw(t) for t in self.pool.block_rows(block))
         blob += hashlib.sha256(blob).digest()
         if len(blob) > self.budget:
             return
@@ -127,10 +132,11 @@ class DiskTier:
         offset = 0
         for t in self.pool.block_rows(block):
             n = t.numel() * t.element_size()
-            src = torch.frombuffer(bytearray(payload[offset : offset + n]), dtype=t.dtype).view(t.shape)
-            t.copy_(src)
+            raw = torch.frombuffer(bytearray(payload[offset : offset + n]), dtype=torch.uint8)
+            t.copy_(raw.view(t.dtype).view(t.shape))
             offset += n
-        self._files.move_to_end(h)  # used again: last to be deleted
+        self._files.move_to_end(h)  # used again: last to be deleted (mtime keeps the order over restarts)
+        os.utime(self.path(h))
         self.stats.restored += 1
         self.stats.restore_seconds.observe(time.perf_counter() - t0)
         return True
