@@ -69,7 +69,9 @@ def test_damaged_file_is_refused_and_deleted(tmp_path, damage):
     blob = bytearray(path.read_bytes())
     if damage == "flip":
         blob[len(blob) // 2] ^= 0x10  # one bit of the payload
-    path.write_bytes(bytes(blob[: len(blob) // 2] if damage == "truncate" else b"" if damage == "empty" else blob))
+    path.write_bytes(
+        bytes(blob[: len(blob) // 2] if damage == "truncate" else b"" if damage == "empty" else blob)
+    )
     target = [t.clone() for t in pool.block_rows(2)]
     assert not disk.restore(2, b"d" * 32)
     assert all(torch.equal(a, b) for a, b in zip(target, pool.block_rows(2), strict=True)), "fed to the pool"

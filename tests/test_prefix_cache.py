@@ -57,19 +57,19 @@ def fresh_logits(llm, prompt: list[int]) -> torch.Tensor:
 def test_second_turn_reuses_whole_chunks_and_matches_a_fresh_prefill(llm):
     rng = random.Random(1)
     engine = Engine(llm, EngineConfig(kv_budget_bytes=1 << 22, prefix_cache=True, keep_logits=True))
-    turn1 = ids(rng, 3 * CHUNK + 40)  # its last, partial chunk holds a full block
+    turn1 = ids(rng, 2 * CHUNK + 40)  # its last, partial chunk holds a full block
     first = run(engine, "t1", turn1)
     assert first[0].cached_tokens == 0
     turn2 = turn1 + [e.token_id for e in first] + ids(rng, 40)
     second = run(engine, "t2", turn2)
-    # the first turn published its 3 whole chunks (not its partial one, not the decoded tokens)
-    assert second[0].cached_tokens == 3 * CHUNK
+    # the first turn published its 2 whole chunks (not its partial one, not the decoded tokens)
+    assert second[0].cached_tokens == 2 * CHUNK
     assert torch.equal(second[0].logits, fresh_logits(llm, turn2))
     alone = list(run_alone(llm, Request("x", turn2, 3, stop_ids=frozenset()), EngineConfig(keep_logits=True)))
     assert [e.token_id for e in alone] == [e.token_id for e in second]
     assert all(torch.equal(a.logits, b.logits) for a, b in zip(alone, second, strict=True))
     s = engine.stats()
-    assert (s.prefix_hit_tokens, s.blocks_used) == (3 * CHUNK, 0)
+    assert (s.prefix_hit_tokens, s.blocks_used) == (2 * CHUNK, 0)
 
 
 def test_same_prompt_again_leaves_its_last_chunk_to_compute(llm):
@@ -145,6 +145,18 @@ def test_prefix_cache_needs_a_chunk_of_whole_blocks(tiny_dir):
         Engine(llm, EngineConfig(kv_budget_bytes=1 << 20, prefix_cache=True))
     with pytest.raises(ValueError, match="needs prefix_cache"):
         EngineConfig(kv_disk="/tmp/x")
+
+
+def test_eviction_takes_free_blocks_first_then_the_least_recently_parked():
+    pool = BlockPool(1, 1, 8, KVMode.parse("q8"), 5 * BLOCK * 24)
+    index = pool.enable_prefix()
+    blocks = pool.allocate(4)
+    for i, b in enumerate(blocks):
+        index.publish(bytes([i]) * 4, b)
+    pool.release([blocks[2], blocks[0], blocks[3], blocks[1]])  # parked in this order
+    assert (pool.blocks_free, pool.blocks_cached, pool.blocks_used) == (5, 4, 0)
+    assert pool.allocate(3) == [4, blocks[2], blocks[0]]  # the never-used block, then the oldest parked
+    assert index.evictions == 2 and set(index.hash_of) == {blocks[3], blocks[1]}
 
 
 def test_block_hashes_chain_and_salt():
