@@ -28,10 +28,11 @@ def ttft(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> tuple[
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )  # fmt: skip
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content is not None and first is None:
-            first = time.perf_counter() - t0
-        if chunk.choices and chunk.choices[0].delta.content:
-            text.append(chunk.choices[0].delta.content)
+        # the first chunk (role, empty content) is sent on admission: wait for text or the finish
+        if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
+            if first is None:
+                first = time.perf_counter() - t0
+            text.append(chunk.choices[0].delta.content or "")
         if chunk.usage is not None:
             cached = chunk.usage.prompt_tokens_details.cached_tokens
     return first, "".join(text), cached
