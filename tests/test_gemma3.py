@@ -12,6 +12,7 @@ from bounds import f32_forward_tol
 from tiny_models import spm_tokens, write_gemma3
 
 import kvlens
+from kvlens.engine.attention import make_attend
 from kvlens.kernels import cpu
 from kvlens.kernels.reference import reference_attention
 from kvlens.kv.cache import RowStore
@@ -53,6 +54,25 @@ def test_tiny_gemma3_matches_transformers(tiny_gemma, backend):
     tol = f32_forward_tol(cfg, ref)
     for out in (llm.logits(IDS, prefill_chunk=5), step_logits(llm, IDS)):
         assert (out.double() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_tiny_gemma3_batched_decode_rows_match_transformers(tiny_gemma, backend):
+    """The scheduler's batched decode step (one row per sequence, Transformer.decode_rows) at the last
+    position of two sequences, past the window."""
+    hf, path, ref = tiny_gemma
+    other = IDS[::-1]
+    llm = kvlens.load(path, kv="f32", weights="f32", attn_backend=backend)
+    caches = [llm.new_cache(len(IDS)) for _ in range(2)]
+    for cache, ids in zip(caches, (IDS, other), strict=True):
+        llm.forward(ids[:-1], cache, 0)
+    attends = [make_attend(c, False, backend, llm.config.layer_windows) for c in caches]
+    n = len(IDS) - 1
+    with torch.inference_mode():
+        hidden = llm.model.decode_rows(torch.tensor([IDS[-1], other[-1]]), [n, n], attends)
+        out = llm.model.logits_rows(hidden).double()
+    want = torch.stack([ref[-1], float64_logits(hf, other)[-1]])
+    assert (out - want).abs().max().item() <= f32_forward_tol(llm.config, want)
 
 
 @pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
@@ -118,7 +138,14 @@ def test_decode_kernel_head_dim_256_matches_float64(kind, length):
     )
 
 
-TEXTS = ["the cat in the hat", "  an  ant\tand a hen", "naïve 日本 🙂 42", " leading", "the<eos>end"]
+TEXTS = [
+    "the cat in the hat",
+    "then the theme",
+    "  an  ant\tand a hen",
+    "naïve 日本 🙂 42",
+    " leading",
+    "the<eos>end",
+]
 
 
 def test_sentencepiece_tokenizer_matches_transformers(tiny_gemma):

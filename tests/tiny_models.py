@@ -196,7 +196,8 @@ def _llama3_freq_factors(model) -> np.ndarray:
 
 # ---------------------------------------------------------------- Gemma-3 (GGUF only)
 SPM_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
-SPM_PIECES = ["▁", "t", "h", "e", "a", "n", "▁t", "he", "▁the", "▁a", "an", "▁an", "in", "▁in"]
+# "th" ranks last: merged first (worst-first order), "▁the" would never form
+SPM_PIECES = ["▁", "t", "h", "e", "a", "n", "▁t", "he", "▁the", "▁a", "an", "▁an", "in", "▁in", "th"]
 _GEMMA3_LAYER = {
     **_GGUF_LAYER,
     "post_attention_layernorm.weight": "post_attention_norm.weight",
