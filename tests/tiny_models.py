@@ -118,6 +118,29 @@ _GGUF_LAYER = {
 }
 
 
+def gguf_header(path: Path, arch: str, cfg, head_dim: int, rope_theta: float) -> gguf.GGUFWriter:
+    """A GGUF writer holding the shape keys of the HF config ``cfg``."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return w
+
+
+def write_out(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter permutation of q/k rows (HF halves → interleaved pairs)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -129,21 +152,8 @@ def write_gguf(
     cfg = model.config
     gguf_arch = "llama" if arch == "mistral" else arch
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), gguf_arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(
-        cfg.rope_parameters["rope_theta"]
-        if hasattr(cfg, "rope_parameters") and cfg.rope_parameters
-        else cfg.rope_theta
-    )
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
+    w = gguf_header(path, gguf_arch, cfg, head_dim, theta)
     w.add_vocab_size(cfg.vocab_size)
     tokens, merges = _byte_tokens()
     w.add_tokenizer_model("gpt2")
@@ -177,10 +187,7 @@ def write_gguf(
     inv = _llama3_freq_factors(model) if arch == "llama" else None
     if inv is not None:
         w.add_tensor("rope_freqs.weight", inv)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return path
 
 
@@ -246,17 +253,7 @@ def write_gemma3(path: Path, seed: int = 0, skip: tuple[str, ...] = (), meta: di
             if "norm" in name:
                 p.copy_(0.3 * torch.randn_like(p))
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w = gguf_header(path, "gemma3", cfg, cfg.head_dim, 1e6)
     w.add_sliding_window(cfg.sliding_window)
     tokens, scores, types = spm_tokens()
     w.add_tokenizer_model("llama")
@@ -282,8 +279,5 @@ def write_gemma3(path: Path, seed: int = 0, skip: tuple[str, ...] = (), meta: di
             gname = f"blk.{i}.{_GEMMA3_LAYER[rest]}"
         if gname not in skip:
             w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return model, path
