@@ -118,20 +118,39 @@ def _values(store: RowStore, n: int) -> torch.Tensor:
     return store.data[:, :n].double()
 
 
+def _numba(q, ks, vs, length):
+    n = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        return cpu.decode_attention(q, ks, vs, length, n_splits=3)
+    finally:
+        numba.set_num_threads(n)
+
+
+def _triton(q, ks, vs, length):
+    from kvlens.kernels.gpu import decode_attention_triton
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: Triton's interpreter
+    on = [RowStore(s.kind, s.data.to(dev), None if s.scale is None else s.scale.to(dev)) for s in (ks, vs)]
+    return decode_attention_triton(q.to(dev), *on, length, n_splits=3, block_n=16).cpu()
+
+
 @pytest.mark.parametrize("length", [1, 33, 700])
 @pytest.mark.parametrize("kind", ["q8", "f16", "f32"])
-def test_decode_kernel_head_dim_256_matches_float64(kind, length):
-    """Gemma-3's head shape (4 query heads on 1 KV head, head_dim 256) through the numba kernel."""
+@pytest.mark.parametrize("kernel", ["numba", "triton"])
+def test_decode_kernels_head_dim_256_match_float64(kernel, kind, length, monkeypatch):
+    """Gemma-3's head shape (4 query heads on 1 KV head, head_dim 256) through each fused kernel."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        if not torch.cuda.is_available():
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        if length > 33 and not torch.cuda.is_available():
+            pytest.skip("the interpreter is slow: the short lengths cover the splits")
     gen = torch.Generator().manual_seed(3)
     k, v = (torch.randn(1, length, 256, generator=gen) * 3 for _ in range(2))
     q = torch.randn(4, 256, generator=gen)
     ks, vs = _store(kind, k), _store(kind, v)
-    n = numba.get_num_threads()
-    numba.set_num_threads(1)
-    try:
-        out = cpu.decode_attention(q, ks, vs, length, n_splits=3)
-    finally:
-        numba.set_num_threads(n)
+    out = (_numba if kernel == "numba" else _triton)(q, ks, vs, length)
     ref = reference_attention(q.double()[:, None], _values(ks, length), _values(vs, length))[:, 0]
     torch.testing.assert_close(
         torch.as_tensor(out).double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())
