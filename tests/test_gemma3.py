@@ -4,6 +4,7 @@ every KV cache mode and the fused kernel at head_dim 256, the sentencepiece toke
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numba
 import pytest
@@ -19,6 +20,7 @@ from kvlens.kv.cache import RowStore
 from kvlens.kv.modes import MODES, StoreKind
 from kvlens.kv.quant import dequantize_q8
 from kvlens.models.config import ModelLoadError, config_from_hf
+from kvlens.models.transformer import Transformer
 
 WINDOW = 4
 IDS = [2, 5, 17, 200, 33, 41, 9, 128, 77, 64, 3, 250, 199]  # 13 tokens > the window of 4
@@ -73,6 +75,15 @@ def test_tiny_gemma3_batched_decode_rows_match_transformers(tiny_gemma, backend)
         out = llm.model.logits_rows(hidden).double()
     want = torch.stack([ref[-1], float64_logits(hf, other)[-1]])
     assert (out - want).abs().max().item() <= f32_forward_tol(llm.config, want)
+
+
+def test_query_pre_attn_scalar_scales_attention(tmp_path):
+    """A scale other than 1/sqrt(head_dim) (Gemma-3-27B's 1/sqrt(hidden / n_heads)) goes into q."""
+    hf, path = write_gemma3(tmp_path / "s.gguf", n_layers=2, query_pre_attn_scalar=24)
+    llm = kvlens.load(path, kv="f32", weights="f32", attn_backend="torch")
+    llm.model = Transformer(dataclasses.replace(llm.config, query_pre_attn_scalar=24.0), llm.model.w)
+    ref = float64_logits(hf, IDS)
+    assert (llm.logits(IDS).double() - ref).abs().max().item() <= f32_forward_tol(llm.config, ref)
 
 
 @pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])

@@ -213,14 +213,16 @@ _GEMMA3_LAYER = {
 }
 
 
-def gemma3_config(head_dim: int = 256, sliding_window: int = 4, n_layers: int = 6):
+def gemma3_config(
+    head_dim: int = 256, sliding_window: int = 4, n_layers: int = 6, query_pre_attn_scalar=None
+):
     """Gemma-3 as llama.cpp describes it (5 windowed layers, then a global one; local RoPE base 1e4,
     global 1e6; attention scaled by 1/sqrt(head_dim)), tiny; one KV head."""
     import transformers as tf
 
     return tf.Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, query_pre_attn_scalar=query_pre_attn_scalar or head_dim,
         sliding_window=sliding_window, max_position_embeddings=256, rms_norm_eps=1e-6,
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},

@@ -181,7 +181,7 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
         }
     fields = dict(
         arch=arch,
-        **(_gemma3_fields(meta, where, hidden) if arch == "gemma3" else {}),
+        **(_gemma3_fields(meta, where, hidden, n_heads, get("n_layers")) if arch == "gemma3" else {}),
         n_layers=get("n_layers"),
         hidden=hidden,
         n_heads=n_heads,
@@ -202,8 +202,12 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
     return build_config(fields, keys, where)
 
 
-def _gemma3_fields(meta: dict[str, Any], where: str, hidden: int) -> dict[str, Any]:
-    """Gemma-3's settings that llama.cpp fixes by architecture when the file does not state them."""
+def _gemma3_fields(
+    meta: dict[str, Any], where: str, hidden: int, n_heads: int, n_layers: int
+) -> dict[str, Any]:
+    """Gemma-3's settings that llama.cpp fixes by architecture when the file does not state them; the
+    attention scale as llama.cpp sets it: 1/sqrt(hidden / n_heads) for the 27B (62 layers), else
+    1/sqrt(head_dim) (HF's query_pre_attn_scalar)."""
     for key in ("gemma3.attn_logit_softcapping", "gemma3.final_logit_softcapping"):
         if meta.get(key) is not None:
             raise ModelLoadError(f"{where}: {key} is set; kvlens does not implement logit soft-capping")
@@ -218,6 +222,7 @@ def _gemma3_fields(meta: dict[str, Any], where: str, hidden: int) -> dict[str, A
         hidden_act="gelu_tanh",
         embed_scale=float(hidden) ** 0.5,
         sandwich_norms=True,
+        query_pre_attn_scalar=hidden / n_heads if n_layers == 62 else None,
     )
 
 
