@@ -114,7 +114,7 @@ class Transformer:
         self.ropes = layer_ropes(cfg, weights, self.device)
         self.act = ACTIVATION[cfg.hidden_act]
         # the kernels scale scores by 1/sqrt(head_dim); a model's own attention scale goes into q
-        self.q_scale = cfg.attn_scale * math.sqrt(cfg.head_dim)
+        self.q_scale = 1.0 if cfg.query_pre_attn_scalar is None else cfg.attn_scale * math.sqrt(cfg.head_dim)
         self.profiler: Profiler | None = None  # set to time the parts of each forward (bench decode)
         # single-token steps run the layer glue as JIT calls (rowops): Llama-style layers only
         plain = not cfg.qk_norm and not cfg.sandwich_norms and cfg.hidden_act == "silu"
