@@ -89,7 +89,9 @@ def serve(
     weights: str = typer.Option("auto", help="Weights: auto, f32, bf16, int8, int4."),
     kv_budget: str = typer.Option(None, help="KV pool bytes, e.g. 512MiB (default: a share of free memory)."),
     max_batch: int = typer.Option(16, min=1, help="Running sequences per step."),
-    max_waiting: int = typer.Option(64, min=0, help="Waiting-queue bound (beyond it: 429)."),
+    max_waiting: int = typer.Option(
+        64, min=0, help="Requests that may wait beyond the free --max-batch slots (more: 429)."
+    ),
     prefill_chunk: int = typer.Option(
         512, min=1, help="Prompt tokens per prefill chunk: the prefix reuse unit."
     ),

@@ -56,7 +56,7 @@ class QueueFullError(RuntimeError):
 class EngineConfig:
     kv_budget_bytes: int | None = None  # None: a sensible share of free memory (engine.budget)
     max_batch: int = 16  # running sequences per step
-    max_waiting: int = 64  # bound of the waiting queue
+    max_waiting: int = 64  # requests that may wait beyond the free running slots (then: QueueFullError)
     prefill_token_budget: int = 512  # prompt tokens prefilled per step (chunked prefill)
     prefix_cache: bool = False  # reuse cached whole prefill chunks of earlier prompts (exact)
     kv_disk: Path | str | None = None  # prefix cache: spill evicted blocks here, restore on a hit
@@ -64,9 +64,11 @@ class EngineConfig:
     keep_logits: bool = False  # attach each sampled token's logits to its TokenEvent (tests, verify)
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_waiting", "prefill_token_budget", "kv_disk_budget"):
+        for name in ("max_batch", "prefill_token_budget", "kv_disk_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
         if self.kv_disk is not None and not self.prefix_cache:
             raise ValueError("the KV disk tier holds prefix-cache blocks: it needs prefix_cache=True")
 
@@ -176,8 +178,14 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self._check(req)
-        if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        # the bound is on requests that must wait: those the next step can admit (free running slots)
+        # do not count, so a burst of up to max_batch requests on an idle engine is never refused
+        free_slots = max(0, self.config.max_batch - len(self.running))
+        if len(self.waiting) >= self.config.max_waiting + free_slots:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.config.max_waiting} requests beyond the "
+                f"{free_slots} free running slots)"
+            )
         if req.sampling.temperature > 0 and req.sampling.seed is None:
             # every sampled request gets a recorded seed, so its output can be re-run (verify)
             req.sampling = replace(req.sampling, seed=secrets.randbits(63))
