@@ -123,9 +123,11 @@ def test_llama_server_multiturn_through_the_stand_in(tmp_path, monkeypatch, tok,
         ("llama-server", "q8", "cache", t, 3, 0) for t in (1, 2, 3)
     ]
     # follow-up turns compute only the new user message: "user:" + its words (the stand-in's tokens)
-    for r in rows[1:]:
+    # and each prompt is the whole conversation: the last prompt + "assistant:" and the reply + the new message
+    for prev, r in zip(rows, rows[1:], strict=False):
         new = [1 + len(c.user_turns[r.turn - 1].split()) for c in convs]
         assert r.computed_tokens == pytest.approx(sum(new) / len(new))
+        assert r.prompt_tokens == pytest.approx(prev.prompt_tokens + 1 + 3 + sum(new) / len(new))
     assert notes == [notes[0]] and notes[0].startswith(
         "[llama-server q8 cache conc. 1] prefix hit tokens n/a"
     )

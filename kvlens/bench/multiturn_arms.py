@@ -131,7 +131,7 @@ def run_arms(cfg: ServeBenchConfig, tok: Tokenizer, convs: list[Conversation], l
     from .llama_cpp import KV_TYPES
     from .llama_server import LlamaServerProcess, llama_server_args, threads
 
-    options = serve_options()
+    options = serve_options() if cfg.arms and not cfg.url else set()
     sizes = [conversation_tokens(tok, c, cfg.output_len) for c in convs]
     rows: list[TurnRow] = []
     if cfg.url:
