@@ -194,3 +194,18 @@ def test_real_multiturn_run_against_kvlens_serve(tok, smol_path):
         assert all(not r.cached_tokens for r in no_cache)
     else:
         assert any("n/a: this kvlens serve has no --no-prefix-cache" in n for n in notes)
+
+
+def test_main_prints_the_tables_against_a_url(tmp_path, monkeypatch, smol_path, capsys):
+    from kvlens.bench.serve import main
+
+    exe, _ = fake_llama_server(tmp_path, monkeypatch)
+    with llama_server.LlamaServerProcess(exe, llama_server.llama_server_args(smol_path, "q8", 2, 1)) as srv:
+        common = {"url": srv.url, "model": str(smol_path), "output_len": 2}
+        main(ServeBenchConfig(**common, scenario="multiturn", users=2, turns=2, system_len=8, turn_len=4))
+        out = capsys.readouterr().out
+        assert "bench serve --scenario multiturn" in out and "computed tok" in out
+        assert sum(1 for line in out.splitlines() if line.lstrip("│| ").startswith("server")) == 2  # 2 turns
+        main(ServeBenchConfig(**common, concurrency=[2], requests=3, prompt_len=4), json_out=True)
+        run = json.loads(capsys.readouterr().out)["runs"][0]
+        assert (run["kv"], run["concurrency"], run["failed"], run["output_tokens"]) == ("server", 2, 0, 6)

@@ -169,7 +169,7 @@ def main(cfg: ServeBenchConfig, tok: Tokenizer, json_out: bool) -> None:
     import json
     import sys
 
-    from ..lab.report import print_table
+    from ..report import print_table
 
     loads = [
         MultiturnLoad(cfg.users, cfg.turns, cfg.system_len, cfg.turn_len, cfg.output_len, c, cfg.seed)

@@ -295,7 +295,7 @@ def main(cfg: ServeBenchConfig, json_out: bool = False) -> None:
         return
     import json
 
-    from ..lab.report import print_table
+    from ..report import print_table
     from ..serve.process import ServerProcess
 
     concs: list[int | None] = [None] if cfg.rate else list(cfg.concurrency or [])
