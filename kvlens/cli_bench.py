@@ -90,6 +90,10 @@ def bench_serve(
         "no-cache,cache,disk", help="multiturn: no-cache, cache, disk, small (see docs/serve.md)."
     ),
     kv_disk_budget: str = typer.Option("4GiB", help="multiturn: --kv-disk-budget of the disk arm."),
+    prefill_chunk: int = typer.Option(
+        None,
+        help="multiturn: the kvlens servers' --prefill-chunk (their prefix reuse unit), if they have it.",
+    ),
     vs_llama_server: str = typer.Option(
         None, metavar="BIN", help="Also run llama.cpp's llama-server under the same load."
     ),

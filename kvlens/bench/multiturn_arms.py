@@ -107,7 +107,9 @@ def kv_bytes_per_token_of(model: str, kv: str) -> int:
     return kv_bytes_per_token(KVMode.parse(kv), cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
 
 
-def kvlens_arm_args(cfg: ServeBenchConfig, kv: str, arm: str, pool: SmallPool, disk_dir: str) -> list[str]:
+def kvlens_arm_args(
+    cfg: ServeBenchConfig, kv: str, arm: str, pool: SmallPool, disk_dir: str, options: set[str]
+) -> list[str]:
     from .serve import server_args
 
     small = arm in ("disk", "small")
@@ -118,6 +120,8 @@ def kvlens_arm_args(cfg: ServeBenchConfig, kv: str, arm: str, pool: SmallPool, d
         args.append("--no-prefix-cache")
     if arm == "disk":
         args += ["--kv-disk", disk_dir, "--kv-disk-budget", cfg.kv_disk_budget]
+    if cfg.prefill_chunk and "--prefill-chunk" in options:
+        args += ["--prefill-chunk", str(cfg.prefill_chunk)]
     return args
 
 
@@ -132,6 +136,10 @@ def run_arms(cfg: ServeBenchConfig, tok: Tokenizer, convs: list[Conversation], l
     from .llama_server import LlamaServerProcess, llama_server_args, threads
 
     options = serve_options() if cfg.arms and not cfg.url else set()
+    if cfg.prefill_chunk and cfg.arms and not cfg.url and "--prefill-chunk" not in options:
+        say(
+            f"--prefill-chunk {cfg.prefill_chunk}: n/a, this kvlens serve has no --prefill-chunk (not passed)"
+        )
     sizes = [conversation_tokens(tok, c, cfg.output_len) for c in convs]
     rows: list[TurnRow] = []
     if cfg.url:
@@ -151,7 +159,7 @@ def run_arms(cfg: ServeBenchConfig, tok: Tokenizer, convs: list[Conversation], l
                     say(f"[kvlens {kv} {arm}] n/a: this kvlens serve has no {flag}")
                     continue
                 with tempfile.TemporaryDirectory(prefix="kvlens-disk-") as disk:
-                    with ServerProcess(kvlens_arm_args(cfg, kv, arm, pool, disk)) as srv:
+                    with ServerProcess(kvlens_arm_args(cfg, kv, arm, pool, disk, options)) as srv:
                         got, line = run_against(srv.url, "kvlens", kv, arm, convs, load)
                 rows += got
                 say(line)

@@ -260,6 +260,7 @@ class ServeBenchConfig:
     turn_len: int = 64
     arms: list[str] = field(default_factory=lambda: ["no-cache", "cache", "disk"])
     kv_disk_budget: str = "4GiB"
+    prefill_chunk: int | None = None  # multiturn: the kvlens servers' --prefill-chunk (prefix reuse unit)
     vs_llama_server: str | None = None
 
     def __post_init__(self) -> None:
@@ -275,6 +276,8 @@ class ServeBenchConfig:
             raise ValueError(f"unknown arm {bad[0]!r}; choose from {', '.join(ARMS)}")
         if min(self.prompt_len, self.output_len, self.users, self.turns, self.turn_len) < 1:
             raise ValueError("--prompt-len, --output-len, --users, --turns and --turn-len must be >= 1")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError("--prefill-chunk must be >= 1")
         if self.concurrency is not None and (not self.concurrency or min(self.concurrency) < 1):
             raise ValueError("--concurrency must list numbers >= 1")
         if self.concurrency is None:
