@@ -69,7 +69,9 @@ def bench_serve(
     kv_budget: str = typer.Option(None, help="KV pool bytes of the started servers (e.g. 512MiB)."),
     max_batch: int = typer.Option(16, min=1, help="Running sequences per step of the started servers."),
     concurrency: str = typer.Option(
-        None, help="Fixed concurrencies, comma list (default 1,4,8,16; multiturn: users/3)."
+        None,
+        help="Fixed concurrencies, comma list (default 1,4,8,16; multiturn: users/3).",
+        callback=cb.sizes_option(suffix=False),
     ),
     rate: float = typer.Option(None, min=0.001, help="Poisson arrival rate (requests/s) instead."),
     requests: int = typer.Option(0, min=0, help="Requests per run (0: 2 x concurrency, at least 4)."),

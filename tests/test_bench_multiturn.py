@@ -208,3 +208,34 @@ def test_main_prints_the_tables_against_a_url(tmp_path, monkeypatch, smol_path, 
         main(ServeBenchConfig(**common, concurrency=[2], requests=3, prompt_len=4), json_out=True)
         run = json.loads(capsys.readouterr().out)["runs"][0]
         assert (run["kv"], run["concurrency"], run["failed"], run["output_tokens"]) == ("server", 2, 0, 6)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--scenario", "chat"], "unknown scenario 'chat'"),
+        (["--scenario", "multiturn", "--arms", "cache,ram"], "unknown arm 'ram'"),
+        (["--vs-llama-server", "/nonexistent/llama-server"], "llama-server not found"),
+        (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    ],
+)
+def test_bench_serve_bad_input_is_one_error_line(monkeypatch, capsys, args, needle):
+    from kvlens import cli
+
+    monkeypatch.setattr(sys, "argv", ["kvlens", "bench", "serve", *args])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert e.value.code == 2 and out == "" and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+
+
+def test_bench_serve_bad_concurrency_names_the_option(monkeypatch, capsys):
+    from kvlens import cli
+
+    monkeypatch.setattr(sys, "argv", ["kvlens", "bench", "serve", "--concurrency", "4,0"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and "Invalid value for '--concurrency'" in err, err
