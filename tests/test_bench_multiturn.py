@@ -54,12 +54,14 @@ def test_conversations_share_the_system_prompt_and_cut_distinct_turns(tok):
 
 
 def test_small_pool_holds_a_third_of_the_conversations():
-    # 100-token conversations, 32-position blocks: 4 blocks + 1 for the reply's last = 5 per conversation
-    pool = small_pool([90, 100, 70, 100, 95, 99], users=6, concurrency=1, block=32, bytes_per_token=1000)
-    assert (pool.conversation_blocks, pool.blocks, pool.budget_bytes) == (5, 10, 10 * 32 * 1000)
-    assert "2.0 of the 6 conversations (33%)" in pool.line
+    # conversations up to 100 tokens in 32-position blocks: 4 + 1 for the reply's last = 5 blocks, of
+    # which 1 (a 40-token system prefix) is shared: 1 + 6 x 4 = 25 distinct blocks, a third -> 9
+    pool = small_pool([90, 100, 70, 100, 95, 99], 40, users=6, concurrency=1, block=32, bytes_per_token=1000)
+    assert (pool.conversation_blocks, pool.blocks, pool.budget_bytes) == (5, 9, 9 * 32 * 1000)
+    assert "holds the shared prefix + 2.0 of the 6 conversations (33%)" in pool.line
     # never fewer blocks than the in-flight conversations need
-    assert small_pool([100] * 6, users=6, concurrency=3, block=32, bytes_per_token=1).blocks == 15
+    assert small_pool([100] * 6, 0, users=6, concurrency=3, block=32, bytes_per_token=1).blocks == 15
+    assert small_pool([100] * 6, 64, users=6, concurrency=3, block=32, bytes_per_token=1).blocks == 2 + 3 * 3
 
 
 def test_turn_rows_and_na_when_cached_tokens_are_not_reported():

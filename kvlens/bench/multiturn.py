@@ -102,11 +102,12 @@ def conversations(tok: Tokenizer, corpus: str | None, load: MultiturnLoad) -> li
     ]
 
 
-def conversation_tokens(tok: Tokenizer, conv: Conversation, output_len: int) -> int:
-    """Tokens of the whole conversation after its last reply (replies stood in by user-turn text cut
-    to ``output_len`` tokens): what the pool must hold to keep it."""
+def conversation_tokens(tok: Tokenizer, conv: Conversation, output_len: int, turns: int | None = None) -> int:
+    """Tokens of the conversation after the reply of its turn ``turns`` (default: the last; 0: the
+    system message alone, the prefix all users share), replies stood in by user-turn text cut to
+    ``output_len`` tokens: what the pool must hold to keep it."""
     messages = [{"role": "system", "content": conv.system}]
-    for text in conv.user_turns:
+    for text in conv.user_turns[:turns]:
         reply = tok.decode(tok.encode(text, add_bos=False)[:output_len])
         messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
     return len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False), add_bos=False))

@@ -41,18 +41,26 @@ class SmallPool:
 
 
 def small_pool(
-    convs_tokens: list[int], users: int, concurrency: int, block: int, bytes_per_token: int
+    convs_tokens: list[int],
+    shared_tokens: int,
+    users: int,
+    concurrency: int,
+    block: int,
+    bytes_per_token: int,
 ) -> SmallPool:
-    """A pool of about a third of the conversations' blocks, never fewer than the in-flight ones need."""
-    per_conv = math.ceil(max(convs_tokens) / block) + 1  # +1: the reply's last block
-    blocks = max(math.ceil(users * per_conv / 3), concurrency * per_conv)
+    """A pool of about a third of the conversations' distinct blocks (the shared system prefix is
+    stored once, each conversation's own blocks once each), never fewer than the in-flight ones need."""
+    shared = shared_tokens // block  # whole blocks of the prefix every conversation starts with
+    own = math.ceil(max(convs_tokens) / block) + 1 - shared  # +1: the reply's last block
+    blocks = max(math.ceil((shared + users * own) / 3), shared + concurrency * own)
     budget = blocks * block * bytes_per_token
+    held = (blocks - shared) / own
     line = (
         f"disk/small arms: --kv-budget {budget} B = {blocks} blocks of {block} positions; a conversation "
-        f"ends at <= {max(convs_tokens)} tokens ({per_conv} blocks), so the pool holds "
-        f"{blocks / per_conv:.1f} of the {users} conversations ({blocks / per_conv / users:.0%})"
+        f"ends at <= {max(convs_tokens)} tokens: {shared} blocks shared by all + {own} of its own, so the pool "
+        f"holds the shared prefix + {held:.1f} of the {users} conversations ({held / users:.0%})"
     )
-    return SmallPool(blocks, budget, per_conv, line)
+    return SmallPool(blocks, budget, shared + own, line)
 
 
 def serve_options() -> set[str]:
@@ -141,6 +149,7 @@ def run_arms(cfg: ServeBenchConfig, tok: Tokenizer, convs: list[Conversation], l
             f"--prefill-chunk {cfg.prefill_chunk}: n/a, this kvlens serve has no --prefill-chunk (not passed)"
         )
     sizes = [conversation_tokens(tok, c, cfg.output_len) for c in convs]
+    shared = conversation_tokens(tok, convs[0], cfg.output_len, turns=0)
     rows: list[TurnRow] = []
     if cfg.url:
         for load in loads:
@@ -149,9 +158,8 @@ def run_arms(cfg: ServeBenchConfig, tok: Tokenizer, convs: list[Conversation], l
             say(line)
     for kv in [] if cfg.url else cfg.kv:
         for load in loads:
-            pool = small_pool(
-                sizes, load.users, load.concurrency, BLOCK, kv_bytes_per_token_of(cfg.model, kv)
-            )
+            bpt = kv_bytes_per_token_of(cfg.model, kv)
+            pool = small_pool(sizes, shared, load.users, load.concurrency, BLOCK, bpt)
             if {"disk", "small"} & set(cfg.arms):
                 say(f"[{kv}, concurrency {load.concurrency}] {pool.line}")
             for arm in cfg.arms:
