@@ -35,7 +35,7 @@ def names(text: str | None) -> list[str] | None:
     return None if text is None else [s.strip() for s in text.split(",") if s.strip()]
 
 
-MODEL_HELP = "'smollm2' (the embedded default), a .gguf file, or an HF model directory"
+MODEL_HELP = "'smollm2' (the embedded default), 'gemma3-270m', a .gguf file, or an HF model directory"
 KV_HELP = "KV cache mode: f32, f16, bf16, q8, q8-k, q8-v, q8+mirror"
 # -- options shared by several commands (typer copies an Option object for each command) ----------------
 LAB_KV_HELP = "Comma list of KV modes to test (or 'all'): " + KV_HELP.split(": ", 1)[1]
