@@ -70,7 +70,11 @@ def bench_serve(
     weights: str = typer.Option("auto", help="Weights of the started servers."),
     kv_budget: str = typer.Option(None, help="KV pool bytes of the started servers (e.g. 512MiB)."),
     max_batch: int = typer.Option(16, min=1, help="Running sequences per step of the started servers."),
-    concurrency: str = typer.Option("1,4,8,16", help="Fixed concurrencies (comma list)."),
+    concurrency: str = typer.Option(
+        None,
+        help="Fixed concurrencies, comma list (default 1,4,8,16; multiturn: users/3).",
+        callback=cb.sizes_option(suffix=False),
+    ),
     rate: float = typer.Option(None, min=0.001, help="Poisson arrival rate (requests/s) instead."),
     requests: int = typer.Option(0, min=0, help="Requests per run (0: 2 x concurrency, at least 4)."),
     prompt_len: int = typer.Option(128, min=1, help="Prompt tokens, cut from the corpus."),
@@ -79,10 +83,29 @@ def bench_serve(
     seed: int = typer.Option(0),
     json_out: bool = typer.Option(False, "--json", help="Print the runs as JSON."),
     api_key: str = typer.Option(None, help="With --url: the server's API key."),
+    scenario: str = typer.Option(
+        "throughput", help="throughput (fixed prompts) or multiturn (growing chats)."
+    ),
+    users: int = typer.Option(6, min=1, help="multiturn: conversations (users)."),
+    turns: int = typer.Option(4, min=1, help="multiturn: turns per conversation."),
+    system_len: int = typer.Option(128, min=0, help="multiturn: corpus tokens in the shared system prompt."),
+    turn_len: int = typer.Option(64, min=1, help="multiturn: tokens per user turn."),
+    arms: str = typer.Option(
+        "no-cache,cache,disk", help="multiturn: no-cache, cache, disk, small (see docs/serve.md)."
+    ),
+    kv_disk_budget: str = typer.Option("4GiB", help="multiturn: --kv-disk-budget of the disk arm."),
+    prefill_chunk: int = typer.Option(
+        None,
+        help="multiturn: the kvlens servers' --prefill-chunk (their prefix reuse unit), if they have it.",
+    ),
+    vs_llama_server: str = typer.Option(
+        None, metavar="BIN", help="Also run llama.cpp's llama-server under the same load."
+    ),
 ) -> None:
-    """Load generator for kvlens serve: output tokens/s, requests/s, TTFT and inter-token latency."""
-    from .bench.serve import cli
+    """Load generator for kvlens serve: output tokens/s, requests/s, TTFT and inter-token latency;
+    --scenario multiturn: per-turn TTFT and computed prefill with/without the prefix cache and disk tier."""
+    from .bench.serve import ServeBenchConfig, main
 
-    kvs = [m for m in kv.split(",") if m]
-    cli(url, model, kvs, weights, kv_budget, max_batch, parse_sizes(concurrency), rate, requests,
-        prompt_len, output_len, corpus, seed, json_out, api_key)  # fmt: skip
+    lists = {"kv": names(kv), "arms": names(arms)}
+    lists["concurrency"] = parse_sizes(concurrency) if concurrency else None
+    main(config_from(ServeBenchConfig, locals(), **lists), json_out)

@@ -168,7 +168,7 @@ def summarize(
     )  # fmt: skip
 
 
-def _server_args(model: str, kv: str, weights: str, kv_budget: str | None, max_batch: int) -> list[str]:
+def server_args(model: str, kv: str, weights: str, kv_budget: str | None, max_batch: int) -> list[str]:
     args = ["--model", model, "--kv", kv, "--weights", weights, "--max-batch", str(max_batch)]
     return args + (["--kv-budget", kv_budget] if kv_budget else [])
 
@@ -212,58 +212,135 @@ def table_rows(results: list[RunResult]) -> list[list]:
 
 
 def mode_ratios(results: list[RunResult]) -> list[str]:
-    """First mode's output tok/s over each other mode's, at the same load."""
-    kinds = list(dict.fromkeys(r.kv for r in results))
+    """First kvlens mode's output tok/s over each other's, and kvlens over llama-server with the same
+    KV type, at the same load."""
+    kinds = [k for k in dict.fromkeys(r.kv for r in results) if not k.startswith(LLAMA_LABEL)]
+    pairs = [(kinds[0], other, f"{kinds[0]} / {other}") for other in kinds[1:]]
+    pairs += [(k, f"{LLAMA_LABEL} {k}", f"kvlens / llama-server, {k} KV,") for k in kinds]
     lines = []
-    for other in kinds[1:]:
-        for a in (r for r in results if r.kv == kinds[0]):
+    for first, other, what in pairs:
+        for a in (r for r in results if r.kv == first):
             b = next(
                 (r for r in results if r.kv == other and (r.concurrency, r.rate) == (a.concurrency, a.rate)),
                 None,
             )
             if b and b.output_tok_s > 0:
                 load = f"concurrency {a.concurrency}" if not a.rate else f"rate {a.rate}/s"
-                lines.append(
-                    f"{kinds[0]} / {other} output tok/s at {load}: {a.output_tok_s / b.output_tok_s:.2f}x"
-                )
+                lines.append(f"{what} output tok/s at {load}: {a.output_tok_s / b.output_tok_s:.2f}x")
     return lines
 
 
-def cli(
-    url: str | None, model: str, kv: list[str], weights: str, kv_budget: str | None, max_batch: int,
-    concurrency: list[int], rate: float | None, requests: int, prompt_len: int, output_len: int,
-    corpus: str | None, seed: int, json_out: bool, api_key: str | None = None,
-) -> None:  # fmt: skip
+SCENARIOS = ("throughput", "multiturn")
+LLAMA_LABEL = "llama.cpp"
+
+
+@dataclass
+class ServeBenchConfig:
+    """``kvlens bench serve``: one server per KV mode (or ``url``), the load of ``scenario`` at each
+    concurrency; with ``vs_llama_server`` llama.cpp's server under the same load in the same run."""
+
+    url: str | None = None
+    model: str = "smollm2"
+    kv: list[str] = field(default_factory=lambda: ["q8", "f16"])
+    weights: str = "auto"
+    kv_budget: str | None = None
+    max_batch: int = 16
+    concurrency: list[int] | None = None  # None: 1,4,8,16 (throughput), ceil(users / 3) (multiturn)
+    rate: float | None = None
+    requests: int = 0
+    prompt_len: int = 128
+    output_len: int = 64
+    corpus: str | None = None
+    seed: int = 0
+    api_key: str | None = None
+    scenario: str = "throughput"
+    users: int = 6
+    turns: int = 4
+    system_len: int = 128
+    turn_len: int = 64
+    arms: list[str] = field(default_factory=lambda: ["no-cache", "cache", "disk"])
+    kv_disk_budget: str = "4GiB"
+    prefill_chunk: int | None = None  # multiturn: the kvlens servers' --prefill-chunk (prefix reuse unit)
+    vs_llama_server: str | None = None
+
+    def __post_init__(self) -> None:
+        from ..kv.modes import KVMode
+        from .llama_server import find_llama_server
+        from .multiturn import ARMS
+
+        for m in self.kv:
+            KVMode.parse(m)
+        if self.scenario not in SCENARIOS:
+            raise ValueError(f"unknown scenario {self.scenario!r}; choose from {', '.join(SCENARIOS)}")
+        if bad := [a for a in self.arms if a not in ARMS]:
+            raise ValueError(f"unknown arm {bad[0]!r}; choose from {', '.join(ARMS)}")
+        if min(self.prompt_len, self.output_len, self.users, self.turns, self.turn_len) < 1:
+            raise ValueError("--prompt-len, --output-len, --users, --turns and --turn-len must be >= 1")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError("--prefill-chunk must be >= 1")
+        if self.concurrency is not None and (not self.concurrency or min(self.concurrency) < 1):
+            raise ValueError("--concurrency must list numbers >= 1")
+        if self.concurrency is None:
+            self.concurrency = [1, 4, 8, 16] if self.scenario == "throughput" else [-(-self.users // 3)]
+        if self.vs_llama_server:
+            if self.rate:
+                raise ValueError("--vs-llama-server needs fixed concurrencies (its -np), not --rate")
+            find_llama_server(self.vs_llama_server)  # fail before the long run
+
+
+def main(cfg: ServeBenchConfig, json_out: bool = False) -> None:
     """The body of ``kvlens bench serve``."""
+    tok = load_tokenizer(cfg.model)
+    if cfg.scenario == "multiturn":
+        from .multiturn_arms import main as multiturn_main
+
+        multiturn_main(cfg, tok, json_out)
+        return
     import json
 
-    from ..kv.modes import KVMode
     from ..report import print_table
     from ..serve.process import ServerProcess
 
-    for m in kv:
-        KVMode.parse(m)
-    if prompt_len < 1 or output_len < 1:
-        raise ValueError("--prompt-len and --output-len must be >= 1")
-    tok = load_tokenizer(model)
-    concs: list[int | None] = [None] if rate else list(concurrency)
-    loads = [Load(requests or max(4, 2 * (c or 4)), prompt_len, output_len, c, rate, seed) for c in concs]
+    concs: list[int | None] = [None] if cfg.rate else list(cfg.concurrency or [])
+    loads = [
+        Load(cfg.requests or max(4, 2 * (c or 4)), cfg.prompt_len, cfg.output_len, c, cfg.rate, cfg.seed)
+        for c in concs
+    ]
     results, budgets = [], {}
-    if url:
-        results = runs_against(url.rstrip("/"), "server", tok, loads, corpus, api_key)
-    for mode in [] if url else kv:
-        with ServerProcess(_server_args(model, mode, weights, kv_budget, max_batch)) as srv:
+    if cfg.url:
+        results = runs_against(cfg.url.rstrip("/"), "server", tok, loads, cfg.corpus, cfg.api_key)
+    for mode in [] if cfg.url else cfg.kv:
+        with ServerProcess(server_args(cfg.model, mode, cfg.weights, cfg.kv_budget, cfg.max_batch)) as srv:
             budgets[mode] = srv.budget_line()
-            results += runs_against(srv.url, mode, tok, loads, corpus)
+            results += runs_against(srv.url, mode, tok, loads, cfg.corpus)
+    results += llama_server_runs(cfg, tok, loads)
     if json_out:
         print(json.dumps({"budgets": budgets, "runs": [r.as_dict() for r in results]}, indent=1))
         return
     for line in budgets.values():
         print(line)
-    title = f"bench serve: {model}, weights {weights}, prompt {prompt_len} + output {output_len} tokens"
+    title = f"bench serve: {cfg.model}, weights {cfg.weights}, prompt {cfg.prompt_len} + output {cfg.output_len} tokens"
     print_table(title, TABLE_HEADERS, table_rows(results), width=170)
     for line in mode_ratios(results):
         print(line)
     for r in results:
         for err in r.errors:
             print(f"[{r.kv}] error: {err}")
+
+
+def llama_server_runs(cfg: ServeBenchConfig, tok: Tokenizer, loads: list[Load]) -> list[RunResult]:
+    """With ``--vs-llama-server``: each load against llama-server (``-np`` = its concurrency) per KV mode
+    that has a llama.cpp twin."""
+    from .llama_cpp import KV_TYPES
+    from .llama_server import LlamaServerProcess, llama_server_args, threads
+
+    if not cfg.vs_llama_server:
+        return []
+    gguf = resolve_model(cfg.model)
+    results = []
+    for mode in (m for m in cfg.kv if m in KV_TYPES):
+        for load in loads:
+            args = llama_server_args(gguf, mode, load.concurrency or 1, threads())
+            with LlamaServerProcess(cfg.vs_llama_server, args) as srv:
+                results += runs_against(srv.url, f"{LLAMA_LABEL} {mode}", tok, [load], cfg.corpus)
+    return results

@@ -67,14 +67,20 @@ class ServerProcess:
     """Start ``kvlens serve ARGS`` on 127.0.0.1, wait for ``/health``; ``stop()`` sends SIGTERM.
 
     Output (start-up budget line, one log line per request) goes to a temporary file: ``output()``.
+    A subclass starts another server by overriding ``name`` and ``command`` (``kvlens.bench.llama_server``).
     """
+
+    name = "kvlens serve"
+
+    def command(self, args: list[str], host: str, port: int) -> list[str]:
+        return [sys.executable, "-m", "kvlens.cli", "serve", *args, "--host", host, "--port", str(port)]
 
     def __init__(self, args: list[str], start_timeout: float = 300.0, host: str = "127.0.0.1") -> None:
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
-        fd, name = tempfile.mkstemp(prefix="kvlens-serve-", suffix=".log")
-        self.log = Path(name)
-        cmd = [sys.executable, "-m", "kvlens.cli", "serve", *args, "--host", host, "--port", str(self.port)]
+        fd, log = tempfile.mkstemp(prefix="kvlens-serve-", suffix=".log")
+        self.log = Path(log)
+        cmd = self.command(args, host, self.port)
         with open(fd, "w") as out:
             self.proc = subprocess.Popen(
                 cmd,
@@ -93,14 +99,14 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvlens serve exited with {self.proc.returncode}:\n{self.output()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"kvlens serve was not healthy after {timeout:.0f} s:\n{self.output()}")
+                raise RuntimeError(f"{self.name} was not healthy after {timeout:.0f} s:\n{self.output()}")
             time.sleep(0.25)
 
     def output(self) -> str:
