@@ -2,9 +2,16 @@
 
 Layout of one layer (``cap`` = capacity, a multiple of BLOCK)::
 
-    K.data  [n_kv_heads, cap, head_dim]   float32 / float16 / bfloat16 / int8
-    K.scale [n_kv_heads, cap]             float32 max_abs per row (int8 stores only)
+    K.data  [n_kv_heads, cap, head_dim]     float32 / float16 / bfloat16 / int8 (q8, q8h)
+            [n_kv_heads, cap, head_dim/2]   uint8, two 4-bit codes per byte (q4, q4h)
+    K.scale [n_kv_heads, cap]               float32 max_abs per row (q8, q8h)
+            [n_kv_heads, cap, head_dim/32]  float16 scale per block of 32 (q4, q4h)
     V.*     the same
+
+Rotated kinds (q8h, q4h) hold every row of their layer's K (or V) in the rotated basis ``x @ R``
+(:func:`kvlens.kv.quant.rotation`), the exact copy included: ``write`` takes rows as the model makes
+them and rotates them, ``read`` returns the stored basis. Attention rotates the query by the same R
+(K rotated) and its output back by ``R.T`` (V rotated): :func:`store_basis` and :func:`rotations`.
 
 The mode (:class:`~kvlens.kv.modes.KVMode`) says how K and V are stored; :class:`~kvlens.kv.modes.CacheOptions`
 holds the rest (mirror prefill, keep-sink / keep-recent, block tracking).
@@ -28,8 +35,8 @@ import torch
 
 from ..checks import check_int, check_tensor
 from .blocks import BlockBounds
-from .modes import CacheOptions, KVMode, StoreKind
-from .quant import dequantize_q8, first_nonfinite, store_q8
+from .modes import Q4_BLOCK, CacheOptions, KVMode, StoreKind
+from .quant import dequantize_q4, dequantize_q8, first_nonfinite, rotation, store_q4, store_q8
 
 BLOCK = 32
 F32 = StoreKind.F32  # the exact copy's storage
@@ -50,6 +57,23 @@ def check_kv_finite(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) ->
             )
 
 
+def store_basis(kind: StoreKind, rows: torch.Tensor) -> torch.Tensor:
+    """``rows [..., head_dim]`` in the basis a store of ``kind`` keeps them (rotated kinds: ``rows @ R``)."""
+    if not kind.rotated:
+        return rows
+    return rows.to(torch.float32) @ rotation(rows.shape[-1], torch.float32, rows.device)
+
+
+def rotations(k_store: RowStore, v_store: RowStore) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rotation attention applies to the query (K rotated) and, transposed, to its output (V
+    rotated) for one layer's stores; None where the kind is not rotated."""
+    hd = k_store.head_dim
+    dev = k_store.data.device
+    rk = rotation(hd, torch.float32, dev) if k_store.kind.rotated else None
+    rv = rotation(hd, torch.float32, dev) if v_store.kind.rotated else None
+    return rk, rv
+
+
 def round_up(n: int, multiple: int = BLOCK) -> int:
     return -(-n // multiple) * multiple
 
@@ -60,13 +84,22 @@ class RowStore:
 
     kind: StoreKind
     data: torch.Tensor
-    scale: torch.Tensor | None  # max_abs per row, int8 stores only
+    scale: torch.Tensor | None  # q8: max_abs per row; q4: fp16 scale per block of 32; floats: None
 
     @classmethod
     def empty(cls, kind: StoreKind, n_kv: int, cap: int, head_dim: int, device: torch.device) -> RowStore:
-        data = torch.zeros(n_kv, cap, head_dim, dtype=kind.dtype, device=device)
-        scale = torch.ones(n_kv, cap, dtype=torch.float32, device=device) if kind.quantized else None
+        kind.check_head_dim(head_dim)
+        data = torch.zeros(n_kv, cap, kind.row_width(head_dim), dtype=kind.dtype, device=device)
+        scale = None
+        if kind.int8:
+            scale = torch.ones(n_kv, cap, dtype=torch.float32, device=device)
+        elif kind.int4:
+            scale = torch.ones(n_kv, cap, head_dim // Q4_BLOCK, dtype=torch.float16, device=device)
         return cls(kind, data, scale)
+
+    @property
+    def head_dim(self) -> int:
+        return self.data.shape[2] * (2 if self.kind.int4 else 1)
 
     def grow(self, cap: int) -> None:
         n_kv, old, d = self.data.shape
@@ -74,27 +107,33 @@ class RowStore:
         data[:, :old] = self.data
         self.data = data
         if self.scale is not None:
-            scale = self.scale.new_ones(n_kv, cap)
+            scale = self.scale.new_ones(n_kv, cap, *self.scale.shape[2:])
             scale[:, :old] = self.scale
             self.scale = scale
 
     def write(self, start: int, rows: torch.Tensor) -> None:
-        if self.kind.quantized:
+        """Store ``rows [n_kv, n, head_dim]`` (already in the store's basis) at ``start``."""
+        if self.kind.int8:
             store_q8(rows, self.data, self.scale, start)
+        elif self.kind.int4:
+            store_q4(rows, self.data, self.scale, start)
         else:
             self.data[:, start : start + rows.shape[1]] = rows
 
+    def _values(self, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if self.kind.int8:
+            return dequantize_q8(data, scale)
+        if self.kind.int4:
+            return dequantize_q4(data, scale)
+        return data.to(torch.float32)
+
     def read_index(self, pos: torch.Tensor) -> torch.Tensor:
-        """Rows at positions ``pos`` as float32 [n_kv, len(pos), head_dim]."""
-        if self.kind.quantized:
-            return dequantize_q8(self.data[:, pos], self.scale[:, pos])
-        return self.data[:, pos].to(torch.float32)
+        """Rows at positions ``pos`` as float32 [n_kv, len(pos), head_dim] (the store's basis)."""
+        return self._values(self.data[:, pos], None if self.scale is None else self.scale[:, pos])
 
     def read(self, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) as float32 — the values attention sees."""
-        if self.kind.quantized:
-            return dequantize_q8(self.data[:, start:end], self.scale[:, start:end])
-        return self.data[:, start:end].to(torch.float32)
+        """Rows [start, end) as float32 — the values attention sees (in the store's basis)."""
+        return self._values(self.data[:, start:end], None if self.scale is None else self.scale[:, start:end])
 
 
 class KVCache:
@@ -161,6 +200,7 @@ class KVCache:
         self._check_rows(layer, start, k, v)
         check_kv_finite(layer, start, k, v)
         self.reserve(start + k.shape[1])
+        k, v = store_basis(self.k[layer].kind, k), store_basis(self.v[layer].kind, v)
         self.k[layer].write(start, k)
         self.v[layer].write(start, v)
         if self.has_mirror:

@@ -19,7 +19,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from .cache import BLOCK, F32, RowStore, check_kv_finite
+from .cache import BLOCK, F32, RowStore, check_kv_finite, store_basis
 from .modes import MIRROR_PREFILL, CacheOptions, KVMode, StoreKind
 
 
@@ -171,6 +171,7 @@ class PagedKV:
                 f"positions up to {end} need blocks the sequence does not hold ({self.capacity})"
             )
         check_kv_finite(layer, start, k, v)
+        k, v = store_basis(self.k[layer].kind, k), store_basis(self.v[layer].kind, v)
         stores = [(self.k, k), (self.v, v)]
         if self.has_mirror:
             stores += [(self.pool.k_exact, k), (self.pool.v_exact, v)]
