@@ -81,6 +81,6 @@ def bench_serve(
     """Load generator for kvlens serve: output tokens/s, requests/s, TTFT and inter-token latency."""
     from .bench.serve import cli
 
-    kvs = [m for m in kv.split(",") if m]
+    kvs = names(kv)
     cli(url, model, kvs, weights, kv_budget, max_batch, parse_sizes(concurrency), rate, requests,
         prompt_len, output_len, corpus, seed, json_out, api_key)  # fmt: skip

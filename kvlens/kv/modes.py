@@ -192,6 +192,18 @@ MODES: dict[str, KVMode] = {
 }
 
 
+def split_mode_list(spec: str) -> list[str]:
+    """Names in a comma list, a ``k=KIND,v=KIND`` pair kept as one name (``"q8,k=q8h,v=q4h"`` ->
+    ``["q8", "k=q8h,v=q4h"]``)."""
+    names: list[str] = []
+    for item in (s.strip() for s in spec.split(",")):
+        if item.startswith("v=") and names and names[-1].startswith("k=") and "," not in names[-1]:
+            names[-1] += "," + item
+        elif item:
+            names.append(item)
+    return names
+
+
 @dataclass(frozen=True)
 class CacheOptions:
     """Options of one cache beyond its mode.
