@@ -303,7 +303,11 @@ def test_engine_end_to_end_every_new_mode(tiny, mode):
     f32 = tiny.variant(kv="f32")
     ref = f32.logits(ids)[-4:]
     rel = float((steps["torch"] - ref).norm() / ref.norm())
-    assert rel < 0.5, rel  # quantized, not garbage (a wrong rotation or layout gives ~1)
+    # the relative step is 1/254 of a row's absmax at 8 bits, 1/14 of a block's at 4: the logits move
+    # by about that (measured 0.005 for q8h, 0.07-0.10 with a 4-bit kind); a query or output left
+    # unrotated, or a wrong layout, gives 0.7-0.9
+    m = KVMode.parse(mode)
+    assert rel < (0.25 if m.k.int4 or m.v.int4 else 0.02), rel
     text = tiny.variant(kv=mode, attn_backend="numba").generate("the", max_new_tokens=4)
     assert isinstance(text, str)
 
