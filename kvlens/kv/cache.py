@@ -74,6 +74,16 @@ def rotations(k_store: RowStore, v_store: RowStore) -> tuple[torch.Tensor | None
     return rk, rv
 
 
+def layer_stores(
+    mode: KVMode, n_layers: int, n_kv: int, cap: int, head_dim: int, device: torch.device
+) -> tuple[list[RowStore], list[RowStore]]:
+    """Empty K and V stores of every layer, each of the kind ``mode`` gives that layer."""
+    kinds = [mode.kinds(i) for i in range(n_layers)]
+    k = [RowStore.empty(kk, n_kv, cap, head_dim, device) for kk, _ in kinds]
+    v = [RowStore.empty(vk, n_kv, cap, head_dim, device) for _, vk in kinds]
+    return k, v
+
+
 def round_up(n: int, multiple: int = BLOCK) -> int:
     return -(-n // multiple) * multiple
 
@@ -164,12 +174,14 @@ class KVCache:
         self.has_mirror = mode.mirror or options.keeps_exact
         cap = round_up(max(capacity, 1))
 
-        def stores(kind: StoreKind) -> list[RowStore]:
-            return [RowStore.empty(kind, n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
-
-        self.k, self.v = stores(mode.k), stores(mode.v)
-        self.k_exact = stores(F32) if self.has_mirror else []
-        self.v_exact = stores(F32) if self.has_mirror else []
+        mode.check_layout(n_layers, head_dim)
+        self.k, self.v = layer_stores(mode, n_layers, n_kv_heads, cap, head_dim, self.device)
+        exact = KVMode("f32", F32, F32)
+        self.k_exact, self.v_exact = (
+            layer_stores(exact, n_layers, n_kv_heads, cap, head_dim, self.device)
+            if self.has_mirror
+            else ([], [])
+        )
         self.length = 0  # positions written in every layer
         # per-block key min/max for sparse decode's block selection (kv.blocks)
         self.bounds = (
@@ -181,11 +193,10 @@ class KVCache:
         return self.k[0].data.shape[1]
 
     def bytes_per_token(self) -> int:
-        """Stored KV bytes per token position over all layers (mirror included)."""
-        per_layer = self.mode.k.row_bytes(self.head_dim) + self.mode.v.row_bytes(self.head_dim)
-        if self.has_mirror:
-            per_layer += 2 * F32.row_bytes(self.head_dim)
-        return per_layer * self.n_kv_heads * self.n_layers
+        """Stored KV bytes per token position over all layers (mirror and kept-exact copy included)."""
+        exact = 2 * F32.row_bytes(self.head_dim) * self.n_kv_heads * self.n_layers
+        stored = self.mode.bytes_per_token(self.n_layers, self.n_kv_heads, self.head_dim)
+        return stored + (exact if self.has_mirror and not self.mode.mirror else 0)
 
     def reserve(self, capacity: int) -> None:
         """Grow every layer's storage (block by block) to hold at least ``capacity`` positions."""

@@ -112,12 +112,17 @@ class UnknownKVModeError(ValueError):
 
 @dataclass(frozen=True)
 class KVMode:
-    """A KV-cache mode: the storage of K and of V, and whether an exact f32 mirror is kept."""
+    """A KV-cache mode: the storage of K and of V, and whether an exact f32 mirror is kept.
+
+    ``layers``: a per-layer mode (a recipe, :mod:`kvlens.kv.recipe`) gives each layer its own
+    ``(K kind, V kind)``; ``k`` and ``v`` are then the widest kinds it uses. Empty: every layer
+    stores ``k`` and ``v``. Ask :meth:`kinds` for a layer's kinds."""
 
     name: str
     k: StoreKind
     v: StoreKind
     mirror: bool = False
+    layers: tuple[tuple[StoreKind, StoreKind], ...] = ()
 
     def __str__(self) -> str:
         return self.name
@@ -127,17 +132,35 @@ class KVMode:
 
     @property
     def quantized(self) -> bool:
-        return self.k.quantized or self.v.quantized
+        return any(k.quantized or v.quantized for k, v in self.layers or ((self.k, self.v),))
+
+    def kinds(self, layer: int) -> tuple[StoreKind, StoreKind]:
+        """(K kind, V kind) of ``layer``."""
+        return self.layers[layer] if self.layers else (self.k, self.v)
+
+    def check_layout(self, n_layers: int, head_dim: int) -> None:
+        """ValueError when this mode cannot store a model of ``n_layers`` layers of ``head_dim``."""
+        if self.layers and len(self.layers) != n_layers:
+            raise ValueError(f"KV recipe {self.name} has {len(self.layers)} layers; the model has {n_layers}")
+        for k, v in self.layers or ((self.k, self.v),):
+            k.check_head_dim(head_dim)
+            v.check_head_dim(head_dim)
+
+    def bytes_per_token(self, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+        """Stored KV bytes per token position over all layers (scales and the mirror copy included)."""
+        self.check_layout(n_layers, head_dim)
+        mirror = 2 * StoreKind.F32.row_bytes(head_dim) if self.mirror else 0
+        kinds = [self.kinds(i) for i in range(n_layers)]
+        rows = sum(k.row_bytes(head_dim) + v.row_bytes(head_dim) for k, v in kinds)
+        return (rows + mirror * n_layers) * n_kv_heads
 
     @property
     def label(self) -> str:
-        """What the mode stores, e.g. ``K q8 / V f32``."""
+        """What the mode stores, e.g. ``K q8 / V f32`` (a recipe: its distinct per-layer pairs)."""
+        if self.layers:
+            pairs = sorted({f"{k}/{v}" for k, v in self.layers})
+            return f"recipe, {len(self.layers)} layers, K/V {' '.join(pairs)}"
         return f"K {self.k} / V {self.v}" + (" + exact f32 mirror" if self.mirror else "")
-
-    def check_head_dim(self, head_dim: int) -> None:
-        """ValueError when K or V cannot be stored at ``head_dim``."""
-        self.k.check_head_dim(head_dim)
-        self.v.check_head_dim(head_dim)
 
     @classmethod
     def parse(cls, mode: str | KVMode) -> KVMode:
@@ -148,8 +171,13 @@ class KVMode:
             return MODES[mode]
         if isinstance(mode, str) and mode.replace(" ", "").startswith("k="):
             return cls._parse_split(mode.replace(" ", ""))
+        if isinstance(mode, str) and mode.endswith(".json"):
+            from .recipe import load_recipe
+
+            return load_recipe(mode)
         raise UnknownKVModeError(
-            f"unknown KV cache mode {mode!r}; choose one of: {', '.join(MODES)}, or k=KIND,v=KIND"
+            f"unknown KV cache mode {mode!r}; choose one of: {', '.join(MODES)}, k=KIND,v=KIND, or a "
+            "recipe .json file"
         )
 
     @classmethod

@@ -19,16 +19,13 @@ from collections import deque
 import numpy as np
 import torch
 
-from .cache import BLOCK, F32, RowStore, check_kv_finite, store_basis
-from .modes import MIRROR_PREFILL, CacheOptions, KVMode, StoreKind
+from .cache import BLOCK, F32, check_kv_finite, layer_stores, store_basis
+from .modes import MIRROR_PREFILL, CacheOptions, KVMode
 
 
 def kv_bytes_per_token(mode: KVMode, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
     """Stored KV bytes per token position over all layers in ``mode`` (the mirror copy included)."""
-    per_layer = mode.k.row_bytes(head_dim) + mode.v.row_bytes(head_dim)
-    if mode.mirror:
-        per_layer += 2 * F32.row_bytes(head_dim)
-    return per_layer * n_kv_heads * n_layers
+    return mode.bytes_per_token(n_layers, n_kv_heads, head_dim)
 
 
 class PoolExhaustedError(RuntimeError):
@@ -64,11 +61,11 @@ class BlockPool:
             )
         cap = self.n_blocks * BLOCK
 
-        def stores(kind: StoreKind) -> list[RowStore]:
-            return [RowStore.empty(kind, n_kv_heads, cap, head_dim, self.device) for _ in range(n_layers)]
-
-        self.k, self.v = stores(mode.k), stores(mode.v)
-        self.k_exact, self.v_exact = (stores(F32), stores(F32)) if mode.mirror else ([], [])
+        self.k, self.v = layer_stores(mode, n_layers, n_kv_heads, cap, head_dim, self.device)
+        exact = KVMode("f32", F32, F32)
+        self.k_exact, self.v_exact = (
+            layer_stores(exact, n_layers, n_kv_heads, cap, head_dim, self.device) if mode.mirror else ([], [])
+        )
         self.refcount = np.zeros(self.n_blocks, np.int32)
         self._free: deque[int] = deque(range(self.n_blocks))
 
