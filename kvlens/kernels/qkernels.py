@@ -4,9 +4,8 @@ Weights are blocked ``[n_tiles, rows, TILE]``: each tile of TILE output rows is 
 stream, read front to back by one thread; the inner loop runs over the tile's output columns
 (convert a row of codes to f32, ``axpy`` it into the accumulators), which LLVM vectorizes.
 
-* ``_mv_*``: decode rows, x [m, k] f32, out [m, n]: independent rows (a batch of sequences), each
-  computed exactly as alone;
-* ``_mm_*``: a few rows (up to qlinear.SMALL_M), x [m, k], out [m, n];
+* ``_mv_*``: up to qlinear.SMALL_M rows, x [m, k] f32, out [m, n]: independent rows (a batch of
+  sequences, or a short prefill chunk), each computed exactly as alone;
 * ``_deq_*``: dequantize tiles to f32 for torch's GEMM (prefill).
 """
 
@@ -17,91 +16,6 @@ from numba import njit, prange
 
 G = 32  # inputs per quantization group
 _FM = {"reassoc", "contract", "nsz"}  # reassoc/contract: vectorized FMA accumulation
-
-
-# -- a few input rows: x [m, k] f32, out [m, n] f32 --------------------------------------------------
-@njit(parallel=True, fastmath=_FM, cache=True)
-def _mm_int8(x, q, s, out):  # pragma: no cover - compiled
-    m, k = x.shape
-    n_tiles, _, T = q.shape
-    for t in prange(n_tiles):
-        acc = np.zeros((m, T), np.float32)
-        part = np.empty((m, T), np.float32)
-        wt = np.empty(T, np.float32)
-        qt, st = q[t], s[t]
-        for g in range(st.shape[0]):
-            part[:] = 0
-            for j in range(g * G, min(k, g * G + G)):
-                qj = qt[j]
-                for c in range(T):
-                    wt[c] = np.float32(qj[c])
-                for i in range(m):
-                    xij, pi = x[i, j], part[i]
-                    for c in range(T):
-                        pi[c] += wt[c] * xij
-            sg = st[g]
-            for i in range(m):
-                ai, pi = acc[i], part[i]
-                for c in range(T):
-                    ai[c] += pi[c] * sg[c]
-        _store(acc, out, t * T)
-
-
-@njit(parallel=True, fastmath=_FM, cache=True)
-def _mm_int4(x, q, s, mn, out):  # pragma: no cover - compiled
-    # q rows = input pairs: low nibble = input 2*j2, high nibble = input 2*j2 + 1; x has even k.
-    # Nibbles go to f32 through int32: numba widens uint8 arithmetic to uint64, whose conversion
-    # to f32 does not vectorize on AVX2.
-    m, k = x.shape
-    n_tiles, _, T = q.shape
-    ng = s.shape[1]
-    xs = np.zeros((m, ng), np.float32)  # per-group input sums carry the min term: Σ min·x = min·Σx
-    for i in range(m):
-        for j in range(k):
-            xs[i, j // G] += x[i, j]
-    for t in prange(n_tiles):
-        acc = np.zeros((m, T), np.float32)
-        part = np.empty((m, T), np.float32)
-        lo = np.empty(T, np.float32)
-        hi = np.empty(T, np.float32)
-        qt, st, mt = q[t], s[t], mn[t]
-        for g in range(ng):
-            part[:] = 0
-            for j2 in range(g * (G // 2), min(k // 2, (g + 1) * (G // 2))):
-                qj = qt[j2]
-                for c in range(T):
-                    lo[c] = np.float32(np.int32(qj[c] & 15))
-                    hi[c] = np.float32(np.int32(qj[c] >> 4))
-                for i in range(m):
-                    x0, x1, pi = x[i, 2 * j2], x[i, 2 * j2 + 1], part[i]
-                    for c in range(T):
-                        pi[c] += lo[c] * x0 + hi[c] * x1
-            sg, mg = st[g], mt[g]
-            for i in range(m):
-                ai, pi, xg = acc[i], part[i], xs[i, g]
-                for c in range(T):
-                    ai[c] += pi[c] * sg[c] + mg[c] * xg
-        _store(acc, out, t * T)
-
-
-@njit(parallel=True, fastmath=_FM, cache=True)
-def _mm_bf16(x, q, out):  # pragma: no cover - compiled
-    m, k = x.shape
-    n_tiles, _, T = q.shape
-    for t in prange(n_tiles):
-        acc = np.zeros((m, T), np.float32)
-        wu = np.empty(T, np.uint32)
-        wt = wu.view(np.float32)  # bf16 bits << 16 are the f32 bits (numba has no bf16 type)
-        qt = q[t]
-        for j in range(k):
-            qj = qt[j]
-            for c in range(T):
-                wu[c] = np.uint32(qj[c]) << np.uint32(16)
-            for i in range(m):
-                xij, ai = x[i, j], acc[i]
-                for c in range(T):
-                    ai[c] += wt[c] * xij
-        _store(acc, out, t * T)
 
 
 @njit(fastmath=_FM, cache=True)

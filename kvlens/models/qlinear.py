@@ -35,9 +35,6 @@ from ..kernels.qkernels import (
     _deq_bf16,
     _deq_int4,
     _deq_int8,
-    _mm_bf16,
-    _mm_int4,
-    _mm_int8,
     _mv_bf16,
     _mv_f32,
     _mv_int4,
@@ -160,14 +157,11 @@ class QLinear:
         rows = self._unpack([a[flat // TILE, :, flat % TILE] for a in self._t])
         return rows.view(*ids.shape, self.shape[1])
 
-    # the kind's JIT kernels (qkernels): one input row, a few rows, dequantize tiles for the GEMM path
-    _mv = _mm = _deq = None
+    # the kind's JIT kernels (qkernels): up to SMALL_M rows, and dequantize tiles for the GEMM path
+    _mv = _deq = None
 
-    def _kernel(self, x: np.ndarray, out: np.ndarray, rows: bool = False) -> None:
-        if x.shape[0] == 1 or rows:
-            self._mv(x, *self._np, out)
-        else:
-            self._mm(x, *self._np, out)
+    def _kernel(self, x: np.ndarray, out: np.ndarray) -> None:
+        self._mv(x, *self._np, out)
 
     def _deq_tiles(self, t0: int, out: np.ndarray) -> None:
         self._deq(*self._np, t0, out)
@@ -179,7 +173,7 @@ class QLinear:
             return torch.cat([self(x[b : b + 1], bias) for b in range(x.shape[0])])
         x2 = x.float().contiguous()
         out = torch.empty(x2.shape[0], self.shape[0], dtype=torch.float32)
-        _run(self._kernel, x2.numel() * self.shape[0], x2.numpy(), out.numpy(), True)
+        _run(self._kernel, x2.numel() * self.shape[0], x2.numpy(), out.numpy())
         if bias is not None:
             out += bias
         return out
@@ -213,7 +207,7 @@ class QLinear:
 
 class Int8Linear(QLinear):
     kind = "int8"
-    _mv, _mm, _deq = staticmethod(_mv_int8), staticmethod(_mm_int8), staticmethod(_deq_int8)
+    _mv, _deq = staticmethod(_mv_int8), staticmethod(_deq_int8)
 
     def __init__(self, c: QCodes) -> None:
         super().__init__(*c.shape, [c.codes, c.scales])
@@ -228,7 +222,7 @@ class Int8Linear(QLinear):
 
 class Int4Linear(QLinear):
     kind = "int4"
-    _mv, _mm, _deq = staticmethod(_mv_int4), staticmethod(_mm_int4), staticmethod(_deq_int4)
+    _mv, _deq = staticmethod(_mv_int4), staticmethod(_deq_int4)
 
     def __init__(self, c: QCodes) -> None:
         n, k = c.shape
@@ -244,15 +238,15 @@ class Int4Linear(QLinear):
         q = torch.stack([packed & 15, packed >> 4], -1).view(packed.shape[0], -1)[:, : self.shape[1]]
         return QCodes("int4", q, s, mn).dequantize()
 
-    def _kernel(self, x, out, rows=False):
+    def _kernel(self, x, out):
         if x.shape[1] % 2:  # the kernel reads inputs in pairs: give the padding code a zero input
             x = np.pad(x, ((0, 0), (0, 1)))
-        super()._kernel(x, out, rows)
+        super()._kernel(x, out)
 
 
 class BF16Linear(QLinear):
     kind = "bf16"
-    _mv, _mm, _deq = staticmethod(_mv_bf16), staticmethod(_mm_bf16), staticmethod(_deq_bf16)
+    _mv, _deq = staticmethod(_mv_bf16), staticmethod(_deq_bf16)
 
     def __init__(self, w: torch.Tensor) -> None:
         super().__init__(*w.shape, [w.to(torch.bfloat16).view(torch.int16)])
