@@ -135,6 +135,23 @@ def lab_plan(
     plan.main(config_from(plan.PlanConfig, locals()), json_out)
 
 
+@lab_app.command("doctor")
+def lab_doctor(
+    model: str = opt.MODEL,
+    corpus: str | None = opt.CORPUS,
+    ctx: int = Option(512, min=4, help="Window of corpus tokens the statistics come from."),
+    kld_budget: float = Option(
+        0.002, help="KLD budget of the recommended recipe.", callback=cb.finite_option(above=0.0)
+    ),
+    json_out: bool = opt.JSON,
+    report: str | None = opt.REPORT,
+) -> None:
+    """K/V outlier channels, key offsets, attention sinks, layout risks, each with its measured cost."""
+    from .lab import doctor
+
+    doctor.main(config_from(doctor.DoctorConfig, locals()), json_out, report)
+
+
 @lab_app.command("needle")
 def lab_needle(
     model: str = opt.MODEL,
