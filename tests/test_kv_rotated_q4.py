@@ -90,18 +90,21 @@ def test_rotated_kinds_refuse_a_head_dim_that_is_not_a_power_of_two(kind):
 
 
 def test_pack_unpack_is_exact_for_every_code_pair():
-    codes = torch.tensor([[a, b] for a in range(-8, 8) for b in range(-8, 8)], dtype=torch.int8).reshape(
-        1, -1
-    )
+    pairs = torch.tensor([[a, b] for a in range(-8, 8) for b in range(-8, 8)], dtype=torch.int8)  # [256, 2]
+    # put each pair at (i, i + 16) of a block: the two codes that share a byte
+    codes = torch.zeros(16, 32, dtype=torch.int8)
+    codes[:, :16] = pairs[:, 0].reshape(16, 16)
+    codes[:, 16:] = pairs[:, 1].reshape(16, 16)
+    codes = codes.reshape(1, -1)  # 16 blocks, every (low, high) pair once
     packed = pack_q4(codes)
     assert packed.dtype == torch.uint8 and packed.shape == (1, 256)
     assert torch.equal(unpack_q4(packed), codes)
-    # the documented layout: element 2i in the low nibble, 2i+1 in the high one, as code + 8
-    raw = packed.numpy().astype(np.int32)
-    assert np.array_equal((raw & 15) - 8, codes[:, 0::2].numpy())
-    assert np.array_equal((raw >> 4) - 8, codes[:, 1::2].numpy())
+    # the documented layout (llama.cpp q4_0): byte i of a block = element i (low) and i + 16 (high)
+    raw = packed.numpy().astype(np.int32).reshape(16, 16)
+    assert np.array_equal((raw & 15) - 8, pairs[:, 0].reshape(16, 16).numpy())
+    assert np.array_equal((raw >> 4) - 8, pairs[:, 1].reshape(16, 16).numpy())
     with pytest.raises(ValueError, match="-8..7"):
-        pack_q4(torch.tensor([[8, 0]], dtype=torch.int8))
+        pack_q4(torch.full((1, 32), 8, dtype=torch.int8))
 
 
 def q4_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -163,7 +166,8 @@ def store_values(store: RowStore, length: int) -> torch.Tensor:
     """What attention must see, float64, decoded independently (4-bit: numpy nibbles and fp16 scales)."""
     if store.kind.int4:
         raw = store.data[:, :length].numpy().astype(np.int64)
-        codes = np.stack(((raw & 15) - 8, (raw >> 4) - 8), axis=-1).reshape(*raw.shape[:2], -1)
+        raw = raw.reshape(*raw.shape[:2], -1, 16)  # per block of 32: 16 bytes, low nibbles first
+        codes = np.concatenate(((raw & 15) - 8, (raw >> 4) - 8), axis=-1).reshape(*raw.shape[:2], -1)
         scale = store.scale[:, :length].numpy().astype(np.float64).repeat(32, axis=-1)
         return torch.from_numpy(codes * scale)
     if store.kind.int8:

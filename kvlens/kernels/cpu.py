@@ -63,30 +63,29 @@ _F16_MAGIC = np.float32(2.0**112)  # (h & 0x7fff) << 13 read as f32, times 2^112
 
 
 @njit(fastmath=_FM, cache=True)
-def _f16_bits_to_f32(bits, n, dst_u, dst_f):  # pragma: no cover - compiled
-    """dst_f[:n] = the fp16 values whose bits are ``bits[:n]`` (exact; finite values)."""
-    for b in range(n):
-        dst_u[b] = (np.uint32(bits[b]) & np.uint32(0x7FFF)) << np.uint32(13)
-    for b in range(n):
-        dst_f[b] *= _F16_MAGIC
-    for b in range(n):
-        dst_u[b] |= (np.uint32(bits[b]) & np.uint32(0x8000)) << np.uint32(16)
-
-
-@njit(fastmath=_FM, cache=True)
 def _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f):  # pragma: no cover - compiled
-    """4-bit rows: byte i holds elements 2i (low nibble) and 2i+1 (high), each as code + 8; the
-    row's fp16 block scales ``bsc[h, t, :]`` multiply the codes as they are unpacked."""
+    """4-bit rows (llama.cpp's q4_0 layout, :func:`kvlens.kv.quant.pack_q4`): in each block of 32,
+    byte i holds element i (low nibble) and i + 16 (high), each as code + 8. The tile's fp16 block
+    scales are converted first (the bit conversion of f16 rows, inline: no array slices per row),
+    then each block is written as two contiguous runs of 16 (vectorized)."""
     nb = bsc.shape[2]
     half = Q4B // 2
     for j in range(nt):
-        _f16_bits_to_f32(bsc[h, t0 + j], nb, bs_u, bs_f)
         for b in range(nb):
-            sb = bs_f[b]
-            for i in range(b * half, (b + 1) * half):
-                byte = np.int32(raw[h, t0 + j, i])
-                dst_f[j, 2 * i] = np.float32((byte & 15) - 8) * sb
-                dst_f[j, 2 * i + 1] = np.float32((byte >> 4) - 8) * sb
+            bs_u[j * nb + b] = (np.uint32(bsc[h, t0 + j, b]) & np.uint32(0x7FFF)) << np.uint32(13)
+    for k in range(nt * nb):
+        bs_f[k] *= _F16_MAGIC
+    for j in range(nt):
+        for b in range(nb):
+            bs_u[j * nb + b] |= (np.uint32(bsc[h, t0 + j, b]) & np.uint32(0x8000)) << np.uint32(16)
+    for j in range(nt):
+        for b in range(nb):
+            sb = bs_f[j * nb + b]
+            o, r0 = b * Q4B, b * half
+            for i in range(half):
+                dst_f[j, o + i] = np.float32(np.int32(raw[h, t0 + j, r0 + i] & np.uint8(15)) - 8) * sb
+            for i in range(half):
+                dst_f[j, o + half + i] = np.float32(np.int32(raw[h, t0 + j, r0 + i] >> np.uint8(4)) - 8) * sb
 
 
 @njit(fastmath=_FM, cache=True)
@@ -308,7 +307,7 @@ def _decode_core(
         e_u = np.empty(TILE, np.uint32)
         e_f = e_u.view(np.float32)
         prod = np.empty(hd, np.int32)
-        bs_u = np.empty(hd // Q4B + 1, np.uint32)  # one 4-bit row's block scales as f32
+        bs_u = np.empty(TILE * (hd // Q4B) + 1, np.uint32)  # a 4-bit tile's block scales as f32
         bs_f = bs_u.view(np.float32)
         for ti in range(i_lo, i_hi):
             t_log = ti if dense else tiles[h, ti]

@@ -69,6 +69,9 @@ def _kernels():
         d = tl.arange(0, D_PAD)
         gmask = g < GROUP
         dmask = d < HD
+        # 4-bit rows (pack_q4's layout): element d is in byte 16*(d//32) + d%16, high nibble if d%32 >= 16
+        byte_of = (d // 32) * 16 + d % 16
+        shift_of = ((d % 32) // 16 * 4).to(tl.uint8)
         # All query heads of the group, pre-scaled by log2(e)/sqrt(hd): the softmax runs in base 2.
         q = tl.load(
             Q + (h * GROUP + g)[:, None] * HD + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0
@@ -106,9 +109,9 @@ def _kernels():
             kmask = nmask[None, :] & dmask[:, None]
             if K_Q4:  # [D, N]: code pairs and fp16 block scales, unpacked in registers
                 kb = tl.load(
-                    K + h * stride_kh + r[None, :] * stride_kt + (d // 2)[:, None], mask=kmask, other=8
+                    K + h * stride_kh + r[None, :] * stride_kt + byte_of[:, None], mask=kmask, other=8
                 )
-                kc = ((kb >> ((d % 2) * 4).to(tl.uint8)[:, None]) & 15).to(tl.float32) - 8.0
+                kc = ((kb >> shift_of[:, None]) & 15).to(tl.float32) - 8.0
                 kd = tl.load(
                     KS + h * stride_ksh + r[None, :] * stride_kst + (d // 32)[:, None], mask=kmask, other=0.0
                 )
@@ -130,9 +133,9 @@ def _kernels():
             vmask = nmask[:, None] & dmask[None, :]
             if V_Q4:  # [N, D]
                 vb = tl.load(
-                    V + h * stride_vh + r[:, None] * stride_vt + (d // 2)[None, :], mask=vmask, other=8
+                    V + h * stride_vh + r[:, None] * stride_vt + byte_of[None, :], mask=vmask, other=8
                 )
-                vc = ((vb >> ((d % 2) * 4).to(tl.uint8)[None, :]) & 15).to(tl.float32) - 8.0
+                vc = ((vb >> shift_of[None, :]) & 15).to(tl.float32) - 8.0
                 vd = tl.load(
                     VS + h * stride_vsh + r[:, None] * stride_vst + (d // 32)[None, :], mask=vmask, other=0.0
                 )

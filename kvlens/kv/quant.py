@@ -122,23 +122,27 @@ def quantize_q4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_q4(codes: torch.Tensor) -> torch.Tensor:
-    """Two codes per byte: element ``2j`` in the low nibble, ``2j+1`` in the high one, each as
-    ``code + 8`` (0..15). ``codes int8 [..., d]`` -> ``uint8 [..., d/2]``."""
+    """Two codes per byte, llama.cpp's q4_0 layout: in each block of 32 values, byte ``i`` (0..15)
+    holds element ``i`` in its low nibble and element ``i + 16`` in its high one, each as
+    ``code + 8`` (0..15), so unpacking writes two contiguous runs of 16 (vector stores).
+    ``codes int8 [..., d]`` (d a multiple of 32) -> ``uint8 [..., d/2]``."""
     check_tensor(codes, "codes", dtypes=(torch.int8,), min_dim=1)
-    if codes.shape[-1] % 2:
-        raise ValueError(f"pack_q4 needs an even last dimension, got {codes.shape[-1]}")
+    if codes.shape[-1] % Q4_BLOCK:
+        raise ValueError(f"pack_q4 needs a last dimension divisible by {Q4_BLOCK}, got {codes.shape[-1]}")
     if bool(((codes < -8) | (codes > 7)).any()):
         raise ValueError("4-bit codes must lie in -8..7")
-    u = (codes.to(torch.int16) + 8).to(torch.uint8)
-    return u[..., 0::2] | (u[..., 1::2] << 4)
+    u = (codes.to(torch.int16) + 8).to(torch.uint8).reshape(*codes.shape[:-1], -1, Q4_BLOCK)
+    half = Q4_BLOCK // 2
+    return (u[..., :half] | (u[..., half:] << 4)).reshape(*codes.shape[:-1], codes.shape[-1] // 2)
 
 
 def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_q4`: ``uint8 [..., d/2]`` -> codes ``int8 [..., d]``."""
     check_tensor(packed, "packed", dtypes=(torch.uint8,), min_dim=1)
-    lo = (packed & 15).to(torch.int8) - 8
-    hi = (packed >> 4).to(torch.int8) - 8
-    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    blocks = packed.reshape(*packed.shape[:-1], -1, Q4_BLOCK // 2)
+    lo = (blocks & 15).to(torch.int8) - 8
+    hi = (blocks >> 4).to(torch.int8) - 8
+    return torch.cat((lo, hi), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def dequantize_q4(
