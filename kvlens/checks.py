@@ -23,12 +23,7 @@ def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | 
     """An integer (not a bool, not a float) in ``[minimum, maximum]``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {_kind(value)} {value!r}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be ≥ {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be ≤ {maximum}, got {value}")
-    return value
+    return _in_range(int(value), name, minimum, maximum)
 
 
 def check_float(
@@ -44,10 +39,14 @@ def check_float(
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be ≥ {minimum:g}, got {value:g}")
     if above is not None and value <= above:
         raise ValueError(f"{name} must be > {above:g}, got {value:g}")
+    return _in_range(value, name, minimum, maximum)
+
+
+def _in_range(value: Any, name: str, minimum: Any, maximum: Any) -> Any:
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be ≥ {minimum:g}, got {value:g}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be ≤ {maximum:g}, got {value:g}")
     return value

@@ -4,6 +4,9 @@ config dataclass filled from the options of the same names (numbers: :mod:`kvlen
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from typer import Option
@@ -56,3 +59,42 @@ REPORT = Option(None, help="Write Markdown + PNG plots here.", callback=cb.outpu
 SPARSE = Option(None, help="Sparse decode for the test modes: quest or probe (default: dense).")
 BUDGET = Option(0.25, help="Sparse budget: tokens, or a context fraction (< 1).", callback=cb.budget_option)
 DENSE = Option(2, min=0, help="First layers kept dense under --sparse.")
+
+
+# The options of every command that compares KV modes against a base (lab ppl, greedy; lab.common's
+# CompareConfig): declared once here and appended to each such command by :func:`compare_options`.
+COMPARE_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "model": (str, MODEL),
+    "corpus": (str | None, CORPUS),
+    "kv": (str, KV),
+    "base": (str, BASE),
+    "weights": (str, WEIGHTS),
+    "prefill_chunk": (int, PREFILL),
+    "keep_sink": (int, SINK),
+    "keep_recent": (int, RECENT),
+    "json_out": (bool, JSON),
+    "report": (str | None, REPORT),
+    "sparse": (str | None, SPARSE),
+    "sparse_budget": (float, BUDGET),
+    "sparse_dense_layers": (int, DENSE),
+}
+
+
+def compare_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Append :data:`COMPARE_OPTIONS` to a command's own options; the command takes them as
+    ``**shared``. typer reads the parameters from ``__signature__`` and the types from
+    ``__annotations__``, so both are extended."""
+    sig = inspect.signature(command, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    shared = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
+        for name, (kind, option) in COMPARE_OPTIONS.items()
+    ]
+
+    @functools.wraps(command)
+    def run(**options: Any) -> None:
+        command(**options)
+
+    run.__signature__ = sig.replace(parameters=own + shared)
+    run.__annotations__ = {p.name: p.annotation for p in own + shared} | {"return": None}
+    return run

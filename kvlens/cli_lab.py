@@ -44,55 +44,39 @@ def lab_unit(
 
 # == lab ppl / greedy / layers (kvlens.lab.ppl_report, .greedy, .layers) ==
 @lab_app.command("ppl")
+@opt.compare_options
 def lab_ppl(
-    model: str = opt.MODEL,
-    corpus: str | None = opt.CORPUS,
     ctx: int = Option(512, min=4, help="Tokens per chunk; the second half of each is scored."),
-    kv: str = opt.KV,
-    base: str = opt.BASE,
-    weights: str = opt.WEIGHTS,
     chunks: int | None = Option(None, min=1, help="Score at most this many chunks."),
-    prefill_chunk: int = opt.PREFILL,
-    keep_sink: int = opt.SINK,
-    keep_recent: int = opt.RECENT,
-    json_out: bool = opt.JSON,
-    report: str | None = opt.REPORT,
-    sparse: str | None = opt.SPARSE,
-    sparse_budget: float = opt.BUDGET,
-    sparse_dense_layers: int = opt.DENSE,
+    **shared,
 ) -> None:
     """Perplexity and llama-perplexity's KL-divergence report, per KV mode, against a baseline."""
     from .lab import ppl, ppl_report
 
-    sparse_cfg = sparse_policy(sparse, sparse_budget, sparse_dense_layers, 0)
-    ppl_report.main(config_from(ppl.PplConfig, locals(), sparse=sparse_cfg), json_out, report)
+    cfg = compare_config(ppl.PplConfig, shared, ctx=ctx, chunks=chunks)
+    ppl_report.main(cfg, shared["json_out"], shared["report"])
 
 
 @lab_app.command("greedy")
+@opt.compare_options
 def lab_greedy(
-    model: str = opt.MODEL,
-    corpus: str | None = opt.CORPUS,
     ctx: int = Option(64, min=2, help="Prompt length in tokens."),
-    kv: str = opt.KV,
-    base: str = opt.BASE,
-    weights: str = opt.WEIGHTS,
     prompts: int = Option(16, "--prompts", "--chunks", min=1, help="Prompts cut from the corpus."),
     tokens: int = Option(32, min=1, help="Greedy tokens per prompt."),
-    prefill_chunk: int = opt.PREFILL,
-    keep_sink: int = opt.SINK,
-    keep_recent: int = opt.RECENT,
     show: int = Option(3, min=0, help="Diverging continuations shown per mode."),
-    json_out: bool = opt.JSON,
-    report: str | None = opt.REPORT,
-    sparse: str | None = opt.SPARSE,
-    sparse_budget: float = opt.BUDGET,
-    sparse_dense_layers: int = opt.DENSE,
+    **shared,
 ) -> None:
     """Greedy continuations under the baseline and each KV mode: agreement and first divergence."""
     from .lab import greedy
 
-    sparse_cfg = sparse_policy(sparse, sparse_budget, sparse_dense_layers, 0)
-    greedy.main(config_from(greedy.GreedyConfig, locals(), sparse=sparse_cfg), json_out, report)
+    cfg = compare_config(greedy.GreedyConfig, shared, ctx=ctx, prompts=prompts, tokens=tokens, show=show)
+    greedy.main(cfg, shared["json_out"], shared["report"])
+
+
+def compare_config(cls: type, shared: dict, **own) -> object:
+    """A compare command's config: its own options, the shared ones and their sparse policy."""
+    sparse = sparse_policy(shared["sparse"], shared["sparse_budget"], shared["sparse_dense_layers"], 0)
+    return config_from(cls, shared | own, sparse=sparse)
 
 
 @lab_app.command("layers")

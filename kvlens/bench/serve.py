@@ -238,7 +238,7 @@ def cli(
     import json
 
     from ..kv.modes import KVMode
-    from ..lab.report import print_table
+    from ..report import print_table
     from ..serve.process import ServerProcess
 
     for m in kv:

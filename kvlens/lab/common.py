@@ -13,7 +13,7 @@ import numpy as np
 
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode, split_mode_list
-from ..report import figure, save_figure
+from ..report import figure, label_axes, save_figure
 
 
 def parse_modes(spec: str | Sequence[str | KVMode]) -> list[KVMode]:
@@ -73,10 +73,10 @@ def plot_kld(kld_by_mode: dict[str, np.ndarray], path: Path) -> Path:
     bins = np.linspace(lo, hi + 1e-9, 60)
     for m, v in logs.items():
         ax.hist(v, bins=bins, histtype="step", linewidth=1.5, label=f"{m} (mean {kld_by_mode[m].mean():.2e})")
-    ax.set_xlabel("log10 KLD(base ‖ mode) per scored token (≤ 1e-12 drawn at -12)")
-    ax.set_ylabel("tokens")
-    ax.legend(fontsize=8)
-    ax.set_title("Per-token KL divergence from the base")
+    label_axes(
+        ax, "log10 KLD(base ‖ mode) per scored token (≤ 1e-12 drawn at -12)", "tokens",
+        "Per-token KL divergence from the base",
+    )  # fmt: skip
     return save_figure(fig, path)
 
 
@@ -84,10 +84,7 @@ def plot_layers(err_by_mode: dict[str, np.ndarray], path: Path) -> Path:
     """Per-layer relative attention-output error (one line per mode, worst KV head dotted), log y."""
     plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (
-        m,
-        e,
-    ) in err_by_mode.items():  # e: [layers, kv_heads]; all heads 0 (exact mode) cannot be drawn on log y
+    for m, e in err_by_mode.items():  # e: [layers, kv_heads]; all 0 (exact mode) cannot be drawn on log y
         if not np.any(e > 0):
             continue
         (line,) = ax.plot(
@@ -95,10 +92,7 @@ def plot_layers(err_by_mode: dict[str, np.ndarray], path: Path) -> Path:
         )
         ax.plot(e.max(axis=1), linestyle=":", color=line.get_color(), linewidth=1)
     ax.set_yscale("log")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("relative attention-output error")
-    ax.set_title("Per-layer error (dotted: worst KV head)")
-    ax.legend(fontsize=8)
+    label_axes(ax, "layer", "relative attention-output error", "Per-layer error (dotted: worst KV head)")
     return save_figure(fig, path)
 
 
@@ -108,10 +102,10 @@ def plot_divergence(first_div: dict[str, list[int]], n_tokens: int, path: Path) 
     fig, ax = plt.subplots(figsize=(7, 4))
     bins = np.arange(n_tokens + 2) - 0.5
     ax.hist(list(first_div.values()), bins=bins, label=list(first_div), histtype="bar")
-    ax.set_xlabel(f"first diverging generated token (index; {n_tokens} = identical)")
-    ax.set_ylabel("prompts")
-    ax.set_title("Greedy: where each mode first leaves the base's continuation")
-    ax.legend(fontsize=8)
+    label_axes(
+        ax, f"first diverging generated token (index; {n_tokens} = identical)", "prompts",
+        "Greedy: where each mode first leaves the base's continuation",
+    )  # fmt: skip
     return save_figure(fig, path)
 
 
@@ -159,6 +153,28 @@ class CompareConfig(LabConfig):
     def same_as_base(self, mode: KVMode) -> bool:
         """A mode equal to the base, with no kept-exact positions, runs the base's own path."""
         return mode == self.base and not self.cache_options.keeps_exact
+
+
+def weights_label(r: Any, m: Any, short: bool = False) -> str:
+    """A row of a compare result's vs-f32-weights table (``r``: ppl's or greedy's result, ``m`` one of
+    its modes): ``weights int8 · KV q8`` (short: ``int8 · q8``)."""
+    label = f"{r.weights} · {m.mode}" if short else f"weights {r.weights} · KV {m.mode}"
+    return label + (" (base)" if m.mode == r.base else "")
+
+
+def vs_f32_json(r: Any, mode_json: Any) -> list[dict[str, Any]]:
+    """A compare result's vs-f32-weights rows as JSON (``mode_json(m)``: one mode's own fields)."""
+    return [
+        {"label": weights_label(r, m), "weights": r.weights, "kv": m.mode.name} | mode_json(m)
+        for m in r.vs_f32_weights
+    ]
+
+
+def kept_exact_line(r: Any) -> list[str]:
+    """The header line naming the kept-exact positions of the test modes (none: no line)."""
+    if not (r.keep_sink or r.keep_recent):
+        return []
+    return [f"kept exact in test modes: first {r.keep_sink} / last {r.keep_recent} positions"]
 
 
 def load_compare(cfg: CompareConfig):

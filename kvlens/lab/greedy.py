@@ -30,7 +30,15 @@ from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode
 from ..report import CommandOutput, md_table, print_table, run_command, write_markdown
-from .common import CompareConfig, load_compare, model_name, plot_divergence
+from .common import (
+    CompareConfig,
+    kept_exact_line,
+    load_compare,
+    model_name,
+    plot_divergence,
+    vs_f32_json,
+    weights_label,
+)
 
 REF_KV = MODES["f32"]  # the reference's KV mode (with f32 weights)
 VS_F32_TITLE = "cost vs f32 weights + f32 KV"
@@ -145,18 +153,8 @@ class GreedyResult:
         d = {k: v for k, v in self.__dict__.items() if k not in skip}
         d["base"] = self.base.name
         d["modes"] = {m.mode.name: m.to_json(self.n_tokens) for m in self.modes}
-        d["vs_f32_weights"] = [
-            {"label": weights_label(self, m), "weights": self.weights, "kv": m.mode.name}
-            | m.to_json(self.n_tokens)
-            for m in self.vs_f32_weights
-        ]
+        d["vs_f32_weights"] = vs_f32_json(self, lambda m: m.to_json(self.n_tokens))
         return d
-
-
-def weights_label(r: GreedyResult, m: GreedyMode, short: bool = False) -> str:
-    """A row of the vs-f32-weights table: ``weights int8 · KV q8`` (short: ``int8 · q8``)."""
-    label = f"{r.weights} · {m.mode}" if short else f"weights {r.weights} · KV {m.mode}"
-    return label + (" (base)" if m.mode == r.base else "")
 
 
 def _continue_all(
@@ -272,8 +270,7 @@ def describe(r: GreedyResult) -> list[str]:
         f"{r.n_tokens} greedy tokens under base {r.base} and each mode; prompt prefilled in sub-chunks "
         f"of {r.prefill_chunk}, then one decode step per token through the mode's cache",
     ]
-    if r.keep_sink or r.keep_recent:
-        lines.append(f"kept exact in test modes: first {r.keep_sink} / last {r.keep_recent} positions")
+    lines += kept_exact_line(r)
     if r.vs_f32_weights:
         lines.append(
             f"weights {r.weights} for the base and every mode (agreement is with the base with the same "

@@ -33,7 +33,7 @@ import torch
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode
-from .common import CompareConfig, model_name
+from .common import CompareConfig, model_name, vs_f32_json
 from .stats import summarize
 
 MIRROR_NOTE = (
@@ -215,17 +215,8 @@ class PplResult:
         d["tokens_scored"] = self.tokens_scored
         d["base_tokens_per_s"] = self.chunks * self.ctx / self.base_seconds if self.base_seconds else None
         d["modes"] = {m.mode.name: m.to_json() for m in self.modes}
-        d["vs_f32_weights"] = [
-            {"label": weights_label(self, m), "weights": self.weights, "kv": m.mode.name} | m.to_json()
-            for m in self.vs_f32_weights
-        ]
+        d["vs_f32_weights"] = vs_f32_json(self, ModeResult.to_json)
         return d
-
-
-def weights_label(r: PplResult, m: ModeResult, short: bool = False) -> str:
-    """A row of the vs-f32-weights table: ``weights int8 · KV q8`` (short: ``int8 · q8``)."""
-    label = f"{r.weights} · {m.mode}" if short else f"weights {r.weights} · KV {m.mode}"
-    return label + (" (base)" if m.mode == r.base else "")
 
 
 def _summarize(acc: dict[str, list[np.ndarray]]) -> tuple[dict[str, float], np.ndarray]:

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..report import CommandOutput, md_table, print_table, run_command, write_markdown
-from .common import load_compare, plot_kld
-from .ppl import MIRROR_NOTE, REF_KV, ModeResult, PplConfig, PplResult, run_ppl, scored_span, weights_label
+from .common import kept_exact_line, load_compare, plot_kld, weights_label
+from .ppl import MIRROR_NOTE, REF_KV, ModeResult, PplConfig, PplResult, run_ppl, scored_span
 from .stats import format_kld_report
 
 HEADERS = ["mode", "KV B/token", "PPL", "ΔPPL", "PPL ratio", "KLD mean", "KLD 99%", "same top p", "tok/s"]
@@ -37,8 +37,7 @@ def describe(r: PplResult) -> list[str]:
         f"test modes: prefill sub-chunk {r.prefill_chunk} tokens; each sub-chunk is written to the mode's "
         "cache, then attends every position up to its own through it (its own rows included)",
     ]
-    if r.keep_sink or r.keep_recent:
-        lines.append(f"kept exact in test modes: first {r.keep_sink} / last {r.keep_recent} positions")
+    lines += kept_exact_line(r)
     if r.vs_f32_weights:
         lines.append(
             f"weights {r.weights} for the base and every mode (KV costs are vs the base with the same "

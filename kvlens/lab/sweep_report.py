@@ -17,9 +17,11 @@ from typing import Any
 import numpy as np
 
 from ..kv.modes import KVMode, StoreKind
-from ..report import figure, md_table, write_markdown
+from ..report import figure, label_axes, md_table, save_figure, write_markdown
 from .store import Store
 from .sweep_spec import cell_label
+
+KLD_LABEL = "KLD(base ‖ mode), mean per token"
 
 ERR_NOTE = (
     "Error bars: ±1 standard error, as llama-perplexity computes it (KLD: over scored tokens; PPL ratio: "
@@ -104,13 +106,13 @@ def plot_frontier(model: str, rows: list[dict[str, Any]], path: Path) -> Path:
     ax_p.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax_p.set_ylabel("PPL(mode) / PPL(base)")
     ax_p.ticklabel_format(axis="y", useOffset=False)
-    ax_k.set_ylabel("KLD(base ‖ mode), mean per token")
+    ax_k.set_ylabel(KLD_LABEL)
     ax_k.set_yscale("log")
     for ax in (ax_p, ax_k):
         ax.set_xlabel("KV cache bytes per token (all layers; series spread ±few % for legibility)")
         ax.legend(fontsize=7)
     fig.suptitle(f"{model}: accuracy vs KV memory (±1 s.e.)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_kld_vs_ctx(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -130,11 +132,11 @@ def plot_kld_vs_ctx(rows: list[dict[str, Any]], path: Path) -> Path:
     ax.set_xticks(ctxs, [str(c) for c in ctxs])
     ax.minorticks_off()
     ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens per chunk; the second half is scored)")
-    ax.set_ylabel("KLD(base ‖ mode), mean per token")
-    ax.legend(fontsize=7)
-    ax.set_title("KL divergence vs context length (±1 s.e.)")
-    return _save(fig, path)
+    label_axes(
+        ax, "context length (tokens per chunk; the second half is scored)", KLD_LABEL,
+        "KL divergence vs context length (±1 s.e.)", legend=7,
+    )  # fmt: skip
+    return save_figure(fig, path)
 
 
 def side(kv: str) -> str | None:
@@ -160,17 +162,8 @@ def plot_k_vs_v(rows: list[dict[str, Any]], path: Path) -> Path:
         ax.bar(np.arange(len(groups)) + i * width, y, width, yerr=e, capsize=3, label=f"{m} ({side(m)})")
     ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2, [f"{a}\n{b}" for a, b in groups], fontsize=7)
     ax.set_yscale("log")
-    ax.set_ylabel("KLD(base ‖ mode), mean per token")
-    ax.set_title("Quantizing K only vs V only (±1 s.e.)")
-    ax.legend(fontsize=7)
-    return _save(fig, path)
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    figure().close(fig)
-    return path
+    label_axes(ax, None, KLD_LABEL, "Quantizing K only vs V only (±1 s.e.)", legend=7)
+    return save_figure(fig, path)
 
 
 # -- Markdown ----------------------------------------------------------------------------------------

@@ -93,6 +93,20 @@ def figure():
     return plt
 
 
+def label_axes(
+    ax: Any, xlabel: str | None = None, ylabel: str | None = None, title: str | None = None, legend: int = 8
+) -> None:
+    """Axis labels, title and a legend of the given font size (0: none), as every lab plot has them."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    if title is not None:
+        ax.set_title(title)
+    if legend:
+        ax.legend(fontsize=legend)
+
+
 def save_figure(fig: Any, path: str | Path, dpi: int = 110) -> Path:
     """Lay out, write and close ``fig``."""
     fig.tight_layout()
