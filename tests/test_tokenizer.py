@@ -248,8 +248,8 @@ def test_tiny_special_and_user_tokens() -> None:
 
 
 def test_unsupported_model_and_pre() -> None:
-    with pytest.raises(TokenizerError, match="unsupported tokenizer model 'llama'"):
-        Tokenizer.from_gguf_metadata(_tiny_meta("gpt2", **{"tokenizer.ggml.model": "llama"}))
+    with pytest.raises(TokenizerError, match="unsupported tokenizer model 't5'"):
+        Tokenizer.from_gguf_metadata(_tiny_meta("gpt2", **{"tokenizer.ggml.model": "t5"}))
     with pytest.raises(TokenizerError, match="made-up-pre"):
         Tokenizer.from_gguf_metadata(_tiny_meta("made-up-pre"))
     with pytest.raises(TokenizerError, match="tokenizer.json"):

@@ -118,6 +118,29 @@ _GGUF_LAYER = {
 }
 
 
+def gguf_header(path: Path, arch: str, cfg, head_dim: int, rope_theta: float) -> gguf.GGUFWriter:
+    """A GGUF writer holding the shape keys of the HF config ``cfg``."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return w
+
+
+def write_out(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter permutation of q/k rows (HF halves → interleaved pairs)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -129,21 +152,8 @@ def write_gguf(
     cfg = model.config
     gguf_arch = "llama" if arch == "mistral" else arch
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), gguf_arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(
-        cfg.rope_parameters["rope_theta"]
-        if hasattr(cfg, "rope_parameters") and cfg.rope_parameters
-        else cfg.rope_theta
-    )
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
+    w = gguf_header(path, gguf_arch, cfg, head_dim, theta)
     w.add_vocab_size(cfg.vocab_size)
     tokens, merges = _byte_tokens()
     w.add_tokenizer_model("gpt2")
@@ -177,10 +187,7 @@ def write_gguf(
     inv = _llama3_freq_factors(model) if arch == "llama" else None
     if inv is not None:
         w.add_tensor("rope_freqs.weight", inv)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return path
 
 
@@ -192,3 +199,87 @@ def _llama3_freq_factors(model) -> np.ndarray:
     base = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaled = model.model.rotary_emb.inv_freq.float()
     return (base / scaled).numpy().astype(np.float32)
+
+
+# ---------------------------------------------------------------- Gemma-3 (GGUF only)
+SPM_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+# "th" ranks last: merged first (worst-first order), "▁the" would never form
+SPM_PIECES = ["▁", "t", "h", "e", "a", "n", "▁t", "he", "▁the", "▁a", "an", "▁an", "in", "▁in", "th"]
+_GEMMA3_LAYER = {
+    **_GGUF_LAYER,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def gemma3_config(
+    head_dim: int = 256, sliding_window: int = 4, n_layers: int = 6, query_pre_attn_scalar=None
+):
+    """Gemma-3 as llama.cpp describes it (5 windowed layers, then a global one; local RoPE base 1e4,
+    global 1e6; attention scaled by 1/sqrt(head_dim)), tiny; one KV head."""
+    import transformers as tf
+
+    return tf.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, query_pre_attn_scalar=query_pre_attn_scalar or head_dim,
+        sliding_window=sliding_window, max_position_embeddings=256, rms_norm_eps=1e-6,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def spm_tokens() -> tuple[list[str], list[float], list[int]]:
+    """A sentencepiece-style vocabulary: control tokens, byte fallbacks, scored pieces, a user token."""
+    # as in Gemma's file, the user-defined run of spaces comes before the byte tokens and the pieces
+    tokens = SPM_SPECIALS + ["  "] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    types = [3] * 4 + [4] + [6] * 256 + [1] * len(SPM_PIECES)
+    scores = [-1000.0] * 261 + [-float(i) for i in range(len(SPM_PIECES))]
+    pad = VOCAB - len(tokens)
+    return tokens + [f"<unused{i}>" for i in range(pad)], scores + [-1000.0] * pad, types + [3] * pad
+
+
+def write_gemma3(path: Path, seed: int = 0, skip: tuple[str, ...] = (), meta: dict | None = None, **config):
+    """A random Gemma-3 (HF model, the reference) and its GGUF as llama.cpp's converter writes it
+    (norms stored as 1 + w, no output.weight); returns ``(hf_model, path)``. ``skip``: GGUF tensor
+    names left out; ``meta``: extra float metadata (to write damaged files)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForCausalLM(gemma3_config(**config)).float().eval()
+    with torch.no_grad():  # Gemma norms multiply by 1 + w: random w so every norm matters
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    cfg = model.config
+    w = gguf_header(path, "gemma3", cfg, cfg.head_dim, 1e6)
+    w.add_sliding_window(cfg.sliding_window)
+    tokens, scores, types = spm_tokens()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    for key, value in (meta or {}).items():
+        w.add_float32(key, value)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        a = t.detach().float().numpy() + (1.0 if "norm" in name else 0.0)
+        if name in ("model.embed_tokens.weight", "model.norm.weight"):
+            gname = {"model.embed_tokens.weight": "token_embd.weight"}.get(name, "output_norm.weight")
+        else:
+            i, rest = name.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{i}.{_GEMMA3_LAYER[rest]}"
+        if gname not in skip:
+            w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float32))
+    write_out(w)
+    return model, path

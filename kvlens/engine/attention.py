@@ -11,6 +11,8 @@ Backends:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..kernels.reference import blocks_to_mask, sdpa_attention
@@ -85,18 +87,21 @@ def make_attend(
     cache: KVCache | PagedKV,
     prefill: bool,
     backend: str = "torch",
-    window: int | None = None,
+    window: int | Sequence[int | None] | None = None,
     sparse: SparseConfig | None = None,
     profiler: Profiler | None = None,
 ) -> AttendFn:
     """An ``attend`` callback for one forward pass (``prefill`` says which phase the mirror mode sees).
+
+    ``window``: every layer's attention window, or one per layer (``ModelConfig.layer_windows``).
 
     With ``sparse`` (decode steps only; the cache must track blocks), layers past the dense ones attend
     only the selected blocks: the fused kernels read just those blocks, the torch path masks the rest.
     """
     kernel = _fused_kernel(backend)
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
-    use_kernel = kernel is not None and not cache.options.keeps_exact and window is None
+    use_kernel = kernel is not None and not cache.options.keeps_exact
+    windows = window if isinstance(window, Sequence) else None
     if sparse is not None and cache.bounds is None:
         raise ValueError("sparse decode needs a cache created with track_blocks=True")
     paged = isinstance(cache, PagedKV)  # the kernels then read through its block table
@@ -117,10 +122,12 @@ def make_attend(
         timed(profiler, "kv_write", cache.write, layer, start, k, v)
         end = start + n
         decode = n == 1 and not prefill
+        win = window if windows is None else windows[layer]
+        win = None if win is not None and end <= win else win  # the window holds every position yet
         blocks = None
         if decode and sparse is not None and sparse.applies(layer, end):
             blocks = select_blocks(q[:, 0], cache, layer, end, sparse)
-        if use_kernel and decode:
+        if use_kernel and decode and win is None:
             table = cache.table if paged else None
             return kernel(q[:, 0], cache.k[layer], cache.v[layer], end, blocks=blocks, table=table).unsqueeze(
                 1
@@ -128,6 +135,6 @@ def make_attend(
         k_all, v_all = cache.read(layer, end, prefill=prefill)
         q_pos = torch.arange(start, end, device=q.device)
         kv_mask = None if blocks is None else blocks_to_mask(blocks, end, BLOCK)
-        return sdpa_attention(q, k_all, v_all, q_pos, window, kv_mask)
+        return sdpa_attention(q, k_all, v_all, q_pos, win, kv_mask)
 
     return attend

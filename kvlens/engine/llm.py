@@ -93,7 +93,7 @@ class LLM:
             cache,
             prefill,
             backend or self.attn_backend,
-            self.config.sliding_window,
+            self.config.layer_windows,
             sparse,
             self.model.profiler,
         )
@@ -301,7 +301,7 @@ class LLM:
             check_int(i, "layer", minimum=0, maximum=n_layers - 1)
         self.check_fits(len(ids))
         cache = self.new_cache(len(ids), MODES["f32"], CacheOptions())
-        inner = make_attend(cache, True, "torch", self.config.sliding_window)
+        inner = make_attend(cache, True, "torch", self.config.layer_windows)
         captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -323,7 +323,7 @@ def load(
     weights: str | None = None,
     sparse: SparseConfig | None = None,
 ) -> LLM:
-    """Load a model (``"smollm2"``, a .gguf file or an HF directory) with a KV-cache mode.
+    """Load a model (``"smollm2"``, ``"gemma3-270m"``, a .gguf file or an HF directory) with a KV-cache mode.
 
     ``weights``: f32, bf16, int8 or int4 (kept quantized); None/"auto" = closest to the file's
     own precision for a GGUF (SmolLM2 Q4_1: int4 layers, int8 embedding/head), f32 otherwise.

@@ -36,7 +36,7 @@ class ModelRunner:
         """One decode step for a batch: token ``tokens[b]`` at ``positions[b]`` of sequence ``kvs[b]``.
         Returns logits ``[B, vocab]``."""
         llm = self.llm
-        attends = [make_attend(kv, False, llm.attn_backend, llm.config.sliding_window) for kv in kvs]
+        attends = [make_attend(kv, False, llm.attn_backend, llm.config.layer_windows) for kv in kvs]
         ids = torch.as_tensor(tokens, dtype=torch.long, device=llm.device)
         hidden = llm.model.decode_rows(ids, positions, attends)
         return llm.model.logits_rows(hidden)

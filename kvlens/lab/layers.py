@@ -173,7 +173,7 @@ def run_layers(
         for layer, (q, k, v) in enumerate(qkv):
             q64 = q.double()
             ref, w = reference_attention(
-                q64, k.double(), v.double(), pos, model.sliding_window, return_weights=True
+                q64, k.double(), v.double(), pos, model.layer_windows[layer], return_weights=True
             )
             den[layer] += ref.pow(2).view(n_kv, group, n, -1).sum(dim=(1, 2, 3)).cpu().numpy()
             k_ratio[layer] += channel_ratio(k).cpu().numpy() / len(windows)
@@ -183,7 +183,9 @@ def run_layers(
             count += ref.numel()
             for m in modes:
                 kq, vq = stored[m][layer]
-                diff = reference_attention(q64, kq.double(), vq.double(), pos, model.sliding_window) - ref
+                diff = (
+                    reference_attention(q64, kq.double(), vq.double(), pos, model.layer_windows[layer]) - ref
+                )
                 num[m][layer] += diff.pow(2).view(n_kv, group, n, -1).sum(dim=(1, 2, 3)).cpu().numpy()
                 max_abs[m] = max(max_abs[m], float(diff.abs().max()))
                 sum_abs[m] += float(diff.abs().sum())

@@ -5,7 +5,7 @@ is one **cell**, and a cell is one run of the lab's own code (``run_ppl``, ``run
 ``run_layers``, ``run_needle``) with that single KV mode. Example (``docs/sweep/smollm2.toml``)::
 
     [sweep]
-    models = ["smollm2"]                 # 'smollm2', a .gguf file or an HF directory
+    models = ["smollm2"]                 # 'smollm2', 'gemma3-270m', a .gguf file or an HF directory
     kv = ["f16", "q8", "q8-k", "q8-v"]   # KV modes (each against the measurement's base)
     weights = ["f32"]                    # f32, bf16, int8, int4, auto
     corpora = ["britannica", "hamlet_gut"]   # `kvlens corpus list` names or UTF-8 files
@@ -183,9 +183,9 @@ def _ctx(where: str, n: int) -> int:
 
 def _model(root: Path) -> Callable[[str, str], str]:
     def check(where: str, name: str) -> str:
-        from ..models.loader import DEFAULT_MODEL, resolve_model
+        from ..models.loader import PACKAGED_MODELS, resolve_model
 
-        if name == DEFAULT_MODEL:
+        if name in PACKAGED_MODELS:
             try:
                 resolve_model(name)
             except ValueError as e:

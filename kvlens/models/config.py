@@ -25,7 +25,9 @@ ARCHITECTURES = {
     "mistral": {"qkv_bias": False, "qk_norm": False},
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
+    "gemma3": {"qkv_bias": False, "qk_norm": True},  # GGUF only (its norms stored as 1 + w)
 }
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation of the gate
 # RoPE scaling kinds the transformer implements, with the numbers each one needs.
 ROPE_SCALING = {
     "default": (),
@@ -79,6 +81,14 @@ class ModelConfig:
         None  # HF-style dict, e.g. {"rope_type": "llama3", "factor": 8, ...}
     )
     sliding_window: int | None = None
+    # Gemma-3: every sliding_pattern-th layer is global, the others windowed (None: all windowed),
+    # windowed layers rotate with rope_local_theta (None: rope_theta).
+    sliding_pattern: int | None = None
+    rope_local_theta: float | None = None
+    hidden_act: str = "silu"
+    embed_scale: float = 1.0  # Gemma multiplies the embedding rows by sqrt(hidden)
+    sandwich_norms: bool = False  # Gemma: post-attention and post-MLP norms before each residual add
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: head_dim
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     # field -> the key it was read from (config.json / GGUF), so errors name what the user can see
@@ -105,6 +115,14 @@ class ModelConfig:
         self.rms_eps = positive(self.rms_eps, self._label("rms_eps"))
         if self.sliding_window is not None:
             count(self.sliding_window, self._label("sliding_window"))
+        if self.sliding_pattern is not None:
+            count(self.sliding_pattern, self._label("sliding_pattern"))
+        for name in ("rope_local_theta", "query_pre_attn_scalar"):
+            if getattr(self, name) is not None:
+                setattr(self, name, positive(getattr(self, name), self._label(name)))
+        self.embed_scale = positive(self.embed_scale, "embed_scale")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not one of {', '.join(ACTIVATIONS)}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"{self._label('n_heads')}={self.n_heads} is not a multiple of "
@@ -129,6 +147,26 @@ class ModelConfig:
             positive(s.get(key), f"rope_scaling.{key}")
         if kind == "llama3" and not s["high_freq_factor"] > s["low_freq_factor"]:
             raise ValueError("rope_scaling.high_freq_factor must be > low_freq_factor")
+
+    def is_windowed(self, layer: int) -> bool:
+        """Whether ``layer`` attends only its last ``sliding_window`` positions."""
+        if self.sliding_window is None:
+            return False
+        return self.sliding_pattern is None or (layer + 1) % self.sliding_pattern != 0
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: full causal attention)."""
+        return tuple(self.sliding_window if self.is_windowed(i) else None for i in range(self.n_layers))
+
+    def layer_rope_theta(self, layer: int) -> float:
+        local = self.rope_local_theta is not None and self.is_windowed(layer)
+        return self.rope_local_theta if local else self.rope_theta
+
+    @property
+    def attn_scale(self) -> float:
+        """The softmax scale of attention scores (the kernels use 1/sqrt(head_dim); q absorbs the rest)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def group(self) -> int:
@@ -168,6 +206,10 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{where} must hold a JSON object, got {type(cfg).__name__}")
     arch = cfg.get("model_type", "")
+    if arch.startswith("gemma"):
+        raise ModelLoadError(
+            f"{where}: model_type {arch!r} loads from its GGUF file only in kvlens (give the .gguf)"
+        )
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported model_type {arch!r} in {where}; kvlens implements: {', '.join(ARCHITECTURES)}"

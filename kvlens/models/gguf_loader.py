@@ -48,6 +48,12 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma-3's sandwich norms: its ffn_norm is the MLP's pre-norm, post_attention_norm the attention's post-norm.
+_GEMMA3_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -56,22 +62,28 @@ _GLOBAL_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
+def _layer_names(arch: str) -> dict[str, str]:
+    return {**_LAYER_NAMES, **_GEMMA3_NAMES} if arch == "gemma3" else _LAYER_NAMES
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor of architecture ``arch``, or None for a tensor kvlens does not know."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    names = _layer_names(arch)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, arch: str = "llama") -> str:
     """The GGUF spelling of an HF tensor name (inverse of :func:`hf_name`); unknown names unchanged."""
     for g, h in _GLOBAL_NAMES.items():
         if h == name:
             return g
     parts = name.removeprefix("model.layers.").split(".", 1)
-    for g, h in _LAYER_NAMES.items():
+    for g, h in _layer_names(arch).items():
         if len(parts) == 2 and parts[1] == h:
             return f"blk.{parts[0]}.{g}"
     return name
@@ -81,8 +93,8 @@ def check_gguf_structure(reader: Any, cfg: ModelConfig) -> None:
     """Every tensor the header implies is in the file with its shape, and every tensor in it is used."""
     found: dict[str, tuple[int, ...]] = {}
     for t in reader.tensors:
-        found[hf_name(t.name) or t.name] = tuple(int(n) for n in reversed(t.shape.tolist()))
-    check_structure(cfg, found, gguf_name)
+        found[hf_name(t.name, cfg.arch) or t.name] = tuple(int(n) for n in reversed(t.shape.tolist()))
+    check_structure(cfg, found, lambda name: gguf_name(name, cfg.arch))
 
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -169,6 +181,7 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
         }
     fields = dict(
         arch=arch,
+        **(_gemma3_fields(meta, where, hidden, n_heads, get("n_layers")) if arch == "gemma3" else {}),
         n_layers=get("n_layers"),
         hidden=hidden,
         n_heads=n_heads,
@@ -187,6 +200,30 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
         name=str(meta.get("general.name", "")),
     )
     return build_config(fields, keys, where)
+
+
+def _gemma3_fields(
+    meta: dict[str, Any], where: str, hidden: int, n_heads: int, n_layers: int
+) -> dict[str, Any]:
+    """Gemma-3's settings that llama.cpp fixes by architecture when the file does not state them; the
+    attention scale as llama.cpp sets it: 1/sqrt(hidden / n_heads) for the 27B (62 layers), else
+    1/sqrt(head_dim) (HF's query_pre_attn_scalar)."""
+    for key in ("gemma3.attn_logit_softcapping", "gemma3.final_logit_softcapping"):
+        if meta.get(key) is not None:
+            raise ModelLoadError(f"{where}: {key} is set; kvlens does not implement logit soft-capping")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)  # llama.cpp: 5 local, then 1 global
+    if not isinstance(pattern, int) or isinstance(pattern, bool):
+        raise ModelLoadError(
+            f"{where}: gemma3.attention.sliding_window_pattern={pattern!r}; kvlens reads only an integer period"
+        )
+    return dict(
+        sliding_pattern=pattern,
+        rope_local_theta=read_key(meta, "gemma3.rope.freq_base_swa", where, positive, 10000.0),
+        hidden_act="gelu_tanh",
+        embed_scale=float(hidden) ** 0.5,
+        sandwich_norms=True,
+        query_pre_attn_scalar=hidden / n_heads if n_layers == 62 else None,
+    )
 
 
 def dequantize_tensor(t: Any) -> torch.Tensor:
@@ -211,7 +248,7 @@ def load_gguf_tensors(reader: Any, cfg: ModelConfig, skip: Collection[str] = ())
     out: dict[str, torch.Tensor] = {}
     names = set()
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.arch)
         names.add(name)
         if name is None or name in skip:
             continue

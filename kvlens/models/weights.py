@@ -30,6 +30,8 @@ class LayerWeights:
     ffn_norm: torch.Tensor
     w_gate_up: Matrix  # [2 * ffn, hidden]
     w_down: Matrix
+    post_attn_norm: torch.Tensor | None = None  # sandwich norms (Gemma): on each sublayer's output
+    post_ffn_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -42,6 +44,14 @@ class Weights:
 
 
 Shapes = dict[str, tuple[int, ...]]
+# HF names of the norm before the MLP and of the sandwich norms (Gemma), per layer
+POST_ATTN_NORM, POST_FFN_NORM = "post_attention_layernorm.weight", "post_feedforward_layernorm.weight"
+
+
+def ffn_norm_name(cfg: ModelConfig) -> str:
+    """Llama calls the MLP's pre-norm post_attention_layernorm; Gemma's sandwich layers use that name
+    for the attention output's norm and call the MLP's pre-norm pre_feedforward_layernorm."""
+    return "pre_feedforward_layernorm.weight" if cfg.sandwich_norms else POST_ATTN_NORM
 
 
 def expected_tensors(cfg: ModelConfig) -> tuple[Shapes, Shapes]:
@@ -57,7 +67,7 @@ def expected_tensors(cfg: ModelConfig) -> tuple[Shapes, Shapes]:
             "self_attn.k_proj.weight": (kv_rows, h),
             "self_attn.v_proj.weight": (kv_rows, h),
             "self_attn.o_proj.weight": (h, q_rows),
-            "post_attention_layernorm.weight": (h,),
+            ffn_norm_name(cfg): (h,),
             "mlp.gate_proj.weight": (cfg.ffn, h),
             "mlp.up_proj.weight": (cfg.ffn, h),
             "mlp.down_proj.weight": (h, cfg.ffn),
@@ -67,6 +77,8 @@ def expected_tensors(cfg: ModelConfig) -> tuple[Shapes, Shapes]:
             layer["self_attn.v_proj.bias"] = (kv_rows,)
         if cfg.qk_norm:
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        if cfg.sandwich_norms:
+            layer.update({POST_ATTN_NORM: (h,), POST_FFN_NORM: (h,)})
         required.update({p + k: v for k, v in layer.items()})
     # lm_head: absent when tied (and unread when the config ties it); rope_freqs: GGUF's Llama-3 scaling
     optional: Shapes = {"lm_head.weight": (cfg.vocab, h), "rope_freqs": (d // 2,)}
@@ -182,9 +194,11 @@ def build_weights(
                 wo=matrix([p + "self_attn.o_proj.weight"]),
                 q_norm=need(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
                 k_norm=need(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
-                ffn_norm=need(p + "post_attention_layernorm.weight"),
+                ffn_norm=need(p + ffn_norm_name(cfg)),
                 w_gate_up=matrix([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 w_down=matrix([p + "mlp.down_proj.weight"]),
+                post_attn_norm=need(p + POST_ATTN_NORM) if cfg.sandwich_norms else None,
+                post_ffn_norm=need(p + POST_FFN_NORM) if cfg.sandwich_norms else None,
             )
         )
     embed = checked("embedding", ["model.embed_tokens.weight"], (cfg.vocab, cfg.hidden))
