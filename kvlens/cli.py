@@ -89,16 +89,25 @@ def serve(
     weights: str = typer.Option("auto", help="Weights: auto, f32, bf16, int8, int4."),
     kv_budget: str = typer.Option(None, help="KV pool bytes, e.g. 512MiB (default: a share of free memory)."),
     max_batch: int = typer.Option(16, min=1, help="Running sequences per step."),
-    max_waiting: int = typer.Option(64, min=0, help="Waiting-queue bound (beyond it: 429)."),
+    max_waiting: int = typer.Option(
+        64, min=0, help="Requests that may wait beyond the free --max-batch slots (more: 429)."
+    ),
+    prefill_chunk: int = typer.Option(
+        512, min=1, help="Prompt tokens per prefill chunk: the prefix reuse unit."
+    ),
+    prefix_cache: bool = typer.Option(True, help="Reuse the KV of repeated prompt prefixes (exact)."),
+    kv_disk: str = typer.Option(None, help="Directory where evicted prefix blocks are spilled and restored."),
+    kv_disk_budget: str = typer.Option("4GiB", help="Bytes of block files kept under --kv-disk."),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000, min=0, max=65535),
     api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1/*."),
     graceful_s: float = typer.Option(10.0, help="On SIGTERM: seconds in-flight requests get to finish."),
 ) -> None:
     """An OpenAI-compatible HTTP server (completions, chat, SSE streaming) with continuous batching."""
+    from .serve.cli import ServeConfig
     from .serve.cli import serve as run
 
-    run(model, kv, weights, kv_budget, max_batch, max_waiting, host, port, api_key, graceful_s)
+    run(config_from(ServeConfig, locals()))
 
 
 @app.callback()

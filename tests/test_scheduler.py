@@ -121,8 +121,21 @@ def test_stop_id_is_reported_and_frees(llm):
     assert [(e.token_id, e.finish_reason) for e in events] == [(first, "stop")]
 
 
+def test_queue_bound_counts_only_requests_that_must_wait(llm):
+    """A burst on an idle engine fills the free running slots first; max_waiting bounds the rest."""
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget(llm, 8), max_batch=3, max_waiting=1))
+    for i in range(4):  # 3 free slots + 1 waiting
+        engine.add_request(req(f"r{i}", 5, 4))
+    with pytest.raises(QueueFullError):
+        engine.add_request(req("r4", 5, 4))
+    engine.step()  # admits 3: the running slots are full, one request waits
+    assert (len(engine.running), len(engine.waiting)) == (3, 1)
+    with pytest.raises(QueueFullError):
+        engine.add_request(req("r5", 5, 4))
+
+
 def test_refusals(llm):
-    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget(llm, 3), max_waiting=2))
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget(llm, 3), max_batch=1, max_waiting=1))
     with pytest.raises(ValueError, match="empty"):
         engine.add_request(Request("e", [], 4))
     with pytest.raises(ValueError, match="context"):

@@ -86,17 +86,26 @@ def test_parse_size_refuses(text):
         parse_size(text)
 
 
-def test_serve_bad_budget_is_one_error_line():
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--kv-budget", "12XB"], "error: bad size '12XB': use a number with KiB, MiB or GiB (e.g. 512MiB)"),
+        (["--kv-disk", "d", "--kv-disk-budget", "0GiB"], "error: bad size '0GiB': must be more than 0 bytes"),
+        (
+            ["--kv-disk", "d", "--no-prefix-cache"],
+            "error: --kv-disk holds prefix-cache blocks: drop --no-prefix-cache",
+        ),
+    ],
+)
+def test_serve_bad_option_is_one_error_line(args, line):
     r = subprocess.run(
-        [sys.executable, "-m", "kvlens.cli", "serve", "--kv-budget", "12XB"],
+        [sys.executable, "-m", "kvlens.cli", "serve", *args],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [
-        "error: bad size '12XB': use a number with KiB, MiB or GiB (e.g. 512MiB)"
-    ]
+    assert r.stderr.strip().splitlines() == [line]
 
 
 @pytest.mark.parametrize(

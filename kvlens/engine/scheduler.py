@@ -19,6 +19,11 @@ had generated are fed again as decode rows (teacher-forced, not sampled), so its
 everything after — is bit-identical to an uninterrupted run. Its sampler (and seed state) is kept.
 
 A finished (stop id or max_tokens) or aborted request frees its blocks at once.
+
+Prefix cache (``EngineConfig.prefix_cache``, :mod:`kvlens.engine.prefix_cache`): a request admitted
+with an empty cache first takes the cached whole chunks its prompt starts with, and prefills from
+there; every whole chunk it computes is published for later requests. The chunk rule above is what
+makes a hit exact: it resumes at a chunk boundary, so every later chunk is the same computation.
 """
 
 from __future__ import annotations
@@ -27,16 +32,19 @@ import secrets
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from ..checks import check_int, check_token_ids
 from ..kv.cache import BLOCK
+from ..kv.disk import DiskStats
 from ..kv.modes import MODES
 from ..kv.pool import BlockPool, PagedKV, kv_bytes_per_token
 from .budget import default_kv_budget
 from .llm import LLM
 from .model_runner import ModelRunner
+from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
 
 
@@ -48,17 +56,21 @@ class QueueFullError(RuntimeError):
 class EngineConfig:
     kv_budget_bytes: int | None = None  # None: a sensible share of free memory (engine.budget)
     max_batch: int = 16  # running sequences per step
-    max_waiting: int = 64  # bound of the waiting queue
+    max_waiting: int = 64  # requests that may wait beyond the free running slots (then: QueueFullError)
     prefill_token_budget: int = 512  # prompt tokens prefilled per step (chunked prefill)
-    prefix_cache: bool = False  # (issue 13) reuse of full cached blocks; not implemented yet
+    prefix_cache: bool = False  # reuse cached whole prefill chunks of earlier prompts (exact)
+    kv_disk: Path | str | None = None  # prefix cache: spill evicted blocks here, restore on a hit
+    kv_disk_budget: int = 4 << 30  # bytes of block files kept under kv_disk (oldest deleted first)
     keep_logits: bool = False  # attach each sampled token's logits to its TokenEvent (tests, verify)
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_waiting", "prefill_token_budget"):
+        for name in ("max_batch", "prefill_token_budget", "kv_disk_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.prefix_cache:
-            raise ValueError("prefix_cache is not implemented yet (issue 13)")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        if self.kv_disk is not None and not self.prefix_cache:
+            raise ValueError("the KV disk tier holds prefix-cache blocks: it needs prefix_cache=True")
 
 
 @dataclass
@@ -80,6 +92,7 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None  # "stop" (a stop id; the stop token IS reported), "length", "abort"
     logits: torch.Tensor | None = field(default=None, repr=False)  # with EngineConfig.keep_logits
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (set on the first token's event)
 
 
 @dataclass
@@ -95,6 +108,10 @@ class EngineStats:
     preemptions: int  # cumulative
     prompt_tokens: int
     generated_tokens: int  # cumulative counters
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (memory or disk), cumulative
+    prefix_evictions: int = 0  # cached blocks evicted from memory, cumulative
+    prefix_cached_blocks: int = 0  # unreferenced cached blocks kept now
+    disk: DiskStats | None = None  # the disk tier's counters (None: no disk tier)
 
 
 @dataclass
@@ -104,6 +121,7 @@ class Sequence:
     sampler: Sampler
     stop_ids: frozenset[int]
     tokens: list[int]  # prompt, then the generated tokens
+    cached_tokens: int | None = None  # prefix-cache hit at first admission
 
     @property
     def n_prompt(self) -> int:
@@ -146,6 +164,12 @@ class Engine:
             llm.cache_options.mirror_prefill,
         )
         self.runner = ModelRunner(llm)
+        self.prefix = None
+        if config.prefix_cache:
+            model = f"{llm.loaded.file_sha256}|weights={llm.weights_mode}|{llm.device.type}"
+            self.prefix = PrefixCache(
+                self.pool, model, llm.prefill_chunk, config.kv_disk, config.kv_disk_budget
+            )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._events: list[TokenEvent] = []  # finishes without a step (aborts)
@@ -154,8 +178,14 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self._check(req)
-        if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        # the bound is on requests that must wait: those the next step can admit (free running slots)
+        # do not count, so a burst of up to max_batch requests on an idle engine is never refused
+        free_slots = max(0, self.config.max_batch - len(self.running))
+        if len(self.waiting) >= self.config.max_waiting + free_slots:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.config.max_waiting} requests beyond the "
+                f"{free_slots} free running slots)"
+            )
         if req.sampling.temperature > 0 and req.sampling.seed is None:
             # every sampled request gets a recorded seed, so its output can be re-run (verify)
             req.sampling = replace(req.sampling, seed=secrets.randbits(63))
@@ -205,7 +235,18 @@ class Engine:
             p.n_blocks, p.blocks_used, BLOCK, p.n_blocks * BLOCK, p.bytes_total // f16_per_token,
             p.bytes_per_token, len(self.running), len(self.waiting), self.preemptions,
             self.prompt_tokens, self.generated_tokens,
+            *self._prefix_stats(),
         )  # fmt: skip
+
+    def _prefix_stats(self) -> tuple:
+        if self.prefix is None:
+            return 0, 0, 0, None
+        disk = self.prefix.disk
+        stats = None
+        if disk is not None:
+            stats = replace(disk.stats, restore_seconds=disk.stats.restore_seconds.snapshot())
+        index = self.prefix.index
+        return self.prefix.stats.hit_tokens, index.evictions, self.pool.blocks_cached, stats
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -259,17 +300,30 @@ class Engine:
                 spent += end - start
         while self.waiting and len(self.running) < self.config.max_batch and spent < budget:
             seq = self.waiting[0]
+            self._reuse_prefix(seq)
             start, end = seq.next_chunk(chunk)
             if (spent and spent + end - start > budget) or seq.kv.blocks_needed(end) > self.pool.blocks_free:
+                seq.kv.free()  # cached blocks it took stay cached; taken again next time
                 return
             self.waiting.popleft()
             self.running.append(seq)
+            if seq.cached_tokens is None:  # first admission (not a recompute): what it reused
+                seq.cached_tokens = seq.kv.length
+                if self.prefix is not None:
+                    self.prefix.stats.hit_tokens += seq.kv.length
             seq.kv.grow(end)
             self._run_chunk(seq, start, end, events)
             spent += end - start
 
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        if self.prefix is None or seq.kv.blocks:
+            return
+        self.prefix.acquire(seq.kv, seq.req.prompt_ids)
+
     def _run_chunk(self, seq: Sequence, start: int, end: int, events: list[TokenEvent]) -> None:
         logits = self.runner.prefill(seq.kv, seq.tokens[start:end], start)
+        if self.prefix is not None:
+            self.prefix.publish(seq.kv, seq.req.prompt_ids, start, end)
         if end == len(seq.tokens):  # the prompt is in and nothing was generated yet
             events.append(self._emit(seq, logits))
 
@@ -292,7 +346,8 @@ class Engine:
             self.running.remove(seq)
             seq.kv.free()
         kept = logits.clone() if self.config.keep_logits else None
-        return TokenEvent(req.request_id, tok, logprob, top, reason is not None, reason, kept)
+        cached = (seq.cached_tokens or 0) if seq.n_generated == 1 else 0
+        return TokenEvent(req.request_id, tok, logprob, top, reason is not None, reason, kept, cached)
 
 
 def _fitted_config(llm: LLM, reqs: list[Request], **changes) -> EngineConfig:

@@ -7,20 +7,24 @@ positions. Physical block ``b`` is rows ``[b * BLOCK, (b + 1) * BLOCK)`` of ever
 ``j * BLOCK ..``) lives in physical block ``table[j]``. The fused decode kernels read through the table
 in place (no gather copy); prefill's torch path gathers the rows it attends.
 
-Blocks carry reference counts so that a later prefix cache can share full blocks between sequences:
-``allocate`` hands out blocks at count 1, ``share`` adds a reference, ``release`` drops one and
-returns a block to the free list when none is left.
+Blocks carry reference counts so that the prefix cache (:mod:`kvlens.kv.prefix`) can share full
+blocks between sequences: ``allocate`` hands out blocks at count 1, ``share`` adds a reference,
+``release`` drops one and returns a block to the free list when none is left, or, if the block is
+published in the prefix index, parks it there (evictable; ``allocate`` evicts the least recently
+parked block, after handing it to ``spill`` when a disk tier is attached).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from .cache import BLOCK, F32, check_kv_finite, layer_stores, store_basis
 from .modes import MIRROR_PREFILL, CacheOptions, KVMode
+from .prefix import PrefixIndex
 
 
 def kv_bytes_per_token(mode: KVMode, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
@@ -68,33 +72,60 @@ class BlockPool:
         )
         self.refcount = np.zeros(self.n_blocks, np.int32)
         self._free: deque[int] = deque(range(self.n_blocks))
+        self.index: PrefixIndex | None = None  # set by enable_prefix
+        self.spill: Callable[[int, bytes], None] | None = None  # told each evicted block before reuse
+
+    def enable_prefix(self, spill: Callable[[int, bytes], None] | None = None) -> PrefixIndex:
+        """Keep published blocks after their last reference (prefix cache); ``spill(block, hash)`` sees
+        each one before eviction reuses it."""
+        self.index, self.spill = PrefixIndex(), spill
+        return self.index
 
     # -- accounting ------------------------------------------------------------------------------
     @property
     def blocks_free(self) -> int:
-        return len(self._free)
+        """Blocks ``allocate`` can hand out: free ones and parked (evictable) cached ones."""
+        return len(self._free) + (self.index.evictable if self.index else 0)
 
     @property
     def blocks_used(self) -> int:
-        return self.n_blocks - len(self._free)
+        """Blocks referenced by sequences."""
+        return self.n_blocks - self.blocks_free
+
+    @property
+    def blocks_cached(self) -> int:
+        """Parked cached blocks (unreferenced, kept for later hits)."""
+        return self.index.evictable if self.index else 0
 
     @property
     def bytes_total(self) -> int:
         return self.n_blocks * BLOCK * self.bytes_per_token
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` free blocks, each now referenced once."""
-        if n > len(self._free):
-            raise PoolExhaustedError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
+        """``n`` blocks, each now referenced once: free ones first, then evicted least recently parked."""
+        if n > self.blocks_free:
+            raise PoolExhaustedError(f"asked for {n} blocks, {self.blocks_free} free")
+        blocks = [self._take() for _ in range(n)]
         self.refcount[blocks] = 1
         return blocks
 
+    def _take(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        assert self.index is not None
+        block, h = self.index.evict()
+        if self.spill is not None:
+            self.spill(block, h)
+        return block
+
     def share(self, blocks: list[int]) -> None:
-        """One more reference to each of ``blocks`` (prefix sharing)."""
-        if blocks and self.refcount[blocks].min() < 1:
-            raise ValueError("cannot share a free block")
-        self.refcount[blocks] += 1
+        """One more reference to each of ``blocks`` (prefix sharing; a parked block is taken back)."""
+        for b in blocks:
+            if self.refcount[b] == 0:
+                if self.index is None or not self.index.is_parked(b):
+                    raise ValueError(f"cannot share free block {b}")
+                self.index.unpark(b)
+            self.refcount[b] += 1
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference to each block; blocks left unreferenced go back to the free list."""
@@ -103,7 +134,21 @@ class BlockPool:
                 raise ValueError(f"block {b} released more often than it was referenced")
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
-                self._free.append(b)
+                if self.index is not None and b in self.index.hash_of:
+                    self.index.park(b)
+                else:
+                    self._free.append(b)
+
+    def block_rows(self, block: int) -> list[torch.Tensor]:
+        """Views of every stored tensor of ``block`` (each layer's K, V, mirror copies; codes then
+        scales for int8 stores) in a fixed order: what the disk tier writes and reads back."""
+        rows = slice(block * BLOCK, (block + 1) * BLOCK)
+        out = []
+        for store in (*self.k, *self.v, *self.k_exact, *self.v_exact):
+            out.append(store.data[:, rows])
+            if store.scale is not None:
+                out.append(store.scale[:, rows])
+        return out
 
 
 class PagedKV:
@@ -143,8 +188,9 @@ class PagedKV:
         self.blocks += self.pool.allocate(self.blocks_needed(end))
 
     def free(self) -> None:
-        """Give every block back to the pool (the sequence keeps no KV)."""
-        self.pool.release(self.blocks)
+        """Give every block back to the pool (the sequence keeps no KV); last block first, so that a
+        prefix cache evicts the tails of cached prefixes before their heads."""
+        self.pool.release(self.blocks[::-1])
         self.blocks, self.length, self._table = [], 0, None
 
     def _segments(self, start: int, end: int):

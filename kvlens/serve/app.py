@@ -32,7 +32,7 @@ log = logging.getLogger("kvlens.serve")
 
 
 @dataclass(frozen=True)
-class ServeConfig:
+class AppConfig:
     model_name: str  # the id clients send as "model"
     api_key: str | None = None  # set: /v1/* needs "Authorization: Bearer <key>"
     retry_after_s: int = 1  # Retry-After of a 429
@@ -110,7 +110,7 @@ class _Shapes:
         return {
             **envelope(self.kind, job.rid, self.model),
             "choices": [choice],
-            "usage": usage(job.prompt_tokens, job.completion_tokens),
+            "usage": usage(job.prompt_tokens, job.completion_tokens, job.cached_tokens),
             "kvlens": job.record,
         }
 
@@ -148,13 +148,13 @@ class _Shapes:
                 {
                     **envelope(self.chunk_kind, job.rid, self.model, created),
                     "choices": [],
-                    "usage": usage(job.prompt_tokens, job.completion_tokens),
+                    "usage": usage(job.prompt_tokens, job.completion_tokens, job.cached_tokens),
                 }
             )
         yield "data: [DONE]\n\n"
 
 
-def build_app(llm: LLM, engine: Engine, config: ServeConfig) -> FastAPI:
+def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
     """The server around an engine; the engine thread runs for the app's lifespan."""
     aengine = AsyncEngine(engine)
     metrics = ServeMetrics(aengine.stats)

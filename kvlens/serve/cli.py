@@ -6,6 +6,7 @@ import logging
 import re
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -47,31 +48,64 @@ def _exit_cleanly_on_signals() -> None:
         signal.signal(sig, lambda *_: None)
 
 
-def serve(
-    model: str,
-    kv: str,
-    weights: str,
-    kv_budget: str | None,
-    max_batch: int,
-    max_waiting: int,
-    host: str,
-    port: int,
-    api_key: str | None,
-    graceful_s: float,
-) -> None:
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``kvlens serve`` runs (sizes as the user wrote them, e.g. ``512MiB``)."""
+
+    model: str = "smollm2"
+    kv: str = "q8"
+    weights: str = "auto"
+    kv_budget: str | None = None  # None: a share of free memory
+    max_batch: int = 16
+    max_waiting: int = 64
+    prefill_chunk: int = 512  # prompt tokens per prefill chunk; the prefix cache reuses whole chunks
+    prefix_cache: bool = True
+    kv_disk: str | None = None  # directory of the prefix cache's disk tier
+    kv_disk_budget: str = "4GiB"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    graceful_s: float = 10.0
+
+    def engine_config(self):
+        from ..engine.serving import EngineConfig
+
+        if self.kv_disk is not None and not self.prefix_cache:
+            raise ValueError("--kv-disk holds prefix-cache blocks: drop --no-prefix-cache")
+        return EngineConfig(
+            kv_budget_bytes=parse_size(self.kv_budget) if self.kv_budget else None,
+            max_batch=self.max_batch,
+            max_waiting=self.max_waiting,
+            prefix_cache=self.prefix_cache,
+            kv_disk=self.kv_disk,
+            kv_disk_budget=parse_size(self.kv_disk_budget),
+        )
+
+
+def prefix_summary(config: ServeConfig) -> str:
+    if not config.prefix_cache:
+        return "prefix cache: off"
+    disk = f"; disk tier {config.kv_disk} ({config.kv_disk_budget})" if config.kv_disk else ""
+    return f"prefix cache: on (reuse in whole chunks of {config.prefill_chunk} tokens){disk}"
+
+
+def serve(config: ServeConfig) -> None:
     import uvicorn
 
     import kvlens
 
-    from ..engine.serving import Engine, EngineConfig
-    from .app import ServeConfig, build_app
+    from ..engine.serving import Engine
+    from .app import AppConfig, build_app
 
-    budget = parse_size(kv_budget) if kv_budget else None
-    llm = kvlens.load(model, kv=kv, weights=weights)
-    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget, max_batch=max_batch, max_waiting=max_waiting))
-    print(budget_summary(engine.stats(), kv), flush=True)
+    engine_config = config.engine_config()  # bad sizes are refused before the model loads
+    llm = kvlens.load(config.model, kv=config.kv, weights=config.weights, prefill_chunk=config.prefill_chunk)
+    engine = Engine(llm, engine_config)
+    print(budget_summary(engine.stats(), config.kv), flush=True)
+    print(prefix_summary(config), flush=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
-    app = build_app(llm, engine, ServeConfig(model_id(model), api_key))
+    app = build_app(llm, engine, AppConfig(model_id(config.model), config.api_key))
     _exit_cleanly_on_signals()
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=graceful_s)
+    uvicorn.run(
+        app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=config.graceful_s
+    )
     print("kvlens serve: stopped", flush=True)

@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from ..engine.serving import EngineStats
+from ..kv.disk import DiskStats
 
 # Seconds: a decode step of a small model on a laptop CPU is ~10-100 ms; a long prefill, seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -30,11 +31,28 @@ _GAUGES = {
     "kvlens_kv_block_size": ("token positions per block", "block_size"),
     "kvlens_requests_running": ("sequences in the running batch", "running"),
     "kvlens_requests_waiting": ("requests in the waiting queue", "waiting"),
+    "kvlens_prefix_cached_blocks": (
+        "unreferenced prefix-cache blocks kept in the pool",
+        "prefix_cached_blocks",
+    ),
 }
 _COUNTERS = {
     "kvlens_prompt_tokens": ("prompt tokens admitted", "prompt_tokens"),
     "kvlens_generation_tokens": ("tokens generated", "generated_tokens"),
     "kvlens_preemptions": ("sequences preempted (blocks freed, recomputed later)", "preemptions"),
+    "kvlens_prefix_hit_tokens": (
+        "prompt tokens served from the prefix cache (memory or disk)",
+        "prefix_hit_tokens",
+    ),
+    "kvlens_prefix_evictions": ("prefix-cache blocks evicted from the pool", "prefix_evictions"),
+}
+_DISK_COUNTERS = {
+    "kvlens_kv_disk_blocks_spilled": ("prefix blocks written to the disk tier", "spilled"),
+    "kvlens_kv_disk_blocks_restored": ("prefix blocks restored from the disk tier", "restored"),
+    "kvlens_kv_disk_corrupt_blocks": (
+        "block files refused on restore (checksum/header/length), deleted",
+        "corrupt",
+    ),
 }
 
 
@@ -48,6 +66,20 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=getattr(s, attr))
         for name, (doc, attr) in _COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=getattr(s, attr))
+        disk = s.disk or DiskStats()  # no disk tier: zeros, so the series always exist
+        for name, (doc, attr) in _DISK_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(disk, attr))
+        yield GaugeMetricFamily(
+            "kvlens_kv_disk_bytes", "bytes of block files in the disk tier", value=disk.bytes
+        )
+        h = disk.restore_seconds
+        cumulative = [sum(h.counts[: i + 1]) for i in range(len(h.counts))]
+        buckets = [(str(b), c) for b, c in zip(h.bounds, cumulative, strict=False)] + [
+            ("+Inf", cumulative[-1])
+        ]
+        yield HistogramMetricFamily(
+            "kvlens_kv_disk_restore_seconds", "time to read, check and copy one block back", buckets, h.total
+        )
 
 
 class ServeMetrics:

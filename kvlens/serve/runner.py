@@ -36,6 +36,7 @@ class Job:
     events: asyncio.Queue[Timed]
     arrived: float  # time.perf_counter() when the HTTP request was accepted
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (from the first token's event)
     first_at: float | None = None
     last_at: float | None = None
     record: dict[str, Any] | None = field(default=None, repr=False)
@@ -108,6 +109,8 @@ class Runner:
                     raise EngineFault(f"the engine failed while running request {job.rid}")
                 delta = ""
                 if ev.token_id is not None:
+                    if job.first_at is None:
+                        job.cached_tokens = ev.cached_tokens
                     self._observe(job, timed.at)
                     is_stop = ev.finished and ev.finish_reason == "stop"
                     delta = job.out.push(ev.token_id, ev.logprob, ev.top_logprobs, is_stop)
@@ -163,10 +166,11 @@ class Runner:
         decode_s = (job.last_at or 0.0) - (job.first_at or 0.0)
         rate = (job.completion_tokens - 1) / decode_s if decode_s > 0 else float("nan")
         log.info(
-            "%s %s prompt=%d output=%d ttft=%.3fs decode=%.1f tok/s finish=%s",
+            "%s %s prompt=%d cached=%d output=%d ttft=%.3fs decode=%.1f tok/s finish=%s",
             job.rid,
             job.endpoint,
             job.prompt_tokens,
+            job.cached_tokens,
             job.completion_tokens,
             ttft,
             rate,

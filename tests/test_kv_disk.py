@@ -1,0 +1,152 @@
+"""The disk tier: blocks round-trip bit for bit in their stored form, a corrupt or truncated file is
+refused (counted, deleted) and the block recomputed with the same logits as a fresh prefill, and the
+byte budget deletes the oldest files first."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import write_hf
+
+import kvlens
+from kvlens.engine.scheduler import Engine, EngineConfig, Request
+from kvlens.kv.cache import BLOCK
+from kvlens.kv.disk import DiskTier
+from kvlens.kv.modes import KVMode
+from kvlens.kv.pool import BlockPool, kv_bytes_per_token
+from kvlens.kv.prefix import block_hashes
+
+CHUNK = 2 * BLOCK
+
+
+def random_pool(mode: str, seed: int) -> BlockPool:
+    """A 2-layer pool whose rows hold random stored values (int8 codes, scales, f16 rows, mirror)."""
+    m = KVMode.parse(mode)
+    pool = BlockPool(2, 2, 16, m, 4 * BLOCK * kv_bytes_per_token(m, 2, 2, 16))
+    g = torch.Generator().manual_seed(seed)
+    for t in pool.block_rows(0) + pool.block_rows(1) + pool.block_rows(2) + pool.block_rows(3):
+        if t.dtype == torch.int8:
+            t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
+        else:
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return pool
+
+
+@pytest.mark.parametrize("mode", ["q8", "f16", "bf16", "q8+mirror"])
+def test_round_trip_is_bit_exact_in_the_stored_form(tmp_path, mode):
+    pool = random_pool(mode, 0)
+    disk = DiskTier(tmp_path, 1 << 20, pool, "model-a")
+    before = [t.clone() for t in pool.block_rows(1)]
+    disk.spill(1, b"h" * 32)
+    assert disk.stats.spilled == 1 and disk.stats.bytes == disk.path(b"h" * 32).stat().st_size
+    assert disk.restore(3, b"h" * 32)  # into another block
+    after = pool.block_rows(3)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, after, strict=True))
+    if mode == "q8":  # no conversion: int8 codes + fp32 scales, exactly their bytes on disk
+        assert [t.dtype for t in after[:2]] == [torch.int8, torch.float32]
+        payload = sum(t.numel() * t.element_size() for t in after)
+        assert payload == BLOCK * pool.bytes_per_token
+    assert disk.stats.restored == 1 and disk.stats.restore_seconds.counts != [0] * 13
+
+
+def test_file_of_another_model_or_mode_is_refused(tmp_path):
+    pool = random_pool("q8", 1)
+    DiskTier(tmp_path, 1 << 20, pool, "model-a").spill(0, b"x" * 32)
+    other = DiskTier(tmp_path, 1 << 20, pool, "model-b")  # finds the file, header says model-a
+    assert b"x" * 32 in other
+    assert not other.restore(1, b"x" * 32)
+    assert other.stats.corrupt == 1 and not other.path(b"x" * 32).exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
+def test_damaged_file_is_refused_and_deleted(tmp_path, damage):
+    pool = random_pool("q8", 2)
+    disk = DiskTier(tmp_path, 1 << 20, pool, "m")
+    disk.spill(0, b"d" * 32)
+    path = disk.path(b"d" * 32)
+    blob = bytearray(path.read_bytes())
+    if damage == "flip":
+        blob[len(blob) // 2] ^= 0x10  # one bit of the payload
+    path.write_bytes(
+        bytes(blob[: len(blob) // 2] if damage == "truncate" else b"" if damage == "empty" else blob)
+    )
+    target = [t.clone() for t in pool.block_rows(2)]
+    assert not disk.restore(2, b"d" * 32)
+    assert all(torch.equal(a, b) for a, b in zip(target, pool.block_rows(2), strict=True)), "fed to the pool"
+    assert (disk.stats.corrupt, disk.stats.bytes, path.exists()) == (1, 0, False)
+
+
+def test_budget_deletes_the_oldest_files_first(tmp_path):
+    pool = random_pool("q8", 3)
+    one = len(_spilled_size(tmp_path / "probe", pool))
+    disk = DiskTier(tmp_path / "d", 3 * one, pool, "m")
+    names = [bytes([i]) * 32 for i in range(5)]
+    for i, h in enumerate(names[:3]):
+        disk.spill(i % 4, h)
+    assert disk.restore(0, names[0])  # used again: now the newest
+    disk.spill(3, names[3])
+    disk.spill(0, names[4])
+    kept = {h for h in names if disk.path(h).exists()}
+    assert kept == {names[0], names[3], names[4]}  # names[1], then names[2] went, oldest first
+    assert disk.stats.bytes == 3 * one <= disk.budget
+    # a restart finds the files and their order (mtime)
+    again = DiskTier(tmp_path / "d", 3 * one, pool, "m")
+    assert again.stats.bytes == 3 * one and all(h in again for h in kept)
+
+
+def _spilled_size(root, pool) -> bytes:
+    d = DiskTier(root, 1 << 20, pool, "m")
+    d.spill(0, b"p" * 32)
+    return d.path(b"p" * 32).read_bytes()
+
+
+# -- through the engine: spill on eviction, restore on a hit, recompute a damaged block -------------
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("disk") / "hf"
+    write_hf("llama", out, seed=6)
+    return out
+
+
+def _engine(llm, disk_dir, blocks: int) -> Engine:
+    c = llm.config
+    per_token = kv_bytes_per_token(llm.kv, c.n_layers, c.n_kv_heads, c.head_dim)
+    config = EngineConfig(
+        kv_budget_bytes=blocks * BLOCK * per_token, prefix_cache=True, kv_disk=disk_dir, keep_logits=True
+    )
+    return Engine(llm, config)
+
+
+def _run(engine: Engine, rid: str, prompt: list[int]) -> list:
+    engine.add_request(Request(rid, prompt, 2, stop_ids=frozenset()))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    return events
+
+
+@pytest.mark.parametrize("mode", ["q8", "f16"])
+@pytest.mark.parametrize("damage", [None, "flip", "truncate"])
+def test_restored_prefix_gives_the_logits_of_a_fresh_prefill(tmp_path, tiny_dir, mode, damage):
+    llm = kvlens.load(tiny_dir, kv=mode, attn_backend="numba", prefill_chunk=CHUNK)
+    rng = random.Random(7)
+    history = [rng.randrange(3, 320) for _ in range(3 * CHUNK + 9)]
+    engine = _engine(llm, tmp_path, blocks=8)  # 8 blocks: the filler evicts the whole history
+    _run(engine, "turn1", history)
+    _run(engine, "filler", [rng.randrange(3, 320) for _ in range(7 * BLOCK)])
+    disk, hashes = engine.prefix.disk, block_hashes(history, 6, engine.prefix.salt)
+    assert disk.stats.spilled == 6 and not set(hashes) & set(engine.prefix.index.block_of)  # all on disk
+    if damage is not None:  # damage the file of the history's block 3 (chunk 1): chunk 0 still reused
+        victim = disk.path(hashes[3])
+        blob = victim.read_bytes()
+        victim.write_bytes(blob[:-40] if damage == "truncate" else blob[:100] + b"\xff" + blob[101:])
+    prompt = history + [rng.randrange(3, 320) for _ in range(20)]
+    events = _run(engine, "turn2", prompt)
+    assert events[0].cached_tokens == (CHUNK if damage else 3 * CHUNK)
+    assert disk.stats.corrupt == (1 if damage else 0)
+    assert disk.stats.restored >= (2 if damage else 6)
+    fresh = llm.prefill(prompt, llm.new_cache(len(prompt)))
+    assert torch.equal(events[0].logits, fresh)
+    assert engine.stats().disk.restored == disk.stats.restored
