@@ -31,12 +31,16 @@ def config_from(cls: type, options: dict[str, Any], **given: Any) -> Any:
 
 
 def names(text: str | None) -> list[str] | None:
-    """A comma list of names (None stays None)."""
-    return None if text is None else [s.strip() for s in text.split(",") if s.strip()]
+    """A comma list of names (None stays None); a KV mode ``k=KIND,v=KIND`` stays one name."""
+    from .kv.modes import split_mode_list
+
+    return None if text is None else split_mode_list(text)
 
 
 MODEL_HELP = "'smollm2' (the embedded default), 'gemma3-270m', a .gguf file, or an HF model directory"
-KV_HELP = "KV cache mode: f32, f16, bf16, q8, q8-k, q8-v, q8+mirror"
+KV_HELP = (
+    "KV cache mode: f32, f16, bf16, q8, q8-k, q8-v, q8+mirror, q8h, q4, q4h, k=KIND,v=KIND, or a recipe .json"
+)
 # -- options shared by several commands (typer copies an Option object for each command) ----------------
 LAB_KV_HELP = "Comma list of KV modes to test (or 'all'): " + KV_HELP.split(": ", 1)[1]
 LAB_CORPUS_HELP = "Built-in corpus name or a UTF-8 file (default: britannica)."

@@ -99,6 +99,45 @@ def lab_layers(
     layers.main(config_from(layers.LayersConfig, locals()), json_out, report)
 
 
+@lab_app.command("plan")
+def lab_plan(
+    kld_budget: float = Option(
+        0.002, help="Mean KLD (vs an f32 cache) the recipe may cost.", callback=cb.finite_option(above=0.0)
+    ),
+    out: str = Option("recipe.json", help="Recipe file to write.", callback=cb.output_file_option),
+    model: str = opt.MODEL,
+    corpus: str | None = opt.CORPUS,
+    ctx: int = Option(512, min=4, help="Tokens per chunk; the second half of each is scored."),
+    calib_chunks: int = Option(2, min=1, help="Chunks measuring per-layer sensitivity."),
+    heldout_chunks: int = Option(4, min=1, help="Later chunks verifying the recipe."),
+    candidates: str = Option("q8h,q4h", help="Kinds tried per layer for K and V (f16 is the fallback)."),
+    kv: str = Option("q8,f16", help="Modes verified beside the recipe."),
+    prefill_chunk: int = opt.PREFILL,
+    json_out: bool = opt.JSON,
+) -> None:
+    """A per-layer KV recipe under a KLD budget: measure each layer, choose, verify on held-out text."""
+    from .lab import plan
+
+    plan.main(config_from(plan.PlanConfig, locals()), json_out)
+
+
+@lab_app.command("doctor")
+def lab_doctor(
+    model: str = opt.MODEL,
+    corpus: str | None = opt.CORPUS,
+    ctx: int = Option(512, min=4, help="Window of corpus tokens the statistics come from."),
+    kld_budget: float = Option(
+        0.002, help="KLD budget of the recommended recipe.", callback=cb.finite_option(above=0.0)
+    ),
+    json_out: bool = opt.JSON,
+    report: str | None = opt.REPORT,
+) -> None:
+    """K/V outlier channels, key offsets, attention sinks, layout risks, each with its measured cost."""
+    from .lab import doctor
+
+    doctor.main(config_from(doctor.DoctorConfig, locals()), json_out, report)
+
+
 @lab_app.command("needle")
 def lab_needle(
     model: str = opt.MODEL,

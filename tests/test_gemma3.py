@@ -17,7 +17,7 @@ from kvlens.engine.attention import make_attend
 from kvlens.kernels import cpu
 from kvlens.kernels.reference import reference_attention
 from kvlens.kv.cache import RowStore
-from kvlens.kv.modes import MODES, StoreKind
+from kvlens.kv.modes import MODES, KVMode, StoreKind
 from kvlens.kv.quant import dequantize_q8
 from kvlens.models.config import ModelLoadError, config_from_hf
 from kvlens.models.transformer import Transformer
@@ -111,7 +111,12 @@ def test_every_cache_mode_kernel_equals_torch_at_head_dim_256(tiny_gemma, kv):
     tol = f32_forward_tol(torch_llm.config, ref)
     assert (a.double() - b.double()).abs().max().item() <= 2 * tol
     err = (a.double() - ref).abs().max().item()
-    assert err <= tol if kv == "f32" else err <= 0.05 * ref.abs().max().item()
+    # a 4-bit kind's step is 1/14 of a block's absmax (8-bit: 1/254), so its bound is 254/14 times the
+    # 8-bit one (measured on this random model: 8-bit 0.016-0.027, q4 0.28, q4h 0.44 of max |ref|);
+    # the like-with-like kernel check above is the tight one
+    four_bit = KVMode.parse(kv).k.int4 or KVMode.parse(kv).v.int4
+    bound = 0.05 * (254 / 14 if four_bit else 1)
+    assert err <= tol if kv == "f32" else err <= bound * ref.abs().max().item()
 
 
 def _store(kind: str, rows: torch.Tensor) -> RowStore:

@@ -36,9 +36,9 @@ def filled(mode: str, length: int, seed: int = 0):
     mode = MODES[mode]
     pool = BlockPool(1, N_KV, HD, mode, 12 * BLOCK * kv_bytes_per_token(mode, 1, N_KV, HD))
     for store in (*pool.k, *pool.v):  # garbage everywhere a sequence has not written
-        store.data.fill_(127 if store.kind == "q8" else 3e4)
+        store.data.fill_(127 if store.kind.int8 else 0xFF if store.kind.int4 else 3e4)
         if store.scale is not None:
-            store.scale.fill_(1e6)
+            store.scale.fill_(6e4 if store.kind.int4 else 1e6)  # int4: the largest fp16 scale
     seq, other = PagedKV(pool), PagedKV(pool)
     cache = KVCache(1, N_KV, HD, length, mode)
     gen = torch.Generator().manual_seed(seed)

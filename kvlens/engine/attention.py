@@ -23,7 +23,7 @@ import torch
 from ..kernels.cpu_int import BACKEND_QBITS, IntAttn
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
-from ..kv.cache import BLOCK, KVCache
+from ..kv.cache import BLOCK, KVCache, rotations
 from ..kv.pool import PagedKV
 from ..models.transformer import AttendFn, Profiler, timed
 
@@ -139,8 +139,19 @@ def make_attend(
     if sparse is not None and cache.bounds is None:
         raise ValueError("sparse decode needs a cache created with track_blocks=True")
     paged = isinstance(cache, PagedKV)  # the kernels then read through its block table
+    # rotated kinds (q8h, q4h): the query goes into K's stored basis, the output back from V's
+    rotation = [rotations(cache.k[i], cache.v[i]) for i in range(len(cache.k))]
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        rk, rv = rotation[layer]
+        if rk is not None:
+            q = q.to(torch.float32) @ rk
+        out = attend_stored(layer, q, k, v, start)
+        return out if rv is None else out @ rv.T
+
+    def attend_stored(
+        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> torch.Tensor:
         n = q.shape[1]
         timed(profiler, "kv_write", cache.write, layer, start, k, v)
         end = start + n

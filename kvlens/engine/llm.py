@@ -47,6 +47,7 @@ class LLM:
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
         self.loaded = loaded  # the model file's digest (verifiable records) is cached on it
         self.weights_mode = loaded.weights_mode
+        self.kv.check_layout(loaded.config.n_layers, loaded.config.head_dim)  # a recipe fits this model
         self.model = Transformer(loaded.config, loaded.weights)
         self.device = self.model.device
         self.prefill_chunk = prefill_chunk
@@ -116,6 +117,7 @@ class LLM:
                 raise AttributeError(f"LLM has no setting {name!r}")
             setattr(other, name, value)
         other.kv = KVMode.parse(other.kv)
+        other.kv.check_layout(other.config.n_layers, other.config.head_dim)
         other.attn_backend = resolve_backend(other.attn_backend, other.device)
         return other
 

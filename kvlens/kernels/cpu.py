@@ -5,6 +5,11 @@ The kernels read the cache exactly as :mod:`kvlens.kv.cache` stores it (``data [
 
 * the K scale is folded into the score: ``s = dot(q, k_int8) * (k_max_abs / 127) / sqrt(hd)``;
 * the V scale is folded into the softmax weight: ``acc += (p * v_max_abs / 127) * v_int8``;
+* 4-bit rows (q4, q4h: packed code pairs, an fp16 scale per block of 32) are unpacked and scaled
+  per tile into the same f32 scratch the other kinds use (the block scale varies along the row, so
+  it cannot be folded into one score or weight);
+* rotated kinds (q8h, q4h) are read as stored: the caller rotates the query and the output
+  (:func:`kvlens.kv.cache.rotations`);
 * the softmax is online (running max ``m``, running sum ``l``, rescale when ``m`` grows), one
   pass over K and V, tile by tile (TILE positions, converted to f32 in an L1-resident scratch);
 * one pass over a KV head serves all query heads of its GQA group (each K/V row is loaded once);
@@ -30,6 +35,7 @@ from numba import njit, prange
 from ..kv.cache import BLOCK
 from ..kv.modes import StoreKind
 from ..kv.quant import quantize_q8
+from .stage import _FM, _KIND_CODE, CODE_Q4, CODE_Q8, Q4B, _stage
 from .threads import run_serial_if, split_threads
 
 QBLOCK = 32  # query block of the int-dot variant (the seed: 32 values, one scale)
@@ -38,49 +44,6 @@ QBLOCK = 32  # query block of the int-dot variant (the seed: 32 values, one scal
 TILE = BLOCK
 SERIAL_ROWS = 2048  # below this many (kv_head, position) rows one thread runs it all (~0.1 ms of work)
 MIN_SPLIT = 256  # shortest split worth a thread: below it the merge and scheduling cost dominate
-CODE_Q8, CODE_F16, CODE_BF16, CODE_F32 = 0, 1, 2, 3
-# the one place a StoreKind becomes the int code the compiled core branches on
-_KIND_CODE = {
-    StoreKind.Q8: CODE_Q8,
-    StoreKind.F16: CODE_F16,
-    StoreKind.BF16: CODE_BF16,
-    StoreKind.F32: CODE_F32,
-}
-# reassoc+contract let LLVM vectorize the dot-product / sum reductions (and use FMA). No nnan/ninf:
-# -inf is the "no score yet" running max of an empty split, and the merge relies on exp(-inf) = 0.
-_FM = {"reassoc", "contract", "nsz"}
-_F16_MAGIC = np.float32(2.0**112)  # (h & 0x7fff) << 13 read as f32, times 2^112, is the f16 value (exact)
-
-
-@njit(fastmath=_FM, cache=True)
-def _stage(raw, code, h, t0, nt, dst_u, dst_f):  # pragma: no cover - compiled
-    """Rows t0..t0+nt of KV head h as f32 in dst_f (dst_u: same buffer). ``raw``: the store's bytes
-    ``[n_kv, cap, row_bytes]`` — one uint8 signature for every kind means a single (cached) compile."""
-    hd = dst_f.shape[1]
-    if code == CODE_Q8:
-        s8 = raw.view(np.int8)
-        for j in range(nt):
-            for d in range(hd):
-                dst_f[j, d] = np.float32(s8[h, t0 + j, d])
-    elif code == CODE_F32:
-        s32 = raw.view(np.uint32)
-        for j in range(nt):
-            for d in range(hd):
-                dst_u[j, d] = s32[h, t0 + j, d]
-    elif code == CODE_BF16:  # bf16 is the top half of an f32
-        s16 = raw.view(np.uint16)
-        for j in range(nt):
-            for d in range(hd):
-                dst_u[j, d] = np.uint32(s16[h, t0 + j, d]) << np.uint32(16)
-    else:  # f16; cache rows are finite by policy, so Inf/NaN bit patterns need no special case
-        s16 = raw.view(np.uint16)
-        for j in range(nt):
-            for d in range(hd):
-                dst_u[j, d] = (np.uint32(s16[h, t0 + j, d]) & np.uint32(0x7FFF)) << np.uint32(13)
-            for d in range(hd):
-                dst_f[j, d] *= _F16_MAGIC  # exact: also renormalizes f16 subnormals
-            for d in range(hd):
-                dst_u[j, d] |= (np.uint32(s16[h, t0 + j, d]) & np.uint32(0x8000)) << np.uint32(16)
 
 
 @njit(fastmath={"contract"}, cache=True)  # no reassoc: it would fold the two-step ln2 reduction
@@ -220,14 +183,31 @@ def _merge(part_acc, part_m, part_l, n_splits, group, out):  # pragma: no cover 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _decode_core(
-    qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, length, tiles, table, n_splits, out
+    qs,
+    q8,
+    qsc,
+    int_dot,
+    k,
+    k_code,
+    k_scale,
+    k_bsc,
+    v,
+    v_code,
+    v_scale,
+    v_bsc,
+    length,
+    tiles,
+    table,
+    n_splits,
+    out,
 ):  # pragma: no cover
     """Flash-Decoding over (kv_head, split) items; ``int_dot`` selects the seed's int8-query scores.
 
     ``tiles [n_kv, n_tiles]``: the TILE-position tiles each KV head attends (sparse decode: the
     selected blocks); empty (``n_tiles = 0``) = dense, every tile. Splits divide this list.
     ``table [n_blocks]``: the block table of a paged cache (logical block j lives in physical block
-    ``table[j]`` of the store); empty = contiguous (logical = physical)."""
+    ``table[j]`` of the store); empty = contiguous (logical = physical). ``k_bsc``/``v_bsc``: the
+    fp16 block-scale bits of a 4-bit K/V store (unread otherwise)."""
     n_heads, hd = qs.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
@@ -251,6 +231,8 @@ def _decode_core(
         e_u = np.empty(TILE, np.uint32)
         e_f = e_u.view(np.float32)
         prod = np.empty(hd, np.int32)
+        bs_u = np.empty(TILE * (hd // Q4B) + 1, np.uint32)  # a 4-bit tile's block scales as f32
+        bs_f = bs_u.view(np.float32)
         for ti in range(i_lo, i_hi):
             t_log = ti if dense else tiles[h, ti]
             nt = min(TILE, length - t_log * TILE)
@@ -258,7 +240,7 @@ def _decode_core(
             if int_dot:
                 _dot_tile_int(q8, qsc, h * group, group, k8, h, p0, nt, prod, sc)
             else:
-                _stage(k, k_code, h, p0, nt, tile_u, tile)
+                _stage(k, k_code, k_bsc, h, p0, nt, tile_u, tile, bs_u, bs_f)
                 _dot_tile(qs, h * group, group, tile, nt, sc)
             if k_q8:  # fold the K row scale into the score
                 for g in range(group):
@@ -267,7 +249,7 @@ def _decode_core(
             _softmax_tile(
                 sc, nt, group, part_m[item], part_l[item], part_acc[item], v_scale, v_q8, h, p0, e_u, e_f
             )
-            _stage(v, v_code, h, p0, nt, tile_u, tile)
+            _stage(v, v_code, v_bsc, h, p0, nt, tile_u, tile, bs_u, bs_f)
             _axpy_tile(sc, tile, nt, group, part_acc[item])
     _merge(part_acc, part_m, part_l, n_splits, group, out)
 
@@ -293,8 +275,10 @@ def quantize_query_blocks(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 _NO_SCALE = np.ones((1, 1), np.float32)
+_NO_BLOCK_SCALE = np.ones((1, 1, 1), np.uint16)
 _NO_Q8 = np.zeros((1, 1), np.int8)
-_ITEMSIZE = {_KIND_CODE[kind]: kind.dtype.itemsize for kind in StoreKind}
+_ROW_BYTES_PER_VALUE = {_KIND_CODE[kind]: kind.dtype.itemsize for kind in StoreKind if not kind.int4}
+_ROW_BYTES_PER_VALUE[CODE_Q4] = 0.5
 _NP_CODE = {
     np.dtype(np.int8): _KIND_CODE[StoreKind.Q8],
     np.dtype(np.float16): _KIND_CODE[StoreKind.F16],
@@ -341,15 +325,23 @@ def _block_table(table: np.ndarray | None, length: int, cap: int) -> np.ndarray:
 
 
 def _run(
-    q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_dot=False, blocks=None, table=None
-):
+    q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_dot=False, blocks=None, table=None,
+    k_bsc=_NO_BLOCK_SCALE, v_bsc=_NO_BLOCK_SCALE,
+):  # fmt: skip
     n_heads, hd = q.shape
     n_kv, cap = k.shape[:2]
     table = _block_table(table, length, cap)
     if n_heads % n_kv or v.shape[:2] != (n_kv, cap) or out.shape != q.shape:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}, out {out.shape}")
-    if k.shape[2] != hd * _ITEMSIZE[k_code] or v.shape[2] != hd * _ITEMSIZE[v_code]:
+    if k.shape[2] != hd * _ROW_BYTES_PER_VALUE[k_code] or v.shape[2] != hd * _ROW_BYTES_PER_VALUE[v_code]:
         raise ValueError(f"head_dim mismatch: q has {hd}")
+    for code, bsc in ((k_code, k_bsc), (v_code, v_bsc)):
+        if code == CODE_Q4 and (
+            bsc.shape[:2] != (n_kv, cap) or bsc.shape[2] * Q4B != hd or bsc.dtype != np.uint16
+        ):
+            raise ValueError(
+                f"4-bit block scales must be uint16 fp16 bits [n_kv, cap, {hd // Q4B}], got {bsc.shape}"
+            )
     if out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError("out must be a C-contiguous float32 array")
     tiles = _tile_table(n_kv, length, blocks)
@@ -369,7 +361,8 @@ def _run(
     if v_scale.dtype != np.float32 or not v_scale.flags.c_contiguous:
         v_scale = np.ascontiguousarray(v_scale, np.float32)
     args = (
-        qs, q8, qsc, int_dot, k, k_code, k_scale, v, v_code, v_scale, int(length), tiles, table, n_splits, out
+        qs, q8, qsc, int_dot, k, k_code, k_scale, k_bsc, v, v_code, v_scale, v_bsc, int(length), tiles, table,
+        n_splits, out,
     )  # fmt: skip
     run_serial_if(serial, _decode_core, *args)  # waking the thread pool would cost more than the work
     return out
@@ -407,15 +400,18 @@ def decode_attention_float(
     return _run(q, kb, kc, _NO_SCALE, vb, vc, _NO_SCALE, length, out, n_splits)
 
 
-def _store_arrays(store) -> tuple[np.ndarray, int, np.ndarray]:
-    """Zero-copy numpy views of a RowStore: (row bytes, storage code, scales), memoized on the store
-    for as long as its tensors are the same objects (a cache that grows gets new ones)."""
+def _store_arrays(store) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    """Zero-copy numpy views of a RowStore: (row bytes, storage code, row scales, block-scale bits),
+    memoized on the store for as long as its tensors are the same objects (a cache that grows gets
+    new ones)."""
     memo = store.__dict__.get("_numba_views")
     if memo is not None and memo[0] is store.data and memo[1] is store.scale:
         return memo[2]
     raw = store.data.view(torch.uint8).numpy()  # bf16 too: numpy has no bfloat16, the kernel shifts bits
-    scale = store.scale.numpy() if store.kind.quantized else _NO_SCALE
-    views = (raw, _KIND_CODE[store.kind], scale)
+    scale = store.scale.numpy() if store.kind.int8 else _NO_SCALE
+    # fp16 scales as their bits: numba has no float16 arrays, the kernel converts them exactly
+    bsc = store.scale.view(torch.int16).numpy().view(np.uint16) if store.kind.int4 else _NO_BLOCK_SCALE
+    views = (raw, _KIND_CODE[store.kind], scale, bsc)
     store.__dict__["_numba_views"] = (store.data, store.scale, views)
     return views
 
@@ -431,7 +427,8 @@ def decode_attention(
     table: np.ndarray | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of one layer's K and V
-    :class:`~kvlens.kv.cache.RowStore` (CPU; kinds f32/f16/bf16/q8, mixed K/V kinds included).
+    :class:`~kvlens.kv.cache.RowStore` (CPU; every kind, mixed K/V kinds included; rotated kinds are
+    read as stored, so ``q`` must be in K's stored basis and the result is in V's).
 
     Returns a new float32 ``[n_heads, hd]`` tensor. ``int_dot`` picks the seed's int8-query variant
     (K must be q8). ``n_splits`` defaults to :func:`choose_splits`. ``blocks [n_kv, n_sel]`` (block
@@ -440,8 +437,8 @@ def decode_attention(
     ``table [n_blocks]`` (int32): a paged cache's block table, logical block j of the sequence stored
     at physical block ``table[j]`` of the stores (``blocks`` then name logical blocks); read in place.
     """
-    k, kc, ks = _store_arrays(k_store)
-    v, vc, vs = _store_arrays(v_store)
+    k, kc, ks, kb = _store_arrays(k_store)
+    v, vc, vs, vb = _store_arrays(v_store)
     if int_dot and kc != CODE_Q8:
         raise ValueError("int_dot needs an int8 K store")
     qn = q.detach().numpy() if q.dtype == torch.float32 else q.detach().float().numpy()
@@ -450,5 +447,5 @@ def decode_attention(
         blocks = blocks.numpy()
     if isinstance(table, torch.Tensor):
         table = table.numpy()
-    _run(qn, k, kc, ks, v, vc, vs, length, out, n_splits, int_dot, blocks, table)
+    _run(qn, k, kc, ks, v, vc, vs, length, out, n_splits, int_dot, blocks, table, kb, vb)
     return torch.from_numpy(out)

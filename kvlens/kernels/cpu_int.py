@@ -44,6 +44,7 @@ from .cpu import (
     quantize_query_blocks,
 )
 from .q8store import KSUM_BLOCK
+from .stage import Q4B
 
 PATH_ENV = "KVLENS_INT_PATH"  # forces the CPU path of the integer kernels (vnni512|vnni256|avx2|portable)
 Q16_MAX = 32767.0
@@ -189,7 +190,7 @@ def _pv8_tile(path, w, v, h, t0, nt, group, vt, p8, acc8, acc):  # pragma: no co
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _core(
-    path, qbits, pv8, qc, k, k_scale, ksum, v, v_code, v_scale, length, tiles, table, n_splits, out
+    path, qbits, pv8, qc, k, k_scale, ksum, v, v_code, v_scale, v_bsc, length, tiles, table, n_splits, out
 ):  # pragma: no cover
     """cpu._decode_core with integer scores (and with ``pv8``, integer P.V); compiled once per
     literal (path, qbits, pv8). ``tiles`` and ``table`` (a paged cache's block table; empty =
@@ -220,6 +221,8 @@ def _core(
         vt = np.zeros((TILE // 4, hd, 4), np.int8)  # pv8: V codes interleaved by 4 rows
         p8 = np.zeros((group, TILE), np.uint8)
         acc8 = np.empty((group, hd), np.int32)
+        bs_u = np.empty(TILE * (hd // Q4B) + 1, np.uint32)  # a 4-bit V tile's block scales as f32
+        bs_f = bs_u.view(np.float32)
         for ti in range(i_lo, i_hi):
             t_log = ti if dense else tiles[h, ti]
             nt = min(TILE, length - t_log * TILE)
@@ -234,7 +237,7 @@ def _core(
             if pv8:
                 _pv8_tile(path, sc, v, h, t0, nt, group, vt, p8, acc8, part_acc[item])
             else:
-                _stage(v, v_code, h, t0, nt, tile_u, tile)
+                _stage(v, v_code, v_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
                 _axpy_tile(sc, tile, nt, group, part_acc[item])
     _merge(part_acc, part_m, part_l, n_splits, group, out)
 
@@ -271,15 +274,15 @@ def decode_attention_int(
     its ``ksum``) and any V store, integer scores per ``spec``. Same contract as
     :func:`kvlens.kernels.cpu.decode_attention`; returns a new float32 ``[n_heads, hd]`` tensor."""
     path = spec.resolved_path()
-    if k_store.kind != "q8":
+    if not k_store.kind.int8:
         raise ValueError(f"integer attention needs an int8 K store, got {k_store.kind}")
-    if spec.pv8 and v_store.kind != "q8":
+    if spec.pv8 and not v_store.kind.int8:
         raise ValueError(f"integer P.V ({spec.backend}) needs an int8 V store, got {v_store.kind}")
     shifted = spec.qbits == 8 and path in ("vnni512", "vnni256")
     if shifted and k_store.ksum is None:
         raise ValueError("integer attention with an 8-bit query on a VNNI path needs the K store's ksum")
-    k, _, ks = _store_arrays(k_store)
-    v, vc, vs = _store_arrays(v_store)
+    k, _, ks, _ = _store_arrays(k_store)
+    v, vc, vs, v_bsc = _store_arrays(v_store)
     n_kv, cap, hd = k.shape
     qn = q.detach().to(torch.float32).numpy()
     n_heads = qn.shape[0]
@@ -302,7 +305,7 @@ def decode_attention_int(
     ksum = k_store.ksum.numpy() if shifted else _NO_KSUM
     out = np.empty((n_heads, hd), np.float32)
     codes = (qc.qu, qc.q8, qc.lane_scale, qc.block_scale, qc.q16, qc.scale16)
-    args = (intdot.PATHS.index(path), spec.qbits, int(spec.pv8), codes, k, ks, ksum, v, vc, vs, int(length), tiles, table,
+    args = (intdot.PATHS.index(path), spec.qbits, int(spec.pv8), codes, k, ks, ksum, v, vc, vs, v_bsc, int(length), tiles, table,
             max(1, int(n_splits)), out)  # fmt: skip
     core = _compiled_core(args)
     if serial and n_threads > 1:

@@ -4,7 +4,10 @@ One program per (kv_head, split): it loads the query rows of the whole GQA group
 ``G_PAD >= 16`` rows so ``tl.dot`` applies), walks its slice of the sequence ``BLOCK_N`` positions at a
 time with an online softmax, and writes ``(m, l, acc)``; a few torch ops merge the splits exactly
 (Flash-Decoding). int8 rows are read as int8 with the K row scale folded into the score and the V row
-scale into the softmax weight (vLLM's trick), never dequantized in memory. Float caches (f32, f16,
+scale into the softmax weight (vLLM's trick), never dequantized in memory. 4-bit rows (q4, q4h) are
+loaded as packed bytes with their fp16 block scales and unpacked in registers (each byte is loaded
+for both of its codes; the second load hits the cache). Rotated kinds are read as stored (the
+caller rotates query and output, :func:`kvlens.kv.cache.rotations`). Float caches (f32, f16,
 bf16) use the same kernel; the dots run in full f32 (``input_precision="ieee"``, no TF32) since
 decode is bound by memory traffic, not by math.
 
@@ -53,10 +56,11 @@ def _kernels():
     @triton.jit
     def split_kernel(
         Q, K, KS, V, VS, Acc, M, L, Blocks, n_sel, Table,
-        length, split_len, stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh, qk_scale,
+        length, split_len, stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh,
+        stride_kst, stride_vst, qk_scale,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr, SPARSE: tl.constexpr,
-        PAGED: tl.constexpr,
+        BLOCK_N: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr, K_Q4: tl.constexpr,
+        V_Q4: tl.constexpr, SPARSE: tl.constexpr, PAGED: tl.constexpr,
     ):  # fmt: skip
         h = tl.program_id(0)
         s = tl.program_id(1)
@@ -65,6 +69,9 @@ def _kernels():
         d = tl.arange(0, D_PAD)
         gmask = g < GROUP
         dmask = d < HD
+        # 4-bit rows (pack_q4's layout): element d is in byte 16*(d//32) + d%16, high nibble if d%32 >= 16
+        byte_of = (d // 32) * 16 + d % 16
+        shift_of = ((d % 32) // 16 * 4).to(tl.uint8)
         # All query heads of the group, pre-scaled by log2(e)/sqrt(hd): the softmax runs in base 2.
         q = tl.load(
             Q + (h * GROUP + g)[:, None] * HD + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0
@@ -99,11 +106,18 @@ def _kernels():
                 n = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
                 nmask = n < hi
                 r = n
-            kt = tl.load(
-                K + h * stride_kh + r[None, :] * stride_kt + d[:, None],
-                mask=nmask[None, :] & dmask[:, None],
-                other=0,
-            )
+            kmask = nmask[None, :] & dmask[:, None]
+            if K_Q4:  # [D, N]: code pairs and fp16 block scales, unpacked in registers
+                kb = tl.load(
+                    K + h * stride_kh + r[None, :] * stride_kt + byte_of[:, None], mask=kmask, other=8
+                )
+                kc = ((kb >> shift_of[:, None]) & 15).to(tl.float32) - 8.0
+                kd = tl.load(
+                    KS + h * stride_ksh + r[None, :] * stride_kst + (d // 32)[:, None], mask=kmask, other=0.0
+                )
+                kt = kc * kd.to(tl.float32)
+            else:
+                kt = tl.load(K + h * stride_kh + r[None, :] * stride_kt + d[:, None], mask=kmask, other=0)
             sc = tl.dot(q, kt.to(tl.float32), input_precision="ieee")  # [G_PAD, BLOCK_N]
             if K_Q8:  # K row scale folded into the score
                 ks = tl.load(KS + h * stride_ksh + r, mask=nmask, other=0.0)
@@ -116,11 +130,18 @@ def _kernels():
             if V_Q8:  # V row scale folded into the weight
                 vs = tl.load(VS + h * stride_vsh + r, mask=nmask, other=0.0)
                 p = p * (vs * (1.0 / 127.0))[None, :]
-            vt = tl.load(
-                V + h * stride_vh + r[:, None] * stride_vt + d[None, :],
-                mask=nmask[:, None] & dmask[None, :],
-                other=0,
-            )
+            vmask = nmask[:, None] & dmask[None, :]
+            if V_Q4:  # [N, D]
+                vb = tl.load(
+                    V + h * stride_vh + r[:, None] * stride_vt + byte_of[None, :], mask=vmask, other=8
+                )
+                vc = ((vb >> shift_of[None, :]) & 15).to(tl.float32) - 8.0
+                vd = tl.load(
+                    VS + h * stride_vsh + r[:, None] * stride_vst + (d // 32)[None, :], mask=vmask, other=0.0
+                )
+                vt = vc * vd.to(tl.float32)
+            else:
+                vt = tl.load(V + h * stride_vh + r[:, None] * stride_vt + d[None, :], mask=vmask, other=0)
             acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
             m_i = m_new
         item = h * n_splits + s
@@ -156,7 +177,8 @@ def decode_attention_triton(
     table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of one layer's K/V
-    :class:`~kvlens.kv.cache.RowStore` (kinds f32/f16/bf16/q8, mixed K/V kinds included), in Triton.
+    :class:`~kvlens.kv.cache.RowStore` (every kind, mixed K/V kinds included; rotated kinds as
+    stored: ``q`` in K's basis, the result in V's), in Triton.
 
     Returns float32 ``[n_heads, hd]`` on the stores' device. ``block_n``: positions per step (power
     of 2, >= 16); ``n_splits``: sequence splits per KV head (default :func:`choose_splits_gpu`).
@@ -166,9 +188,10 @@ def decode_attention_triton(
     """
     kernel = _kernels()
     k, v = k_store.data, v_store.data
-    n_kv, cap, hd = k.shape
+    n_kv, cap = k.shape[:2]
+    hd = k_store.head_dim
     n_heads = q.shape[0]
-    if q.shape != (n_heads, hd) or n_heads % n_kv or v.shape != k.shape:
+    if q.shape != (n_heads, hd) or n_heads % n_kv or v.shape[:2] != k.shape[:2] or v_store.head_dim != hd:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("K/V rows must be contiguous")
@@ -212,13 +235,15 @@ def decode_attention_triton(
     lsum = torch.empty_like(m)
     ks = k_store.scale if k_store.kind.quantized else m  # any f32 tensor: unread when the kind is float
     vs = v_store.scale if v_store.kind.quantized else m
+    kst, vst = (ks.stride(1) if ks.dim() == 3 else 0), (vs.stride(1) if vs.dim() == 3 else 0)
     qc = q.detach().to(device=dev, dtype=torch.float32).contiguous()
     kernel[(n_kv, n_splits)](
         qc, k, ks, v, vs, acc, m, lsum, selected, n_sel, page,
-        length, split_len, k.stride(0), k.stride(1), v.stride(0), v.stride(1), ks.stride(0), vs.stride(0), LOG2E / math.sqrt(hd),
+        length, split_len, k.stride(0), k.stride(1), v.stride(0), v.stride(1), ks.stride(0), vs.stride(0),
+        kst, vst, LOG2E / math.sqrt(hd),
         GROUP=group, G_PAD=g_pad, HD=hd, D_PAD=d_pad, BLOCK_N=block_n,
-        K_Q8=k_store.kind.quantized, V_Q8=v_store.kind.quantized, SPARSE=blocks is not None,
-        PAGED=table is not None,
+        K_Q8=k_store.kind.int8, V_Q8=v_store.kind.int8, K_Q4=k_store.kind.int4, V_Q4=v_store.kind.int4,
+        SPARSE=blocks is not None, PAGED=table is not None,
     )  # fmt: skip
     # Exact merge of the splits (base 2): empty splits have m = -inf, l = 0 and weigh exp2(-inf) = 0.
     m_max = m.amax(dim=1, keepdim=True)

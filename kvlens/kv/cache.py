@@ -2,14 +2,21 @@
 
 Layout of one layer (``cap`` = capacity, a multiple of BLOCK)::
 
-    K.data  [n_kv_heads, cap, head_dim]   float32 / float16 / bfloat16 / int8
-    K.scale [n_kv_heads, cap]             float32 max_abs per row (int8 stores only)
-    K.ksum  [n_kv_heads, cap, head_dim/32] int16 sum of each 32-code block (int8 K only: the integer
-                                          attention kernels' +128 query-shift correction)
+    K.data  [n_kv_heads, cap, head_dim]     float32 / float16 / bfloat16 / int8 (q8, q8h)
+            [n_kv_heads, cap, head_dim/2]   uint8, two 4-bit codes per byte (q4, q4h)
+    K.scale [n_kv_heads, cap]               float32 max_abs per row (q8, q8h)
+            [n_kv_heads, cap, head_dim/32]  float16 scale per block of 32 (q4, q4h)
+    K.ksum  [n_kv_heads, cap, head_dim/32]  int16 sum of each 32-code block (int8 K only: the integer
+                                            attention kernels' +128 query-shift correction)
     V.*     the same, without ksum
 
-Scales and key sums live out of line, in their own arrays, so the code rows stay plain
-``head_dim``-byte rows (the layout vLLM measured fastest for gathers).
+Scales and key sums live out of line, in their own arrays, so the code rows stay plain rows (the
+layout vLLM measured fastest for gathers).
+
+Rotated kinds (q8h, q4h) hold every row of their layer's K (or V) in the rotated basis ``x @ R``
+(:func:`kvlens.kv.quant.rotation`), the exact copy included: ``write`` takes rows as the model makes
+them and rotates them, ``read`` returns the stored basis. Attention rotates the query by the same R
+(K rotated) and its output back by ``R.T`` (V rotated): :func:`store_basis` and :func:`rotations`.
 
 The mode (:class:`~kvlens.kv.modes.KVMode`) says how K and V are stored; :class:`~kvlens.kv.modes.CacheOptions`
 holds the rest (mirror prefill, keep-sink / keep-recent, block tracking).
@@ -33,8 +40,8 @@ import torch
 
 from ..checks import check_int, check_tensor
 from .blocks import BlockBounds
-from .modes import CacheOptions, KVMode, StoreKind
-from .quant import KSUM_BLOCK, dequantize_q8, first_nonfinite, store_q8
+from .modes import Q4_BLOCK, CacheOptions, KVMode, StoreKind
+from .quant import KSUM_BLOCK, dequantize_q4, dequantize_q8, first_nonfinite, rotation, store_q4, store_q8
 
 BLOCK = 32
 F32 = StoreKind.F32  # the exact copy's storage
@@ -55,6 +62,34 @@ def check_kv_finite(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) ->
             )
 
 
+def store_basis(kind: StoreKind, rows: torch.Tensor) -> torch.Tensor:
+    """``rows [..., head_dim]`` in the basis a store of ``kind`` keeps them (rotated kinds: ``rows @ R``)."""
+    if not kind.rotated:
+        return rows
+    return rows.to(torch.float32) @ rotation(rows.shape[-1], torch.float32, rows.device)
+
+
+def rotations(k_store: RowStore, v_store: RowStore) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rotation attention applies to the query (K rotated) and, transposed, to its output (V
+    rotated) for one layer's stores; None where the kind is not rotated."""
+    hd = k_store.head_dim
+    dev = k_store.data.device
+    rk = rotation(hd, torch.float32, dev) if k_store.kind.rotated else None
+    rv = rotation(hd, torch.float32, dev) if v_store.kind.rotated else None
+    return rk, rv
+
+
+def layer_stores(
+    mode: KVMode, n_layers: int, n_kv: int, cap: int, head_dim: int, device: torch.device
+) -> tuple[list[RowStore], list[RowStore]]:
+    """Empty K and V stores of every layer, each of the kind ``mode`` gives that layer."""
+    kinds = [mode.kinds(i) for i in range(n_layers)]
+    # int8 K keeps its code sums per 32-block for the integer attention kernels
+    k = [RowStore.empty(kk, n_kv, cap, head_dim, device, with_ksum=True) for kk, _ in kinds]
+    v = [RowStore.empty(vk, n_kv, cap, head_dim, device) for _, vk in kinds]
+    return k, v
+
+
 def round_up(n: int, multiple: int = BLOCK) -> int:
     return -(-n // multiple) * multiple
 
@@ -65,8 +100,8 @@ class RowStore:
 
     kind: StoreKind
     data: torch.Tensor
-    scale: torch.Tensor | None  # max_abs per row, int8 stores only
-    ksum: torch.Tensor | None = None  # code sums per 32-block, int8 K stores only
+    scale: torch.Tensor | None  # q8: max_abs per row; q4: fp16 scale per block of 32; floats: None
+    ksum: torch.Tensor | None = None  # code sums per 32-block, int8 K stores only (integer kernels)
 
     @classmethod
     def empty(
@@ -78,14 +113,20 @@ class RowStore:
         device: torch.device,
         with_ksum: bool = False,
     ) -> RowStore:
-        data = torch.zeros(n_kv, cap, head_dim, dtype=kind.dtype, device=device)
-        scale = torch.ones(n_kv, cap, dtype=torch.float32, device=device) if kind.quantized else None
-        ksum = (
-            torch.zeros(n_kv, cap, head_dim // KSUM_BLOCK, dtype=torch.int16, device=device)
-            if with_ksum and kind.quantized
-            else None
-        )
+        kind.check_head_dim(head_dim)
+        data = torch.zeros(n_kv, cap, kind.row_width(head_dim), dtype=kind.dtype, device=device)
+        scale = ksum = None
+        if kind.int8:
+            scale = torch.ones(n_kv, cap, dtype=torch.float32, device=device)
+            if with_ksum and head_dim % KSUM_BLOCK == 0:
+                ksum = torch.zeros(n_kv, cap, head_dim // KSUM_BLOCK, dtype=torch.int16, device=device)
+        elif kind.int4:
+            scale = torch.ones(n_kv, cap, head_dim // Q4_BLOCK, dtype=torch.float16, device=device)
         return cls(kind, data, scale, ksum)
+
+    @property
+    def head_dim(self) -> int:
+        return self.data.shape[2] * (2 if self.kind.int4 else 1)
 
     def grow(self, cap: int) -> None:
         n_kv, old, d = self.data.shape
@@ -93,7 +134,7 @@ class RowStore:
         data[:, :old] = self.data
         self.data = data
         if self.scale is not None:
-            scale = self.scale.new_ones(n_kv, cap)
+            scale = self.scale.new_ones(n_kv, cap, *self.scale.shape[2:])
             scale[:, :old] = self.scale
             self.scale = scale
         if self.ksum is not None:
@@ -102,22 +143,28 @@ class RowStore:
             self.ksum = ksum
 
     def write(self, start: int, rows: torch.Tensor) -> None:
-        if self.kind.quantized:
+        """Store ``rows [n_kv, n, head_dim]`` (already in the store's basis) at ``start``."""
+        if self.kind.int8:
             store_q8(rows, self.data, self.scale, start, self.ksum)
+        elif self.kind.int4:
+            store_q4(rows, self.data, self.scale, start)
         else:
             self.data[:, start : start + rows.shape[1]] = rows
 
+    def _values(self, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if self.kind.int8:
+            return dequantize_q8(data, scale)
+        if self.kind.int4:
+            return dequantize_q4(data, scale)
+        return data.to(torch.float32)
+
     def read_index(self, pos: torch.Tensor) -> torch.Tensor:
-        """Rows at positions ``pos`` as float32 [n_kv, len(pos), head_dim]."""
-        if self.kind.quantized:
-            return dequantize_q8(self.data[:, pos], self.scale[:, pos])
-        return self.data[:, pos].to(torch.float32)
+        """Rows at positions ``pos`` as float32 [n_kv, len(pos), head_dim] (the store's basis)."""
+        return self._values(self.data[:, pos], None if self.scale is None else self.scale[:, pos])
 
     def read(self, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) as float32 — the values attention sees."""
-        if self.kind.quantized:
-            return dequantize_q8(self.data[:, start:end], self.scale[:, start:end])
-        return self.data[:, start:end].to(torch.float32)
+        """Rows [start, end) as float32 — the values attention sees (in the store's basis)."""
+        return self._values(self.data[:, start:end], None if self.scale is None else self.scale[:, start:end])
 
 
 class KVCache:
@@ -148,16 +195,14 @@ class KVCache:
         self.has_mirror = mode.mirror or options.keeps_exact
         cap = round_up(max(capacity, 1))
 
-        def stores(kind: StoreKind, with_ksum: bool = False) -> list[RowStore]:
-            return [
-                RowStore.empty(kind, n_kv_heads, cap, head_dim, self.device, with_ksum)
-                for _ in range(n_layers)
-            ]
-
-        # the integer attention kernels' key sums: int8 K rows whose head_dim splits into 32-blocks
-        self.k, self.v = stores(mode.k, head_dim % KSUM_BLOCK == 0), stores(mode.v)
-        self.k_exact = stores(F32) if self.has_mirror else []
-        self.v_exact = stores(F32) if self.has_mirror else []
+        mode.check_layout(n_layers, head_dim)
+        self.k, self.v = layer_stores(mode, n_layers, n_kv_heads, cap, head_dim, self.device)
+        exact = KVMode("f32", F32, F32)
+        self.k_exact, self.v_exact = (
+            layer_stores(exact, n_layers, n_kv_heads, cap, head_dim, self.device)
+            if self.has_mirror
+            else ([], [])
+        )
         self.length = 0  # positions written in every layer
         # per-block key min/max for sparse decode's block selection (kv.blocks)
         self.bounds = (
@@ -169,11 +214,10 @@ class KVCache:
         return self.k[0].data.shape[1]
 
     def bytes_per_token(self) -> int:
-        """Stored KV bytes per token position over all layers (mirror included)."""
-        per_layer = self.mode.k.row_bytes(self.head_dim) + self.mode.v.row_bytes(self.head_dim)
-        if self.has_mirror:
-            per_layer += 2 * F32.row_bytes(self.head_dim)
-        return per_layer * self.n_kv_heads * self.n_layers
+        """Stored KV bytes per token position over all layers (mirror and kept-exact copy included)."""
+        exact = 2 * F32.row_bytes(self.head_dim) * self.n_kv_heads * self.n_layers
+        stored = self.mode.bytes_per_token(self.n_layers, self.n_kv_heads, self.head_dim)
+        return stored + (exact if self.has_mirror and not self.mode.mirror else 0)
 
     def reserve(self, capacity: int) -> None:
         """Grow every layer's storage (block by block) to hold at least ``capacity`` positions."""
@@ -188,6 +232,7 @@ class KVCache:
         self._check_rows(layer, start, k, v)
         check_kv_finite(layer, start, k, v)
         self.reserve(start + k.shape[1])
+        k, v = store_basis(self.k[layer].kind, k), store_basis(self.v[layer].kind, v)
         self.k[layer].write(start, k)
         self.v[layer].write(start, v)
         if self.has_mirror:

@@ -9,6 +9,10 @@ the CLI), into a :class:`KVMode`; everything inside takes the parsed value.
     q8+mirror         int8 rows *and* an exact f32 copy, like the seed's engine; decode reads int8,
                       prefill reads the exact copy when ``mirror_prefill="exact"`` (the seed's
                       default) or the int8 rows when ``mirror_prefill="q8"``
+    q8h               q8 after a fixed randomized Hadamard rotation of each row (kvlens.kv.quant)
+    q4, q4h           symmetric 4-bit in blocks of 32 along head_dim, fp16 scale per block, two codes
+                      per byte (the lab's ``q4`` scheme rule); q4h rotated first like q8h
+    k=KIND,v=KIND     separate K and V kinds, e.g. ``k=q8h,v=q4h`` (K is the sensitive one)
 """
 
 from __future__ import annotations
@@ -22,12 +26,17 @@ MIRROR_PREFILL = ("exact", "q8")
 
 
 class StoreKind(str, Enum):
-    """How one of K or V is stored: a float type, or int8 codes plus one fp32 max_abs per row."""
+    """How one of K or V is stored: a float type; int8 codes plus one fp32 max_abs per row (q8, q8h);
+    or packed 4-bit codes plus one fp16 scale per block of 32 values (q4, q4h). ``h``: the row is
+    rotated (randomized Hadamard) before it is quantized."""
 
     F32 = "f32"
     F16 = "f16"
     BF16 = "bf16"
     Q8 = "q8"
+    Q8H = "q8h"
+    Q4 = "q4"
+    Q4H = "q4h"
 
     def __str__(self) -> str:
         return self.value
@@ -37,23 +46,63 @@ class StoreKind(str, Enum):
 
     @property
     def quantized(self) -> bool:
-        return self is StoreKind.Q8
+        return self in _QUANTIZED
+
+    @property
+    def int8(self) -> bool:
+        """int8 codes with one fp32 max_abs per row (q8, q8h)."""
+        return self in (StoreKind.Q8, StoreKind.Q8H)
+
+    @property
+    def int4(self) -> bool:
+        """packed 4-bit codes with one fp16 scale per block of Q4_BLOCK values (q4, q4h)."""
+        return self in (StoreKind.Q4, StoreKind.Q4H)
+
+    @property
+    def rotated(self) -> bool:
+        """Rows are rotated (kvlens.kv.quant.rotation) before they are quantized."""
+        return self in (StoreKind.Q8H, StoreKind.Q4H)
 
     @property
     def dtype(self) -> torch.dtype:
-        """The element type of the stored rows (int8 codes for q8)."""
+        """The element type of the stored rows (int8 codes for q8, uint8 code pairs for q4)."""
         return _DTYPES[self]
 
+    def row_width(self, head_dim: int) -> int:
+        """Elements of ``dtype`` in one stored row (q4: two codes per byte)."""
+        return head_dim // 2 if self.int4 else head_dim
+
     def row_bytes(self, head_dim: int) -> int:
-        """Bytes of one stored (token, head) row: int8 codes + one fp32 max_abs, or head_dim floats."""
-        return head_dim + 4 if self.quantized else head_dim * self.dtype.itemsize
+        """Bytes of one stored (token, head) row, scales included: q8 codes + one fp32 max_abs, q4
+        code pairs + one fp16 scale per block of 32, or head_dim floats."""
+        self.check_head_dim(head_dim)
+        if self.int8:
+            return head_dim + 4
+        if self.int4:
+            return head_dim // 2 + 2 * (head_dim // Q4_BLOCK)
+        return head_dim * self.dtype.itemsize
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """ValueError when this kind cannot store rows of ``head_dim`` values."""
+        if self.int4 and head_dim % Q4_BLOCK:
+            raise ValueError(f"KV kind {self} needs head_dim divisible by {Q4_BLOCK}, got {head_dim}")
+        if self.rotated and (head_dim < 2 or head_dim & (head_dim - 1)):
+            raise ValueError(
+                f"KV kind {self} rotates rows by a Hadamard transform, which needs head_dim a power of "
+                f"two (64, 128, 256), got {head_dim}"
+            )
 
 
+Q4_BLOCK = 32  # values per fp16 scale of the 4-bit kinds
+_QUANTIZED = frozenset({StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H})
 _DTYPES = {
     StoreKind.F32: torch.float32,
     StoreKind.F16: torch.float16,
     StoreKind.BF16: torch.bfloat16,
     StoreKind.Q8: torch.int8,
+    StoreKind.Q8H: torch.int8,
+    StoreKind.Q4: torch.uint8,
+    StoreKind.Q4H: torch.uint8,
 }
 
 
@@ -63,12 +112,17 @@ class UnknownKVModeError(ValueError):
 
 @dataclass(frozen=True)
 class KVMode:
-    """A KV-cache mode: the storage of K and of V, and whether an exact f32 mirror is kept."""
+    """A KV-cache mode: the storage of K and of V, and whether an exact f32 mirror is kept.
+
+    ``layers``: a per-layer mode (a recipe, :mod:`kvlens.kv.recipe`) gives each layer its own
+    ``(K kind, V kind)``; ``k`` and ``v`` are then the widest kinds it uses. Empty: every layer
+    stores ``k`` and ``v``. Ask :meth:`kinds` for a layer's kinds."""
 
     name: str
     k: StoreKind
     v: StoreKind
     mirror: bool = False
+    layers: tuple[tuple[StoreKind, StoreKind], ...] = ()
 
     def __str__(self) -> str:
         return self.name
@@ -78,24 +132,77 @@ class KVMode:
 
     @property
     def quantized(self) -> bool:
-        return self.k.quantized or self.v.quantized
+        return any(k.quantized or v.quantized for k, v in self.layers or ((self.k, self.v),))
+
+    def kinds(self, layer: int) -> tuple[StoreKind, StoreKind]:
+        """(K kind, V kind) of ``layer``."""
+        return self.layers[layer] if self.layers else (self.k, self.v)
+
+    def check_layout(self, n_layers: int, head_dim: int) -> None:
+        """ValueError when this mode cannot store a model of ``n_layers`` layers of ``head_dim``."""
+        if self.layers and len(self.layers) != n_layers:
+            raise ValueError(f"KV recipe {self.name} has {len(self.layers)} layers; the model has {n_layers}")
+        for k, v in self.layers or ((self.k, self.v),):
+            k.check_head_dim(head_dim)
+            v.check_head_dim(head_dim)
+
+    def bytes_per_token(self, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+        """Stored KV bytes per token position over all layers (scales and the mirror copy included)."""
+        self.check_layout(n_layers, head_dim)
+        mirror = 2 * StoreKind.F32.row_bytes(head_dim) if self.mirror else 0
+        kinds = [self.kinds(i) for i in range(n_layers)]
+        rows = sum(k.row_bytes(head_dim) + v.row_bytes(head_dim) for k, v in kinds)
+        return (rows + mirror * n_layers) * n_kv_heads
 
     @property
     def label(self) -> str:
-        """What the mode stores, e.g. ``K q8 / V f32``."""
+        """What the mode stores, e.g. ``K q8 / V f32`` (a recipe: its distinct per-layer pairs)."""
+        if self.layers:
+            pairs = sorted({f"{k}/{v}" for k, v in self.layers})
+            return f"recipe, {len(self.layers)} layers, K/V {' '.join(pairs)}"
         return f"K {self.k} / V {self.v}" + (" + exact f32 mirror" if self.mirror else "")
 
     @classmethod
     def parse(cls, mode: str | KVMode) -> KVMode:
-        """The mode named ``mode`` (a :class:`KVMode` is returned as is)."""
+        """The mode named ``mode`` (a :class:`KVMode` is returned as is), or ``k=KIND,v=KIND``."""
         if isinstance(mode, KVMode):
             return mode
         if isinstance(mode, str) and mode in MODES:
             return MODES[mode]
-        raise UnknownKVModeError(f"unknown KV cache mode {mode!r}; choose one of: {', '.join(MODES)}")
+        if isinstance(mode, str) and mode.replace(" ", "").startswith("k="):
+            return cls._parse_split(mode.replace(" ", ""))
+        if isinstance(mode, str) and mode.endswith(".json"):
+            from .recipe import load_recipe
+
+            return load_recipe(mode)
+        raise UnknownKVModeError(
+            f"unknown KV cache mode {mode!r}; choose one of: {', '.join(MODES)}, k=KIND,v=KIND, or a "
+            "recipe .json file"
+        )
+
+    @classmethod
+    def _parse_split(cls, spec: str) -> KVMode:
+        parts = dict(p.split("=", 1) for p in spec.split(",") if "=" in p)
+        if spec.count(",") != 1 or set(parts) != {"k", "v"}:
+            raise UnknownKVModeError(f"a split KV mode reads k=KIND,v=KIND, got {spec!r}")
+        kinds = []
+        for role in ("k", "v"):
+            try:
+                kinds.append(StoreKind(parts[role]))
+            except ValueError:
+                choices = ", ".join(k.value for k in StoreKind)
+                raise UnknownKVModeError(
+                    f"unknown {role.upper()} kind {parts[role]!r} in {spec!r}; choose one of: {choices}"
+                ) from None
+        k, v = kinds
+        for m in MODES.values():  # a split naming a registered mode is that mode (one name per mode)
+            if (m.k, m.v, m.mirror) == (k, v, False):
+                return m
+        return cls(f"k={k},v={v}", k, v)
 
 
 _F32, _F16, _BF16, _Q8 = StoreKind.F32, StoreKind.F16, StoreKind.BF16, StoreKind.Q8
+_Q8H, _Q4, _Q4H = StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H
 MODES: dict[str, KVMode] = {
     m.name: m
     for m in (
@@ -106,8 +213,23 @@ MODES: dict[str, KVMode] = {
         KVMode("q8-k", _Q8, _F32),
         KVMode("q8-v", _F32, _Q8),
         KVMode("q8+mirror", _Q8, _Q8, mirror=True),
+        KVMode("q8h", _Q8H, _Q8H),
+        KVMode("q4", _Q4, _Q4),
+        KVMode("q4h", _Q4H, _Q4H),
     )
 }
+
+
+def split_mode_list(spec: str) -> list[str]:
+    """Names in a comma list, a ``k=KIND,v=KIND`` pair kept as one name (``"q8,k=q8h,v=q4h"`` ->
+    ``["q8", "k=q8h,v=q4h"]``)."""
+    names: list[str] = []
+    for item in (s.strip() for s in spec.split(",")):
+        if item.startswith("v=") and names and names[-1].startswith("k=") and "," not in names[-1]:
+            names[-1] += "," + item
+        elif item:
+            names.append(item)
+    return names
 
 
 @dataclass(frozen=True)

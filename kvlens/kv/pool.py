@@ -22,17 +22,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .cache import BLOCK, F32, KSUM_BLOCK, RowStore, check_kv_finite
-from .modes import MIRROR_PREFILL, CacheOptions, KVMode, StoreKind
+from .cache import BLOCK, F32, check_kv_finite, layer_stores, store_basis
+from .modes import MIRROR_PREFILL, CacheOptions, KVMode
 from .prefix import PrefixIndex
 
 
 def kv_bytes_per_token(mode: KVMode, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
     """Stored KV bytes per token position over all layers in ``mode`` (the mirror copy included)."""
-    per_layer = mode.k.row_bytes(head_dim) + mode.v.row_bytes(head_dim)
-    if mode.mirror:
-        per_layer += 2 * F32.row_bytes(head_dim)
-    return per_layer * n_kv_heads * n_layers
+    return mode.bytes_per_token(n_layers, n_kv_heads, head_dim)
 
 
 class PoolExhaustedError(RuntimeError):
@@ -68,15 +65,11 @@ class BlockPool:
             )
         cap = self.n_blocks * BLOCK
 
-        def stores(kind: StoreKind, with_ksum: bool = False) -> list[RowStore]:
-            return [
-                RowStore.empty(kind, n_kv_heads, cap, head_dim, self.device, with_ksum)
-                for _ in range(n_layers)
-            ]
-
-        # int8 K keeps its code sums per 32-block, as the contiguous cache does (the integer kernels)
-        self.k, self.v = stores(mode.k, head_dim % KSUM_BLOCK == 0), stores(mode.v)
-        self.k_exact, self.v_exact = (stores(F32), stores(F32)) if mode.mirror else ([], [])
+        self.k, self.v = layer_stores(mode, n_layers, n_kv_heads, cap, head_dim, self.device)
+        exact = KVMode("f32", F32, F32)
+        self.k_exact, self.v_exact = (
+            layer_stores(exact, n_layers, n_kv_heads, cap, head_dim, self.device) if mode.mirror else ([], [])
+        )
         self.refcount = np.zeros(self.n_blocks, np.int32)
         self._free: deque[int] = deque(range(self.n_blocks))
         self.index: PrefixIndex | None = None  # set by enable_prefix
@@ -148,13 +141,16 @@ class BlockPool:
 
     def block_rows(self, block: int) -> list[torch.Tensor]:
         """Views of every stored tensor of ``block`` (each layer's K, V, mirror copies; codes then
-        scales for int8 stores) in a fixed order: what the disk tier writes and reads back."""
+        scales of quantized stores, int8 K's code sums) in a fixed order: what the disk tier writes and
+        reads back."""
         rows = slice(block * BLOCK, (block + 1) * BLOCK)
         out = []
         for store in (*self.k, *self.v, *self.k_exact, *self.v_exact):
             out.append(store.data[:, rows])
             if store.scale is not None:
                 out.append(store.scale[:, rows])
+            if store.ksum is not None:  # the integer kernels read them: a restored block needs its own
+                out.append(store.ksum[:, rows])
         return out
 
 
@@ -221,6 +217,7 @@ class PagedKV:
                 f"positions up to {end} need blocks the sequence does not hold ({self.capacity})"
             )
         check_kv_finite(layer, start, k, v)
+        k, v = store_basis(self.k[layer].kind, k), store_basis(self.v[layer].kind, v)
         stores = [(self.k, k), (self.v, v)]
         if self.has_mirror:
             stores += [(self.pool.k_exact, k), (self.pool.v_exact, v)]

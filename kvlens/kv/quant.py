@@ -12,10 +12,15 @@ so results are bit-identical with the seed's C engine.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 from ..checks import check_tensor
 from ..kernels.q8store import KSUM_BLOCK, NO_KSUM, first_nonfinite_index, store_q8_rows
+from ..models.blockquant import symmetric_blocks
+from .modes import Q4_BLOCK
 
 Q8_MAX = 127.0
 TINY_MAX_ABS = 1e-6
@@ -96,3 +101,101 @@ def store_q8(
     scale[:, start : start + rows.shape[1]] = max_abs
     if ksum is not None:
         ksum[:, start : start + rows.shape[1]] = block_sums(q)
+
+
+# -- the 4-bit rule (q4, q4h) ---------------------------------------------------------------------
+Q4_MAX = 7.0  # codes -7..7: symmetric, so |error| <= step/2 for every element (kv.schemes explains)
+FP16_MAX = 65504.0
+
+
+def quantize_sym_blocks(xg: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's symmetric block rule with an fp16 scale, on groups ``xg [..., G]``: codes are
+    computed with the f32 ``1/d`` (``d = absmax/qmax``), the scale is stored as fp16 (the lab's
+    ``q8_0`` / ``q4`` schemes and the cache's q4 kinds). Returns ``(codes int8, d fp16 [...])``."""
+    q, d = symmetric_blocks(xg, qmax)
+    if bool((d > FP16_MAX).any()):
+        raise ValueError(f"|x| up to {float(d.max()) * qmax:.3g} overflows the fp16 scale of a block")
+    d16 = d.to(torch.float16)
+    # a scale that underflows fp16 dequantizes to 0 whatever the codes: store 0 codes then
+    q = torch.where((d16 == 0).unsqueeze(-1), torch.zeros_like(q), q)
+    return q.to(torch.int8), d16
+
+
+def quantize_q4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q4 rule over rows ``x [..., d]`` in blocks of Q4_BLOCK: ``(codes int8 [..., d] in -7..7,
+    scale fp16 [..., d / Q4_BLOCK])``."""
+    x = check_tensor(x, "x", floating=True, min_dim=1).to(torch.float32)
+    d = x.shape[-1]
+    if d % Q4_BLOCK:
+        raise ValueError(f"q4 needs a last dimension divisible by {Q4_BLOCK}, got {d}")
+    q, d16 = quantize_sym_blocks(x.reshape(*x.shape[:-1], d // Q4_BLOCK, Q4_BLOCK), Q4_MAX)
+    return q.reshape(x.shape), d16
+
+
+def pack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """Two codes per byte, llama.cpp's q4_0 layout: in each block of 32 values, byte ``i`` (0..15)
+    holds element ``i`` in its low nibble and element ``i + 16`` in its high one, each as
+    ``code + 8`` (0..15), so unpacking writes two contiguous runs of 16 (vector stores).
+    ``codes int8 [..., d]`` (d a multiple of 32) -> ``uint8 [..., d/2]``."""
+    check_tensor(codes, "codes", dtypes=(torch.int8,), min_dim=1)
+    if codes.shape[-1] % Q4_BLOCK:
+        raise ValueError(f"pack_q4 needs a last dimension divisible by {Q4_BLOCK}, got {codes.shape[-1]}")
+    if bool(((codes < -8) | (codes > 7)).any()):
+        raise ValueError("4-bit codes must lie in -8..7")
+    u = (codes.to(torch.int16) + 8).to(torch.uint8).reshape(*codes.shape[:-1], -1, Q4_BLOCK)
+    half = Q4_BLOCK // 2
+    return (u[..., :half] | (u[..., half:] << 4)).reshape(*codes.shape[:-1], codes.shape[-1] // 2)
+
+
+def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_q4`: ``uint8 [..., d/2]`` -> codes ``int8 [..., d]``."""
+    check_tensor(packed, "packed", dtypes=(torch.uint8,), min_dim=1)
+    blocks = packed.reshape(*packed.shape[:-1], -1, Q4_BLOCK // 2)
+    lo = (blocks & 15).to(torch.int8) - 8
+    hi = (blocks >> 4).to(torch.int8) - 8
+    return torch.cat((lo, hi), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def dequantize_q4(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Packed codes ``[..., d/2]`` and fp16 block scales ``[..., d/32]`` as values ``[..., d]``."""
+    codes = unpack_q4(packed).to(torch.float32)
+    blocks = codes.reshape(*codes.shape[:-1], -1, Q4_BLOCK) * scale.to(torch.float32).unsqueeze(-1)
+    return blocks.reshape(codes.shape).to(dtype)
+
+
+def store_q4(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start: int) -> None:
+    """Quantize ``rows [n_kv, n, d]`` by the q4 rule into ``data[:, start:start+n]`` (packed uint8)
+    and ``scale[:, start:start+n]`` (fp16 per block), in place."""
+    codes, d16 = quantize_q4(rows)
+    data[:, start : start + rows.shape[1]] = pack_q4(codes)
+    scale[:, start : start + rows.shape[1]] = d16
+
+
+# -- the rotation of the h kinds (q8h, q4h) ---------------------------------------------------------
+ROTATION_SEED = 20261130  # fixed: a cache written by one process is read right by another
+
+
+@functools.cache
+def _rotation64(head_dim: int) -> torch.Tensor:
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        raise ValueError(f"a Hadamard rotation needs head_dim a power of two, got {head_dim}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < head_dim:  # Sylvester: H_2n = [[H, H], [H, -H]]
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    gen = torch.Generator().manual_seed(ROTATION_SEED + head_dim)
+    signs = torch.randint(0, 2, (head_dim,), generator=gen).to(torch.float64) * 2 - 1
+    return signs[:, None] * h / math.sqrt(head_dim)
+
+
+def rotation(
+    head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The orthonormal randomized Hadamard matrix ``R = diag(s) H / sqrt(d)`` (random signs ``s``,
+    seeded) of the rotated kinds: a row ``x`` is stored as ``x @ R``; ``y @ R.T`` turns it back.
+
+    Scores are unchanged when the query is rotated too (``(q R)·(k R) = q·k``), and attention over
+    rotated V rows is the rotated output (turned back with ``R.T``). The rotation spreads an outlier
+    channel over all channels, which is what makes low-bit codes of such rows accurate."""
+    return _rotation64(head_dim).to(dtype=dtype, device=device)

@@ -35,13 +35,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.blockquant import symmetric_blocks
-from .quant import Q8_MAX, check_finite, dequantize_q8, q8_step, quantize_q8
+from .quant import (
+    Q4_MAX,
+    Q8_MAX,
+    check_finite,
+    dequantize_q8,
+    q8_step,
+    quantize_q8,
+    quantize_sym_blocks,
+)
 
 ROLES = ("k", "v")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MIN_EXP = -6  # e4m3: smallest normal 2^-6, 3 mantissa bits -> subnormal spacing 2^-9
-FP16_MAX = 65504.0
 
 
 @dataclass
@@ -157,15 +163,11 @@ class BlockSym(Scheme):
     scale_bits, fp16_scale = 16, True
 
     def _quantize(self, xg):
-        q, d = symmetric_blocks(xg, self.qmax)
-        if bool((d > FP16_MAX).any()):
-            raise ValueError(
-                f"{self.name}: |x| up to {float(d.max()) * self.qmax:.3g} overflows the fp16 scale"
-            )
-        d16 = d.to(torch.float16)
-        # a scale that underflows fp16 dequantizes to 0 whatever the codes: store 0 codes then
-        q = torch.where((d16 == 0).unsqueeze(-1), torch.zeros_like(q), q)
-        return q.to(torch.int8), d16, None
+        try:  # the one implementation of the rule (the cache's q4 kinds store it too)
+            q, d16 = quantize_sym_blocks(xg, self.qmax)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
+        return q, d16, None
 
     def _dequantize(self, qt):
         return qt.codes.to(torch.float32) * qt.scale.to(torch.float32).unsqueeze(-1)
@@ -177,7 +179,7 @@ class Q8_0(BlockSym):
 
 
 class Q4(BlockSym):
-    name, code_bits, qmax = "q4", 4, 7.0
+    name, code_bits, qmax = "q4", 4, Q4_MAX
     description = "symmetric 4-bit: blocks of 32, codes -7..7, fp16 scale absmax/7, roundf"
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..kv.blocks import SparseConfig
-from ..kv.modes import MODES, CacheOptions, KVMode
+from ..kv.modes import MODES, CacheOptions, KVMode, split_mode_list
 from ..report import figure, label_axes, save_figure
 
 
@@ -21,7 +21,7 @@ def parse_modes(spec: str | Sequence[str | KVMode]) -> list[KVMode]:
     list (kept as given)."""
     if not isinstance(spec, str):
         return [KVMode.parse(m) for m in spec]
-    names = [s.strip() for s in spec.split(",") if s.strip()]
+    names = split_mode_list(spec)
     if names == ["all"]:
         return list(MODES.values())
     if not names:

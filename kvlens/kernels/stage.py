@@ -1,0 +1,89 @@
+"""Per-tile conversion of cache rows to f32 for the fused CPU decode kernel (:mod:`.cpu`): every
+storage kind, read from the store's raw bytes (one compiled signature for all), into an L1-resident
+scratch tile. 4-bit rows are unpacked here; int8 rows are converted and their row scale folded in by
+the caller (into the score or the softmax weight)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..kv.modes import Q4_BLOCK, StoreKind
+
+CODE_Q8, CODE_F16, CODE_BF16, CODE_F32, CODE_Q4 = 0, 1, 2, 3, 4
+# the one place a StoreKind becomes the int code the compiled core branches on (rotation is the
+# caller's: a rotated kind is stored like its plain one)
+_KIND_CODE = {
+    StoreKind.Q8: CODE_Q8,
+    StoreKind.Q8H: CODE_Q8,
+    StoreKind.Q4: CODE_Q4,
+    StoreKind.Q4H: CODE_Q4,
+    StoreKind.F16: CODE_F16,
+    StoreKind.BF16: CODE_BF16,
+    StoreKind.F32: CODE_F32,
+}
+Q4B = Q4_BLOCK
+# reassoc+contract let LLVM vectorize the dot-product / sum reductions (and use FMA). No nnan/ninf:
+# -inf is the "no score yet" running max of an empty split, and the merge relies on exp(-inf) = 0.
+_FM = {"reassoc", "contract", "nsz"}
+_F16_MAGIC = np.float32(2.0**112)  # (h & 0x7fff) << 13 read as f32, times 2^112, is the f16 value (exact)
+
+
+@njit(fastmath=_FM, cache=True)
+def _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f):  # pragma: no cover - compiled
+    """4-bit rows (llama.cpp's q4_0 layout, :func:`kvlens.kv.quant.pack_q4`): in each block of 32,
+    byte i holds element i (low nibble) and i + 16 (high), each as code + 8. The tile's fp16 block
+    scales are converted first (the bit conversion of f16 rows, inline: no array slices per row),
+    then each block is written as two contiguous runs of 16 (vectorized)."""
+    nb = bsc.shape[2]
+    half = Q4B // 2
+    for j in range(nt):
+        for b in range(nb):
+            bs_u[j * nb + b] = (np.uint32(bsc[h, t0 + j, b]) & np.uint32(0x7FFF)) << np.uint32(13)
+    for k in range(nt * nb):
+        bs_f[k] *= _F16_MAGIC
+    for j in range(nt):
+        for b in range(nb):
+            bs_u[j * nb + b] |= (np.uint32(bsc[h, t0 + j, b]) & np.uint32(0x8000)) << np.uint32(16)
+    for j in range(nt):
+        for b in range(nb):
+            sb = bs_f[j * nb + b]
+            o, r0 = b * Q4B, b * half
+            for i in range(half):
+                dst_f[j, o + i] = np.float32(np.int32(raw[h, t0 + j, r0 + i] & np.uint8(15)) - 8) * sb
+            for i in range(half):
+                dst_f[j, o + half + i] = np.float32(np.int32(raw[h, t0 + j, r0 + i] >> np.uint8(4)) - 8) * sb
+
+
+@njit(fastmath=_FM, cache=True)
+def _stage(raw, code, bsc, h, t0, nt, dst_u, dst_f, bs_u, bs_f):  # pragma: no cover - compiled
+    """Rows t0..t0+nt of KV head h as f32 in dst_f (dst_u: same buffer). ``raw``: the store's bytes
+    ``[n_kv, cap, row_bytes]`` — one uint8 signature for every kind means a single (cached) compile.
+    ``bsc``: fp16 block-scale bits of a 4-bit store (``bs_u``/``bs_f``: their f32 scratch)."""
+    hd = dst_f.shape[1]
+    if code == CODE_Q4:
+        _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f)
+    elif code == CODE_Q8:
+        s8 = raw.view(np.int8)
+        for j in range(nt):
+            for d in range(hd):
+                dst_f[j, d] = np.float32(s8[h, t0 + j, d])
+    elif code == CODE_F32:
+        s32 = raw.view(np.uint32)
+        for j in range(nt):
+            for d in range(hd):
+                dst_u[j, d] = s32[h, t0 + j, d]
+    elif code == CODE_BF16:  # bf16 is the top half of an f32
+        s16 = raw.view(np.uint16)
+        for j in range(nt):
+            for d in range(hd):
+                dst_u[j, d] = np.uint32(s16[h, t0 + j, d]) << np.uint32(16)
+    else:  # f16; cache rows are finite by policy, so Inf/NaN bit patterns need no special case
+        s16 = raw.view(np.uint16)
+        for j in range(nt):
+            for d in range(hd):
+                dst_u[j, d] = (np.uint32(s16[h, t0 + j, d]) & np.uint32(0x7FFF)) << np.uint32(13)
+            for d in range(hd):
+                dst_f[j, d] *= _F16_MAGIC  # exact: also renormalizes f16 subnormals
+            for d in range(hd):
+                dst_u[j, d] |= (np.uint32(s16[h, t0 + j, d]) & np.uint32(0x8000)) << np.uint32(16)

@@ -1,0 +1,174 @@
+"""Per-layer KV recipes: JSON round trip into the engine, refusals, the planner's choice and its run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import write_hf
+
+import kvlens
+from kvlens.kv.modes import MODES, KVMode, StoreKind
+from kvlens.kv.recipe import RecipeError, load_recipe, recipe_mode, save_recipe
+from kvlens.lab.plan import PlanConfig, choose, run_plan
+
+F16, Q8H, Q4H, F32 = StoreKind.F16, StoreKind.Q8H, StoreKind.Q4H, StoreKind.F32
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("recipe") / "hf"
+    write_hf("qwen3", out, seed=3)  # 2 layers, head_dim 32
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return kvlens.load(tiny_dir, kv="f32", attn_backend="torch")
+
+
+def write(path, layers, **extra):
+    path.write_text(json.dumps({"kvlens_recipe": 1, "layers": layers, **extra}))
+    return str(path)
+
+
+def test_round_trip_json_engine(tmp_path, tiny):
+    mode = recipe_mode("r", [(Q8H, Q4H), (F16, StoreKind.Q8)])
+    path = tmp_path / "r.json"
+    save_recipe(mode, 2, path, model="tiny")
+    back = load_recipe(path)
+    assert back.layers == mode.layers and back.name == str(path)
+    assert KVMode.parse(str(path)) == back
+    llm = tiny.variant(kv=str(path))
+    cache = llm.new_cache(40)
+    assert [(s.kind, t.kind) for s, t in zip(cache.k, cache.v, strict=True)] == list(mode.layers)
+    hd, n_kv = 32, 2  # bytes: each layer's own rows, summed
+    expected = n_kv * (Q8H.row_bytes(hd) + Q4H.row_bytes(hd) + F16.row_bytes(hd) + StoreKind.Q8.row_bytes(hd))
+    assert cache.bytes_per_token() == expected == back.bytes_per_token(2, n_kv, hd)
+
+
+@pytest.mark.parametrize("uniform", ["q8h", "q4h", "f16"])
+def test_a_uniform_recipe_is_that_mode(tmp_path, tiny, uniform):
+    """A recipe giving every layer one mode's kinds computes bit for bit what the mode computes."""
+    path = write(tmp_path / "u.json", [{"k": uniform, "v": uniform}] * 2)
+    ids = list(range(5, 45))
+    for backend in ("torch", "numba"):
+        a = tiny.variant(kv=path, attn_backend=backend)
+        b = tiny.variant(kv=uniform, attn_backend=backend)
+        ca, cb = a.new_cache(41), b.new_cache(41)
+        a.forward(ids, ca, 0, prefill=True)
+        b.forward(ids, cb, 0, prefill=True)
+        assert torch.equal(a.forward([7], ca, 40, prefill=False), b.forward([7], cb, 40, prefill=False))
+
+
+def test_mixed_recipe_is_each_layer_its_own_mode(tmp_path, tiny):
+    """Layer 0 from one mode, layer 1 from another: the K/V rows each layer stores are those modes' rows."""
+    path = write(tmp_path / "m.json", [{"k": "q4h", "v": "q8"}, {"k": "f16", "v": "q4"}])
+    ids = list(range(5, 37))
+    caches = {}
+    for kv in (path, "k=q4h,v=q8", "k=f16,v=q4"):
+        llm = tiny.variant(kv=kv)
+        caches[kv] = llm.new_cache(32)
+        llm.forward(ids, caches[kv], 0, prefill=True)
+    # layer 0 sees the same input in every mode: its stored rows equal exactly
+    assert torch.equal(caches[path].k[0].data, caches["k=q4h,v=q8"].k[0].data)
+    assert torch.equal(caches[path].v[0].data, caches["k=q4h,v=q8"].v[0].data)
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ({"kvlens_recipe": 1, "layers": [{"k": "q3", "v": "q8"}] * 2}, "layer 0 K: unknown KV kind 'q3'"),
+        ({"kvlens_recipe": 1, "layers": [{"k": "q8"}] * 2}, "layer 0 must be"),
+        ({"kvlens_recipe": 1, "layers": []}, "non-empty list"),
+        ({"layers": [{"k": "q8", "v": "q8"}]}, "not a kvlens KV recipe"),
+    ],
+)
+def test_bad_recipe_is_one_clear_error(tmp_path, content, match):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(RecipeError, match=match):
+        KVMode.parse(str(path))
+
+
+def test_bad_recipe_files_and_layer_count(tmp_path, tiny, tiny_dir):
+    (tmp_path / "nojson.json").write_text("{not json")
+    with pytest.raises(RecipeError, match="not valid JSON"):
+        KVMode.parse(str(tmp_path / "nojson.json"))
+    with pytest.raises(RecipeError, match="cannot read"):
+        KVMode.parse(str(tmp_path / "missing.json"))
+    three = write(tmp_path / "three.json", [{"k": "q8", "v": "q8"}] * 3)
+    with pytest.raises(ValueError, match="has 3 layers; the model has 2"):
+        tiny.variant(kv=three)
+    with pytest.raises(ValueError, match="has 3 layers; the model has 2"):
+        kvlens.load(tiny_dir, kv=three)
+    # the CLI: one line, exit 2
+    r = subprocess.run(
+        [sys.executable, "-m", "kvlens.cli", "generate", "--model", str(tiny_dir), "--kv", three, "hi"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == ["error: KV recipe " + three + " has 3 layers; the model has 2"]
+
+
+def brute_force(sens, n_layers, hd, budget):
+    """The cheapest assignment under the budget by enumeration (tiny instances only)."""
+    items = [(layer, role) for layer in range(n_layers) for role in ("k", "v")]
+    best = None
+    for combo in itertools.product([F16, Q8H, Q4H], repeat=len(items)):
+        kld = sum(0.0 if k == F16 else sens[(*it, k)] for it, k in zip(items, combo, strict=True))
+        size = sum(k.row_bytes(hd) for k in combo)
+        if kld <= budget and (best is None or size < best[0]):
+            best = (size, kld)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choice_is_within_budget_maximal_and_near_optimal(seed):
+    gen = torch.Generator().manual_seed(seed)
+    n, hd = 3, 64
+    sens = {}
+    for layer in range(n):
+        for role in ("k", "v"):
+            a = float(torch.rand(1, generator=gen)) * 1e-3 * (4 if role == "k" else 1)
+            sens[layer, role, Q8H] = a
+            sens[layer, role, Q4H] = a * (5 + 20 * float(torch.rand(1, generator=gen)))
+    budget = 2e-3
+    layers, predicted = choose(sens, n, hd, budget)
+    chosen = {(i, r): kind for i, (k, v) in enumerate(layers) for r, kind in (("k", k), ("v", v))}
+    kld = sum(0.0 if kind == F16 else sens[(*it, kind)] for it, kind in chosen.items())
+    assert kld == pytest.approx(predicted) and kld <= budget
+    size = sum(kind.row_bytes(hd) for kind in chosen.values())
+    for it, kind in chosen.items():  # maximal: no single further downgrade fits
+        for cheaper in (Q8H, Q4H):
+            if cheaper.row_bytes(hd) < kind.row_bytes(hd):
+                old = 0.0 if kind == F16 else sens[(*it, kind)]
+                assert kld - old + sens[(*it, cheaper)] > budget
+    opt_size, _ = brute_force(sens, n, hd, budget)
+    assert size <= 1.25 * opt_size  # greedy knapsack: close to the optimum on these instances
+
+
+def test_plan_end_to_end_on_a_tiny_model(tmp_path, tiny_dir):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"the {w} in a tin" for w in range(400)))
+    out = tmp_path / "plan.json"
+    cfg = PlanConfig(
+        model=str(tiny_dir), corpus=str(corpus), kld_budget=0.01, ctx=64, calib_chunks=1, heldout_chunks=2,
+        out=str(out), kv="q8",
+    )  # fmt: skip
+    r = run_plan(cfg)
+    back = load_recipe(out)
+    assert back.layers == r.recipe.layers and len(back.layers) == 2
+    assert r.calib_kld <= 0.01 or r.rounds == 3
+    rows = {x["kv"]: x for x in r.rows}
+    assert set(rows) == {str(out), "q8"}
+    assert rows[str(out)]["bytes_per_token"] == back.bytes_per_token(2, 2, 32)
+    f16 = MODES["f16"].bytes_per_token(2, 2, 32)
+    assert rows[str(out)]["vs_f16"] == pytest.approx(rows[str(out)]["bytes_per_token"] / f16)
+    assert all(x["kld_mean"] >= 0 for x in rows.values())
