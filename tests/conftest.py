@@ -60,3 +60,18 @@ def hf_smol(smol_path):
 
     m = AutoModelForCausalLM.from_pretrained(smol_path.parent, gguf_file=smol_path.name, dtype=torch.float32)
     return m.double().eval()
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny kernel problems on one numba and one torch thread: thread-pool wake-ups cost more than the
+    work, and torch's and numba's two OpenMP pools spin against each other on a busy 2-core box."""
+    import numba
+    import torch
+
+    n, nt = numba.get_num_threads(), torch.get_num_threads()
+    numba.set_num_threads(1)
+    torch.set_num_threads(1)
+    yield
+    numba.set_num_threads(n)
+    torch.set_num_threads(nt)

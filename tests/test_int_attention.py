@@ -44,12 +44,7 @@ PATH_PARAMS = [
 EPS32 = 2.0**-24
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny problems run on one thread
 
 
 def make_stores(n_kv, hd, length, seed, zero_rows=()):

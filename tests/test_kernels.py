@@ -31,16 +31,7 @@ GQA = [(4, 4), (9, 3), (8, 2), (16, 2)]  # (n_heads, n_kv): ratios 1, 3, 4, 8
 LENGTHS = [1, 31, 32, 33, 1000]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny problems: thread-pool wake-ups cost more than the work, and torch's and numba's two OpenMP
-    pools spin against each other on a busy 2-core box (~40 ms stalls per call)."""
-    n, nt = numba.get_num_threads(), torch.get_num_threads()
-    numba.set_num_threads(1)
-    torch.set_num_threads(1)
-    yield
-    numba.set_num_threads(n)
-    torch.set_num_threads(nt)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny problems run on one thread
 
 
 def make_store(

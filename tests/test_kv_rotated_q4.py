@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import math
 
-import numba
 import numpy as np
 import pytest
 import torch
@@ -30,14 +29,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 NEW_KINDS = ["q8h", "q4", "q4h"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n, nt = numba.get_num_threads(), torch.get_num_threads()
-    numba.set_num_threads(1)
-    torch.set_num_threads(1)
-    yield
-    numba.set_num_threads(n)
-    torch.set_num_threads(nt)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny problems run on one thread
 
 
 # ---------------------------------------------------------------- the rotation

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import numba
 import pytest
 import torch
 
@@ -23,12 +22,7 @@ from kvlens.kv.pool import BlockPool, PagedKV, PoolExhaustedError, kv_bytes_per_
 N_KV, N_HEADS, HD = 2, 6, 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = numba.get_num_threads()
-    numba.set_num_threads(1)
-    yield
-    numba.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny problems run on one thread
 
 
 def filled(mode: str, length: int, seed: int = 0):
