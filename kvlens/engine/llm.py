@@ -11,9 +11,11 @@ from pathlib import Path
 import torch
 
 from ..checks import check_device, check_int, check_text, check_token_ids
+from ..kernels.decode_step import ATTN_INT16, attention_kind, fused_stores
+from ..kernels.stage import CODE_Q8
 from ..kernels.threads import decode_threads
 from ..kv.blocks import SparseConfig
-from ..kv.cache import KVCache
+from ..kv.cache import KVCache, check_kv_finite
 from ..kv.modes import MODES, CacheOptions, KVMode
 from ..models.loader import LoadedModel, check_weights_mode, load_model
 from ..models.transformer import Transformer
@@ -52,6 +54,9 @@ class LLM:
         self.device = self.model.device
         self.prefill_chunk = prefill_chunk
         self.attn_backend = resolve_backend(attn_backend, self.device)
+        self.fused_step = True  # one-token steps as one compiled call per layer where they can (False: never)
+        windows = [w for w in loaded.config.layer_windows if w is not None]
+        self._window_free = min(windows, default=loaded.config.max_ctx)  # positions every layer attends whole
 
     # -- cache and forward -------------------------------------------------------------------
     def new_cache(
@@ -88,6 +93,11 @@ class LLM:
         """Run tokens at positions start.. through the model, writing the cache; returns hidden [n, hidden]."""
         ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
         self.check_fits(start + ids.shape[0])
+        if not prefill and ids.shape[0] == 1:
+            with self._step_threads(True):
+                hidden = self._forward_fused(ids, cache, start, backend or self.attn_backend)
+            if hidden is not None:
+                return hidden
         sparse = self.sparse if cache.bounds is not None and not prefill else None
         attend = make_attend(
             cache,
@@ -99,6 +109,30 @@ class LLM:
         )
         with self._step_threads(not prefill):
             return self.model.forward(ids, start, attend)
+
+    def _forward_fused(
+        self, ids: torch.Tensor, cache: KVCache, start: int, backend: str
+    ) -> torch.Tensor | None:
+        """A one-token step with each layer one compiled call (kernels/decode_step.py), or None where
+        that path does not apply (then :meth:`forward` runs the general one): a plain KV cache whose
+        layers all store q8, f16 or f32 (no mirror, kept-exact rows or block tracking), the numba or
+        numba-int16 backend, no attention window reached, Llama-style layers on the CPU."""
+        attn = attention_kind(backend)
+        if not self.fused_step or self.model.fused is None or attn is None or type(cache) is not KVCache:
+            return None
+        if cache.bounds is not None or cache.has_mirror or start + 1 > self._window_free:
+            return None
+        cache.reserve(start + 1)
+        stores = fused_stores(cache)
+        if stores is None or (attn[0] == ATTN_INT16 and any(s[2] != CODE_Q8 for s in stores)):
+            return None
+
+        def refused(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            check_kv_finite(layer, start, k, v)
+
+        hidden = self.model.forward_fused(ids, start, stores, attn, refused)
+        cache.length = max(cache.length, start + 1)
+        return hidden
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of final hidden states [n, hidden] (what :meth:`forward` returns)."""

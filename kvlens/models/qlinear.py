@@ -137,6 +137,11 @@ class QLinear:
         self._np = [a.numpy() for a in self._t] if self.device.type == "cpu" else None
 
     @property
+    def kernel_arrays(self) -> tuple[np.ndarray, ...] | None:
+        """The arrays the layer's JIT kernel reads (CPU), in its argument order; None elsewhere."""
+        return None if self._np is None else tuple(self._np)
+
+    @property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in self._t)
 

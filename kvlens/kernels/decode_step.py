@@ -1,0 +1,366 @@
+"""One decode-step layer as one compiled call: norm → QKV → RoPE → KV write → attention → o-proj →
+norm → gate/up → SiLU → down, with both residual adds (CPU, one token, Llama-style layers).
+
+At 512 positions a SmolLM2 step spent more time between kernels than in attention: ~13 numba
+dispatches, ~25 torch ``.numpy()``/``from_numpy`` round trips and ~10 small allocations per layer,
+plus the KV write's checks (docs/kernels.md, "Profile of the 512-position decode step"). Here the
+same kernels run back to back inside one compiled function, on buffers allocated once:
+
+* the arithmetic is the unfused path's, call for call — the same compiled kernels (``rowops``,
+  ``qkernels``, ``q8store``, the attention cores of ``cpu`` / ``cpu_int``) in the same order, and
+  the glue (residual adds, 1/sqrt(d) into q, the 16-bit query) without fastmath, as numpy/torch do
+  it — so logits are bit-identical to the unfused path (tested);
+* weights are tuples of the layer's numpy arrays, one layout per kind (:func:`matvec` picks the
+  kernel from the tuple's type at compile time); K/V stores likewise (:func:`store_row`: int8 rows
+  with scale and code sums, f32, or f16 bits);
+* the compiled specialization is looked up once per signature (:class:`LayerCall`): calling the
+  dispatcher would re-type ~30 arguments every layer, and a literal (the attention kind) every call.
+
+A non-finite K or V value stops the call before anything is stored; the caller raises.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import literally, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from ..kv.modes import StoreKind
+from . import intdot
+from .cpu import _CONTIGUOUS, SERIAL_ROWS, _decode_core, choose_splits
+from .cpu_int import _NO_KSUM, Q16_MAX, IntAttn
+from .cpu_int import _core as _int_core
+from .q8store import NO_KSUM, store_q8_rows
+from .qkernels import _mv_bf16, _mv_f32, _mv_int4, _mv_int8
+from .rowops import rms_norm_row, rope_split_row, silu_mul_row
+from .stage import CODE_F16, CODE_F32, CODE_Q8
+from .threads import split_threads
+
+ATTN_FLOAT, ATTN_INT16 = 0, 1  # attention kinds: the float kernel (numba), 16-bit integer scores
+
+
+def matvec(w, x, out):  # pragma: no cover - replaced by the overload in compiled code
+    """``out [1, n] = x [1, k] @ W.T`` for a weight tuple ``w`` (see :func:`weight_arrays`)."""
+    raise NotImplementedError
+
+
+@overload(matvec)
+def _matvec(w, x, out):
+    if not isinstance(w, types.BaseTuple):
+        return None
+    if len(w) == 3:  # int4: packed codes, scales, mins
+        return lambda w, x, out: _mv_int4(x, w[0], w[1], w[2], out)
+    if len(w) == 2:  # int8: codes, scales
+        return lambda w, x, out: _mv_int8(x, w[0], w[1], out)
+    if w[0].dtype == types.uint16:  # bf16 bits
+        return lambda w, x, out: _mv_bf16(x, w[0], out)
+    return lambda w, x, out: _mv_f32(w[0], x, out)  # f32 [n, k]
+
+
+def store_row(s, rows, pos):  # pragma: no cover - replaced by the overload in compiled code
+    """Store one position's K or V rows ``[n_kv, 1, d]`` (f32) at row ``pos`` of store tuple ``s``."""
+    raise NotImplementedError
+
+
+@overload(store_row)
+def _store_row(s, rows, pos):
+    if len(s) == 3:  # int8 codes, max_abs scale, code sums per 32-block (empty: none)
+        return lambda s, rows, pos: store_q8_rows(rows, s[0], s[1], pos, s[2])
+    if s[0].dtype == types.uint16:  # f16 bits
+        return lambda s, rows, pos: _store_f16(rows, s[0], pos)
+    return lambda s, rows, pos: _store_f32(rows, s[0], pos)
+
+
+@njit(cache=True)
+def _store_f32(rows, data, pos):  # pragma: no cover - compiled
+    for h in range(rows.shape[0]):
+        data[h, pos, :] = rows[h, 0, :]
+
+
+@njit(cache=True)
+def f32_to_f16_bits(x):  # pragma: no cover - compiled
+    """IEEE f32 → f16 bits, round to nearest even (numpy's and torch's conversion) for finite ``x``."""
+    f = np.uint32(np.float32(x).view(np.uint32))
+    sign = np.uint16((f >> np.uint32(16)) & np.uint32(0x8000))
+    f_exp = f & np.uint32(0x7F800000)
+    if f_exp >= np.uint32(0x47800000):  # |x| >= 65536: infinity
+        return np.uint16(sign | np.uint16(0x7C00))
+    if f_exp <= np.uint32(0x38000000):  # an f16 subnormal (or zero)
+        if f_exp < np.uint32(0x33000000):
+            return sign
+        sig = np.uint32(0x00800000) + (f & np.uint32(0x007FFFFF))
+        sig = sig >> (np.uint32(113) - (f_exp >> np.uint32(23)))
+        if (sig & np.uint32(0x3FFF)) != np.uint32(0x1000) or (f & np.uint32(0x7FF)) != 0:
+            sig += np.uint32(0x1000)
+        return np.uint16(sign + np.uint16(sig >> np.uint32(13)))
+    h_exp = np.uint16((f_exp - np.uint32(0x38000000)) >> np.uint32(13))
+    sig = f & np.uint32(0x007FFFFF)
+    if (sig & np.uint32(0x3FFF)) != np.uint32(0x1000):
+        sig += np.uint32(0x1000)
+    return np.uint16(sign + np.uint16(np.uint16(sig >> np.uint32(13)) + h_exp))  # a carry rounds up
+
+
+@njit(cache=True)
+def _store_f16(rows, data, pos):  # pragma: no cover - compiled
+    for h in range(rows.shape[0]):
+        for d in range(rows.shape[2]):
+            data[h, pos, d] = f32_to_f16_bits(rows[h, 0, d])
+
+
+@njit(cache=True)
+def _first_nonfinite(a):  # pragma: no cover - compiled
+    flat = a.reshape(-1)
+    for i in range(flat.size):
+        if not np.isfinite(flat[i]):
+            return i
+    return -1
+
+
+# numba's own get/set_num_threads reach the threading layer through ctypes pointers, which numba
+# cannot cache to disk (every process would recompile the step: ~20 s); these call the same C
+# functions by the symbols numba registers when it starts its threads (numba.get_num_threads() below).
+@intrinsic
+def _get_threads(typingctx):
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.IntType(32), []), "get_num_threads"
+        )
+        return builder.sext(builder.call(fn, []), ir.IntType(64))
+
+    return types.int64(), codegen
+
+
+@intrinsic
+def _set_threads(typingctx, n):
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "set_num_threads")
+        builder.call(fn, [builder.trunc(args[0], ir.IntType(32))])
+        return context.get_dummy_value()
+
+    return types.void(types.int64), codegen
+
+
+numba.get_num_threads()  # starts numba's threads: registers the symbols above
+
+
+@njit(cache=True)
+def _linear(w, bias, x, out, min_work):  # pragma: no cover - compiled
+    """matvec on one thread when the work is too small to wake the pool (qlinear.PARALLEL_MIN_WORK),
+    plus the bias (torch's ``out += bias``: the same f32 adds)."""
+    threads = _get_threads()
+    serial = x.shape[1] * out.shape[1] < min_work and threads > 1
+    if serial:
+        _set_threads(1)
+    matvec(w, x, out)
+    if serial:
+        _set_threads(threads)
+    for i in range(bias.shape[0]):
+        out[0, i] += bias[i]
+
+
+@njit(cache=True)
+def _add(x, y):  # pragma: no cover - compiled
+    for i in range(x.shape[1]):
+        x[0, i] += y[0, i]
+
+
+@njit(cache=True)
+def _quantize_q16(q, inv_sqrt, q16, s16):  # pragma: no cover - compiled
+    """cpu_int.quantize_query's 16-bit rule, the same f32 operations (no fastmath: no FMA)."""
+    for hq in range(q.shape[0]):
+        m = np.float32(0.0)
+        for d in range(q.shape[1]):
+            m = max(m, abs(q[hq, d]))
+        if m < np.float32(1e-30):
+            m = np.float32(1.0)
+        r = np.float32(Q16_MAX) / m
+        for d in range(q.shape[1]):
+            c = np.floor(q[hq, d] * r + np.float32(0.5))
+            q16[hq, d] = np.int16(min(max(c, np.float32(-Q16_MAX)), np.float32(Q16_MAX)))
+        s16[hq] = m / np.float32(Q16_MAX) * inv_sqrt
+
+
+@njit(cache=True)
+def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
+    """Decode attention of ``q [H, d]`` (cpu / cpu_int's cores); ``at``: see :func:`decode_layer`."""
+    k_code, v_code, inv_sqrt, length, n_splits, serial, table = at
+    qs, q16, s16, no_q8, no_sc, no_bsc, dense, no_ksum = buf
+    threads = _get_threads()
+    if serial and threads > 1:
+        _set_threads(1)
+    k_scale = ks[1] if len(ks) == 3 else no_sc
+    v_scale = vs[1] if len(vs) == 3 else no_sc
+    k_raw, v_raw = ks[0].view(np.uint8), vs[0].view(np.uint8)
+    if kind == ATTN_FLOAT:
+        for hq in range(q.shape[0]):
+            for d in range(q.shape[1]):
+                qs[hq, d] = q[hq, d] * inv_sqrt
+        _decode_core(qs, no_q8, no_sc, False, k_raw, k_code, k_scale, no_bsc, v_raw, v_code, v_scale, no_bsc,
+                     length, dense, table, n_splits, out)  # fmt: skip
+    else:
+        _quantize_q16(q, inv_sqrt, q16, s16)
+        codes = (no_q8.view(np.uint8), no_q8, no_sc, no_sc, q16, s16)
+        _int_core(path, 16, 0, codes, k_raw, k_scale, no_ksum, v_raw, v_code, v_scale, no_bsc, length, dense,
+                  table, n_splits, out)  # fmt: skip
+    if serial and threads > 1:
+        _set_threads(threads)
+
+
+@njit(cache=True)
+def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pragma: no cover - compiled
+    """One layer of a one-token step, ``x [1, hidden]`` updated in place; returns -1, or the flat index
+    of the first non-finite value of K (``i``) or V (``K.size + i``): nothing is stored then.
+
+    ``kind``, ``path``: literal attention kind and integer-kernel path (one specialization each).
+    ``lw``: (attn_norm, ffn_norm, eps, wqkv, bqkv, wo, w_gate_up, w_down), weights as tuples.
+    ``ks``/``vs``: the layer's K and V store tuples. ``rope``: (cos, sin) rows of ``pos``.
+    ``at``: (K code, V code, 1/sqrt(d) as f32, length, splits, serial, block table).
+    ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then :func:`_attend`'s."""
+    kind, path = literally(kind), literally(path)
+    attn_norm, ffn_norm, eps, wqkv, bqkv, wo, wgu, wdown = lw
+    h, qkv, q, k, v, o, proj, gu, act = buf[0]
+    rms_norm_row(x[0], attn_norm, eps, h[0])
+    _linear(wqkv, bqkv, h, qkv, min_work)
+    rope_split_row(qkv[0], rope[0], rope[1], q, k, v)
+    bad = _first_nonfinite(k)
+    if bad < 0:
+        bad = _first_nonfinite(v)
+        if bad >= 0:
+            return k.size + bad
+    else:
+        return bad
+    store_row(ks, k.reshape(k.shape[0], 1, k.shape[1]), pos)
+    store_row(vs, v.reshape(v.shape[0], 1, v.shape[1]), pos)
+    _attend(kind, path, q, ks, vs, at, buf[1], o)
+    no_bias = bqkv[:0]
+    _linear(wo, no_bias, o.reshape(1, o.size), proj, min_work)
+    _add(x, proj)
+    rms_norm_row(x[0], ffn_norm, eps, h[0])
+    _linear(wgu, no_bias, h, gu, min_work)
+    silu_mul_row(gu[0], act[0])
+    _linear(wdown, no_bias, act, proj, min_work)
+    _add(x, proj)
+    return -1
+
+
+# -- the Python side: arrays and buffers set up once, the compiled entry points looked up once ---------
+_STORE_KIND = {StoreKind.Q8: CODE_Q8, StoreKind.F16: CODE_F16, StoreKind.F32: CODE_F32}  # kinds written here
+
+
+def store_tuple(store) -> tuple[np.ndarray, ...] | None:
+    """A RowStore as :func:`store_row` takes it (zero-copy views), or None for a kind not written here
+    (4-bit, bf16, rotated). Memoized on the store while its tensors are the same objects."""
+    memo = store.__dict__.get("_step_tuple")
+    if memo is not None and memo[0] is store.data:
+        return memo[1]
+    if store.kind not in _STORE_KIND:
+        return None
+    if store.kind == StoreKind.Q8:
+        ksum = NO_KSUM if store.ksum is None else store.ksum.numpy()
+        arrays = (store.data.numpy(), store.scale.numpy(), ksum)
+    elif store.kind == StoreKind.F16:
+        arrays = (store.data.view(torch.int16).numpy().view(np.uint16),)
+    else:
+        arrays = (store.data.numpy(),)
+    store.__dict__["_step_tuple"] = (store.data, arrays)
+    return arrays
+
+
+def fused_stores(cache) -> list[tuple] | None:
+    """Per layer of a KVCache: (K tuple, V tuple, K code, V code) for :meth:`FusedDecoder.run`, or None
+    if a layer's kind is not written here. Memoized on the cache while its stores keep their tensors
+    (they grow all together: :meth:`kvlens.kv.cache.KVCache.reserve`)."""
+    memo = cache.__dict__.get("_step_stores")
+    if memo is not None and memo[0] is cache.k[0].data and memo[1] is cache.v[-1].data:
+        return memo[2]
+    stores = []
+    for ks, vs in zip(cache.k, cache.v, strict=True):
+        kt, vt = store_tuple(ks), store_tuple(vs)
+        if kt is None or vt is None:
+            stores = None
+            break
+        stores.append((kt, vt, _STORE_KIND[ks.kind], _STORE_KIND[vs.kind]))
+    cache.__dict__["_step_stores"] = (cache.k[0].data, cache.v[-1].data, stores)
+    return stores
+
+
+def attention_kind(backend: str) -> tuple[int, int] | None:
+    """(kind, path index) of a resolved attention backend this module runs, else None."""
+    if backend == "numba":
+        return ATTN_FLOAT, 0
+    spec = IntAttn.parse(backend)
+    if spec is None or spec.qbits != 16 or spec.pv8:
+        return None
+    return ATTN_INT16, intdot.PATHS.index(spec.resolved_path())
+
+
+@dataclass(frozen=True)
+class StepShape:
+    hidden: int
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    ffn: int
+    n_qkv: int
+
+
+class FusedDecoder:
+    """The layers of one-token decode steps as one :func:`decode_layer` call each.
+
+    ``layers``: per layer (attn_norm, ffn_norm, eps, wqkv, bqkv, wo, w_gate_up, w_down) with numpy
+    arrays and weight tuples (:func:`matvec`). Scratch buffers live here, reused by every step (one
+    decoder serves one step at a time)."""
+
+    def __init__(self, layers: list[tuple], shape: StepShape, min_work: int) -> None:
+        self.layers, self.shape, self.min_work = layers, shape, min_work
+        s, f32 = shape, np.float32
+        self.buf = (
+            (np.empty((1, s.hidden), f32), np.empty((1, s.n_qkv), f32), np.empty((s.n_heads, s.head_dim), f32),
+             np.empty((s.n_kv, s.head_dim), f32), np.empty((s.n_kv, s.head_dim), f32),
+             np.empty((s.n_heads, s.head_dim), f32), np.empty((1, s.hidden), f32), np.empty((1, 2 * s.ffn), f32),
+             np.empty((1, s.ffn), f32)),
+            (np.empty((s.n_heads, s.head_dim), f32), np.empty((s.n_heads, s.head_dim), np.int16),
+             np.empty(s.n_heads, f32), np.zeros((1, 1), np.int8), np.ones((1, 1), f32),
+             np.ones((1, 1, 1), np.uint16), np.zeros((1, 0), np.int32), _NO_KSUM),
+        )  # fmt: skip
+        self.inv_sqrt = np.float32(1.0 / math.sqrt(shape.head_dim))  # as cpu._run computes it
+        self._entry: dict[tuple, object] = {}
+
+    def run(self, x: np.ndarray, pos: int, rope: tuple, stores: list[tuple], attn: tuple[int, int]) -> int:
+        """Every layer at position ``pos`` over ``stores`` (per layer: K tuple, V tuple, K code, V code),
+        ``x [1, hidden]`` in place. Returns -1, or the layer whose K or V (:attr:`kv_rows`) holds a
+        non-finite value (stopped there: nothing of it stored)."""
+        length = pos + 1
+        n_kv = self.shape.n_kv
+        serial = n_kv * length < SERIAL_ROWS
+        n_splits = 1 if serial else choose_splits(length, n_kv, split_threads())
+        for i, (lw, (ks, vs, k_code, v_code)) in enumerate(zip(self.layers, stores, strict=True)):
+            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, _CONTIGUOUS)
+            args = (*attn, x, lw, ks, vs, pos, rope, at, self.buf, self.min_work)
+            entry = self._entry.get((i, *attn, k_code, v_code)) or self._compile(i, args)
+            bad = entry(*args)
+            if bad >= 0:
+                return i
+        return -1
+
+    def _compile(self, layer: int, args: tuple):
+        """The compiled specialization for ``args`` (compiled, or loaded from numba's disk cache, once)."""
+        sig = (types.literal(args[0]), types.literal(args[1]), *(numba.typeof(a) for a in args[2:]))
+        entry = decode_layer.compile(sig)
+        at = args[8]
+        self._entry[(layer, args[0], args[1], at[0], at[1])] = entry
+        return entry
+
+    @property
+    def kv_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The last layer's K and V rows ``[n_kv, 1, d]`` (the ones :meth:`run` refused, after a stop)."""
+        k, v = self.buf[0][3:5]
+        return k[:, None], v[:, None]
