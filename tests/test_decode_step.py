@@ -1,0 +1,161 @@
+"""One compiled call per layer for one-token steps (kernels/decode_step.py) against the general path.
+
+The general path (each layer's parts as separate calls, ``LLM.fused_step = False``) is held to HF
+transformers' float64 logits by test_engine.py; the fused step runs the same kernels in the same order
+on the same values, so its logits and cache contents must be bit-identical to it, step after step.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import write_hf
+
+import kvlens
+from kvlens.kernels import decode_step
+from kvlens.kv.cache import NonFiniteKVError
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """A Llama (Llama-3 RoPE scaling, untied head) and a Qwen2 (QKV bias) with random weights."""
+    out = {}
+    for arch, seed in (("llama", 5), ("qwen2", 6)):
+        out[arch] = tmp_path_factory.mktemp(arch)
+        write_hf(arch, out[arch], seed=seed)
+    return out
+
+
+class Spy:
+    """Counts FusedDecoder.run calls of one model (the fused path really ran)."""
+
+    def __init__(self, llm) -> None:
+        self.calls, fused = 0, llm.model.fused
+        inner = fused.run
+
+        def run(*args):
+            self.calls += 1
+            return inner(*args)
+
+        fused.run = run
+
+
+def decode_steps(llm, ids: list[int], kv: str, steps: int, fused: bool) -> tuple[list[torch.Tensor], object]:
+    """Greedy logits of ``steps`` one-token steps after a prefill of ``ids``, and the cache."""
+    llm.fused_step = fused
+    cache = llm.new_cache(len(ids) + steps, kv)
+    logits = [llm.prefill(ids, cache)]
+    for i in range(steps):
+        tok = int(logits[-1].argmax())
+        logits.append(llm.lm_head(llm.forward([tok], cache, len(ids) + i, prefill=False))[0])
+    llm.fused_step = True
+    return logits, cache
+
+
+def assert_same_steps(llm, ids: list[int], kv: str, steps: int = 3) -> None:
+    spy = Spy(llm)
+    fused, c1 = decode_steps(llm, ids, kv, steps, True)
+    assert spy.calls == steps  # every decode step took the fused path
+    plain, c2 = decode_steps(llm, ids, kv, steps, False)
+    assert spy.calls == steps
+    for a, b in zip(fused, plain, strict=True):
+        assert torch.equal(a, b)
+    assert c1.length == c2.length == len(ids) + steps
+    for s1, s2 in zip(c1.k + c1.v, c2.k + c2.v, strict=True):
+        assert torch.equal(s1.data, s2.data)
+        for name in ("scale", "ksum"):
+            if getattr(s1, name) is not None:
+                assert torch.equal(getattr(s1, name), getattr(s2, name)), name
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(
+    "arch, weights, kv",
+    [("llama", w, "q8") for w in ("f32", "bf16", "int8", "int4")]
+    + [("llama", "int4", kv) for kv in ("f16", "f32", "k=q8,v=f16")]
+    + [("qwen2", "int8", "q8")],  # the QKV bias
+)
+def test_fused_step_is_bit_identical_to_the_general_path(tiny_dirs, arch, weights, kv):
+    llm = kvlens.load(tiny_dirs[arch], kv=kv, weights=weights, attn_backend="numba")
+    assert_same_steps(llm, list(range(3, 40)), kv)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["numba", "numba-int16"])
+def test_smollm2_fused_step_is_bit_identical(smol_loaded, backend):
+    """The real model, GGUF weights as stored (int4 layers, int8 head), q8 cache, both kernels; two
+    threads, a context past the attention's serial threshold (Flash-Decoding splits)."""
+    llm = kvlens.LLM(smol_loaded, kv="q8", attn_backend=backend)
+    text = "The history of the printing press begins in the fifteenth century. " * 60
+    ids = llm.tokenizer.encode(text)[:700]
+    assert len(ids) == 700
+    assert_same_steps(llm, ids, "q8", steps=2)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_non_finite_kv_is_refused_like_the_general_path(tiny_dirs):
+    """A layer whose K turns NaN stops the step with the general path's error, storing none of it."""
+    llm = kvlens.load(tiny_dirs["llama"], kv="q8", attn_backend="numba")
+    ids = list(range(3, 20))
+    errors = []
+    for fused in (True, False):
+        cache = llm.new_cache(len(ids) + 1, "q8")
+        llm.prefill(ids, cache)
+        before = [s.data.clone() for s in cache.k + cache.v]
+        norm = llm.model.w.layers[1].attn_norm
+        saved = norm.clone()
+        norm[0] = float("inf")  # layer 1's normed input, hence its Q, K and V, turn non-finite
+        llm.fused_step = fused
+        try:
+            with pytest.raises(NonFiniteKVError, match="non-finite K value at layer 1, position 17") as e:
+                llm.forward([5], cache, len(ids), prefill=False)
+        finally:
+            norm.copy_(saved)
+            llm.fused_step = True
+        errors.append(str(e.value))
+        after = [s.data for s in cache.k + cache.v]
+        assert torch.equal(after[1], before[1]) and torch.equal(after[3], before[3])  # layer 1's K, V
+        assert cache.length == len(ids)
+    assert errors[0] == errors[1]
+
+
+def test_thread_count_is_restored(tiny_dirs):
+    """Small matmuls and short attention run on one thread inside the compiled call (the
+    threading layer's own functions, called by symbol): the count is put back after each."""
+    llm = kvlens.load(tiny_dirs["llama"], kv="q8", attn_backend="numba")
+    threads = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        cache = llm.new_cache(20, "q8")
+        llm.prefill(list(range(3, 19)), cache)
+        llm.forward([5], cache, 16, prefill=False)
+        assert numba.get_num_threads() == 2
+    finally:
+        numba.set_num_threads(threads)
+
+
+finite_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(finite_f32, min_size=1, max_size=64))
+def test_f16_bits_round_like_torch(values):
+    x = np.asarray(values, np.float32)
+    expect = torch.from_numpy(x).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    got = np.array([decode_step.f32_to_f16_bits(v) for v in x], np.uint16)
+    assert np.array_equal(got, expect)
+
+
+def test_f16_bits_at_the_edges():
+    """Ties (even and odd), the subnormal range, the largest finite value and the overflow point."""
+    ulp = 2.0**-24
+    edges = [0.0, -0.0, ulp / 2, ulp * 1.5, ulp * 2.5, 2.0**-14 * (1 - 2**-11), 1 + 2**-11, 1 + 3 * 2**-11,
+             65504.0, 65519.0, 65520.0, -65520.0, 1e-8, -3e-6, 3.0e38]  # fmt: skip
+    x = np.asarray(edges, np.float32)
+    expect = torch.from_numpy(x).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    got = np.array([decode_step.f32_to_f16_bits(v) for v in x], np.uint16)
+    assert np.array_equal(got, expect)
