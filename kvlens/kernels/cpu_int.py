@@ -23,7 +23,6 @@ import math
 import os
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 from numba import literally, njit, prange
@@ -32,7 +31,7 @@ from . import flash, intdot
 from .cpu import CODE_Q8, _store_arrays, quantize_query_blocks
 from .q8store import KSUM_BLOCK
 from .stage import _stage
-from .threads import run_serial_if
+from .threads import run_serial_if, split_threads
 
 PATH_ENV = "KVLENS_INT_PATH"  # forces the CPU path of the integer kernels (vnni512|vnni256|avx2|portable)
 Q16_MAX = 32767.0
@@ -259,8 +258,8 @@ def decode_attention_int(
         raise ValueError(f"integer attention needs head_dim divisible by {KSUM_BLOCK}, got {hd}")
     if qn.shape[1] != hd or n_heads % n_kv or v.shape[:2] != (n_kv, cap):
         raise ValueError(f"shape mismatch: q {tuple(qn.shape)}, k {k.shape}, v {v.shape}")
-    tiles, table, serial, n_splits = flash.plan_call(
-        n_kv, cap, length, blocks, table, n_splits, numba.get_num_threads()
+    tiles, table, serial, n_splits = flash.plan_call(  # split_threads: splits independent of the load
+        n_kv, cap, length, blocks, table, n_splits, split_threads()
     )
     qc = quantize_query(qn, spec.qbits, path)
     ksum = k_store.ksum.numpy() if shifted else _NO_KSUM

@@ -33,8 +33,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..kv.modes import StoreKind
-from . import intdot
-from .cpu import _CONTIGUOUS, SERIAL_ROWS, _decode_core, choose_splits
+from . import flash, intdot
+from .cpu import _decode_core
 from .cpu_int import _NO_KSUM, Q16_MAX, IntAttn
 from .cpu_int import _core as _int_core
 from .q8store import NO_KSUM, store_q8_rows
@@ -191,8 +191,8 @@ def _quantize_q16(q, inv_sqrt, q16, s16):  # pragma: no cover - compiled
 @njit(cache=True)
 def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
     """Decode attention of ``q [H, d]`` (cpu / cpu_int's cores); ``at``: see :func:`decode_layer`."""
-    k_code, v_code, inv_sqrt, length, n_splits, serial, table = at
-    qs, q16, s16, no_q8, no_sc, no_bsc, dense, no_ksum = buf
+    k_code, v_code, inv_sqrt, length, n_splits, serial, tiles, table = at
+    qs, q16, s16, no_q8, no_sc, no_bsc, no_ksum = buf
     threads = _get_threads()
     if serial and threads > 1:
         _set_threads(1)
@@ -204,11 +204,11 @@ def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
             for d in range(q.shape[1]):
                 qs[hq, d] = q[hq, d] * inv_sqrt
         _decode_core(qs, no_q8, no_sc, False, k_raw, k_code, k_scale, no_bsc, v_raw, v_code, v_scale, no_bsc,
-                     length, dense, table, n_splits, out)  # fmt: skip
+                     length, tiles, table, n_splits, out)  # fmt: skip
     else:
         _quantize_q16(q, inv_sqrt, q16, s16)
         codes = (no_q8.view(np.uint8), no_q8, no_sc, no_sc, q16, s16)
-        _int_core(path, 16, 0, codes, k_raw, k_scale, no_ksum, v_raw, v_code, v_scale, no_bsc, length, dense,
+        _int_core(path, 16, 0, codes, k_raw, k_scale, no_ksum, v_raw, v_code, v_scale, no_bsc, length, tiles,
                   table, n_splits, out)  # fmt: skip
     if serial and threads > 1:
         _set_threads(threads)
@@ -222,7 +222,7 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
     ``kind``, ``path``: literal attention kind and integer-kernel path (one specialization each).
     ``lw``: (attn_norm, ffn_norm, eps, wqkv, bqkv, wo, w_gate_up, w_down), weights as tuples.
     ``ks``/``vs``: the layer's K and V store tuples. ``rope``: (cos, sin) rows of ``pos``.
-    ``at``: (K code, V code, 1/sqrt(d) as f32, length, splits, serial, block table).
+    ``at``: (K code, V code, 1/sqrt(d) as f32, length, then flash.plan_call's splits, serial, tiles, table).
     ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then :func:`_attend`'s."""
     kind, path = literally(kind), literally(path)
     attn_norm, ffn_norm, eps, wqkv, bqkv, wo, wgu, wdown = lw
@@ -329,7 +329,7 @@ class FusedDecoder:
              np.empty((1, s.ffn), f32)),
             (np.empty((s.n_heads, s.head_dim), f32), np.empty((s.n_heads, s.head_dim), np.int16),
              np.empty(s.n_heads, f32), np.zeros((1, 1), np.int8), np.ones((1, 1), f32),
-             np.ones((1, 1, 1), np.uint16), np.zeros((1, 0), np.int32), _NO_KSUM),
+             np.ones((1, 1, 1), np.uint16), _NO_KSUM),
         )  # fmt: skip
         self.inv_sqrt = np.float32(1.0 / math.sqrt(shape.head_dim))  # as cpu._run computes it
         self._entry: dict[tuple, object] = {}
@@ -338,12 +338,13 @@ class FusedDecoder:
         """Every layer at position ``pos`` over ``stores`` (per layer: K tuple, V tuple, K code, V code),
         ``x [1, hidden]`` in place. Returns -1, or the layer whose K or V (:attr:`kv_rows`) holds a
         non-finite value (stopped there: nothing of it stored)."""
-        length = pos + 1
-        n_kv = self.shape.n_kv
-        serial = n_kv * length < SERIAL_ROWS
-        n_splits = 1 if serial else choose_splits(length, n_kv, split_threads())
+        length, cap = pos + 1, stores[0][0][0].shape[1]
+        # split_threads: the splits, hence the sums, never vary with the load (as cpu.decode_attention)
+        tiles, table, serial, n_splits = flash.plan_call(
+            self.shape.n_kv, cap, length, None, None, None, split_threads()
+        )
         for i, (lw, (ks, vs, k_code, v_code)) in enumerate(zip(self.layers, stores, strict=True)):
-            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, _CONTIGUOUS)
+            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, tiles, table)
             args = (*attn, x, lw, ks, vs, pos, rope, at, self.buf, self.min_work)
             entry = self._entry.get((i, *attn, k_code, v_code)) or self._compile(i, args)
             bad = entry(*args)
