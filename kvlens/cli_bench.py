@@ -52,6 +52,7 @@ def bench_decode(
     hf: bool = Option(True, help="Also time HF generate (f32 weights, ctx ≤ --hf-max-ctx)."),
     hf_max_ctx: int = Option(2048, min=0, help="Largest context at which to run HF transformers."),
     vs_llama_cpp: str = Option(None, metavar="BIN", help="Also run this llama-bench binary."),
+    step: str = Option("fused", help="Decode step: fused (one call per layer), general, or both."),
     json_out: bool = Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """Full-model decode tokens/s per weights, cache mode and context; the step's time split; HF

@@ -5,6 +5,11 @@ then written from those rows through its own store (so q8 rows are really quanti
 steps are timed on top. Modes at one context are timed in one run, interleaved, so the ratios
 printed compare like with like on a noisy machine. HF transformers' ``generate`` on the same
 weights (default dynamic cache) is timed in the same run for reference.
+
+``step``: ``fused`` is the engine's own decode step (each layer one compiled call where the cache and
+backend allow: :mod:`kvlens.kernels.decode_step`); ``general`` runs each layer's parts as separate
+calls (``LLM.fused_step = False``), which is what the weights/attention split is measured on; ``both``
+interleaves the two.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from .llama_cpp import find_binary
 from .spread import LoadMeter, Spread, spread, spread_warning
 
 ROUNDS = 5  # timed rounds per (weights, mode, context) in ``kvlens bench decode``
+STEP_KINDS = ("fused", "general")
 
 
 @dataclass
@@ -36,11 +42,13 @@ class DecodeRow:
     kv_bytes: int
     rss_bytes: int
     backend: str
+    step: str = ""  # kvlens rows: "fused" (one call per layer where it applies) or "general"
     # the step's time split (kvlens rows), ms per step over all layers:
     attn_ms: float | None = None  # inside attend: KV write + attention
     kv_write_ms: float | None = None  # the KV-write part of attn_ms (finite check, quantize, store)
     weights_ms: float | None = None  # inside the weight matmuls (QKV, O, gate/up, down, LM head)
     other_ms: float | None = None  # everything else: norms, RoPE, residuals, Python
+    layers_ms: float | None = None  # fused step: inside the per-layer compiled calls (all of the above)
     # tok/s over the rounds (kvlens rows; tok_per_s is their median): how steady the figure is
     tok_per_s_min: float | None = None
     tok_per_s_max: float | None = None
@@ -82,7 +90,7 @@ class _StepClock:
     model's profiler (:class:`kvlens.models.transformer.Profiler`) while installed: the timed step is
     the engine's own forward; a few perf_counter calls per layer cost ~1 µs each."""
 
-    _PARTS = {"attend": "attend_s", "kv_write": "write_s", "linear": "linear_s"}
+    _PARTS = {"attend": "attend_s", "kv_write": "write_s", "linear": "linear_s", "layers": "layers_s"}
 
     def __init__(self, llm: LLM) -> None:
         self.model = llm.model
@@ -100,18 +108,18 @@ class _StepClock:
         self.model.profiler = None
 
     def reset(self) -> None:
-        self.attend_s = self.write_s = self.linear_s = 0.0
+        self.attend_s = self.write_s = self.linear_s = self.layers_s = 0.0
 
 
 @torch.inference_mode()
 def time_decode(
     llm: LLM, cache: KVCache, pos: int, steps: int, backend: str, warmup: int = 2
-) -> tuple[float, float, float, float]:
+) -> tuple[float, ...]:
     """Median seconds per decode step at position ``pos`` (the cache holds ``pos`` rows, the step
-    attends ``pos + 1``), and of its time in attention, in KV writes and in weight matmuls (all
-    layers); the cache is rewound after every step."""
+    attends ``pos + 1``), and of its time in attention, in KV writes, in weight matmuls and in fused
+    layer calls (all layers); the cache is rewound after every step."""
     tok = 198  # any id: the cost of a step does not depend on it
-    timed: list[tuple[float, float, float, float]] = []
+    timed: list[tuple[float, ...]] = []
     with _StepClock(llm) as clock:
         for i in range(warmup + steps):
             clock.reset()
@@ -121,7 +129,8 @@ def time_decode(
             if h.device.type == "cuda":  # the step's total is then right; its split is launch time only
                 torch.cuda.synchronize(h.device)
             if i >= warmup:
-                timed.append((time.perf_counter() - t0, clock.attend_s, clock.write_s, clock.linear_s))
+                parts = (clock.attend_s, clock.write_s, clock.linear_s, clock.layers_s)
+                timed.append((time.perf_counter() - t0, *parts))
             cache.truncate(pos)
     return median_step(timed)
 
@@ -182,11 +191,12 @@ def run_decode_bench(
     llama_bench: str | None = None,
     progress=None,
     rounds: int = 5,
+    step_kinds: tuple[str, ...] = ("fused",),
 ) -> list[DecodeRow]:
-    """Rows for every (weights, KV mode) at every context: ``llms`` are the weight modes (one loaded
-    model each); at one context all of them run interleaved, ``rounds`` times ``steps`` timed steps
-    each (the row's tok/s is the median round, its min and max show the spread), then HF and
-    llama-bench if asked."""
+    """Rows for every (weights, KV mode, step kind) at every context: ``llms`` are the weight modes
+    (one loaded model each); at one context all of them run interleaved, ``rounds`` times ``steps``
+    timed steps each (the row's tok/s is the median round, its min and max show the spread), then HF
+    and llama-bench if asked. ``step_kinds``: ``fused`` and/or ``general`` (module docstring)."""
     rows: list[DecodeRow] = []
     first = llms[0]
     for ctx in contexts:
@@ -199,22 +209,8 @@ def run_decode_bench(
         caches = {m: fill_cache(first, source, m, ctx - 1, ctx) for m in modes}
         del source
         gc.collect()
-        runs = [(llm, m) for llm in llms for m in modes]
-        per_run: list[list[tuple[float, ...]]] = [[] for _ in runs]
-        for _ in range(rounds):  # interleave every run so drift hits them alike
-            for i, (llm, m) in enumerate(runs):
-                per_run[i].append(time_decode(llm, caches[m], ctx - 1, steps, backend or llm.attn_backend))
-        rss = psutil.Process().memory_info().rss
-        for (llm, m), timed in zip(runs, per_run, strict=True):
-            t, attn, write, lin = median_step(timed)  # the median round
-            s = spread([1 / r[0] for r in timed])
-            rows.append(
-                DecodeRow(
-                    "kvlens", llm.weights_mode, m, ctx, 1 / t, 1e3 * t, caches[m].bytes_per_token() * ctx,
-                    rss, backend or llm.attn_backend, 1e3 * attn, 1e3 * write, 1e3 * lin,
-                    1e3 * (t - attn - lin), s.low, s.high, len(timed),
-                )
-            )  # fmt: skip
+        runs = [(step_variant(llm, k), m, k) for llm in llms for k in step_kinds for m in modes]
+        rows += timed_rows(runs, caches, ctx, steps, rounds, backend)
         del caches
         gc.collect()
         if with_hf:
@@ -240,6 +236,38 @@ def run_decode_bench(
             rows += llama_cpp_rows(first, llama_bench, modes, ctx, steps)
         if progress:
             progress(ctx)
+    return rows
+
+
+def step_variant(llm: LLM, kind: str) -> LLM:
+    """``llm`` running decode steps of ``kind``: ``fused`` (the engine's default) or ``general``."""
+    if kind not in STEP_KINDS:
+        raise ValueError(f"unknown step kind {kind!r}; choose from {', '.join(STEP_KINDS)}")
+    return llm if kind == "fused" else llm.variant(fused_step=False)
+
+
+def timed_rows(
+    runs: list[tuple[LLM, str, str]], caches: dict[str, KVCache], ctx: int, steps: int, rounds: int,
+    backend: str | None,
+) -> list[DecodeRow]:  # fmt: skip
+    """kvlens rows of every (llm, mode, step kind) run, timed interleaved at one context."""
+    per_run: list[list[tuple[float, ...]]] = [[] for _ in runs]
+    for _ in range(rounds):  # interleave every run so drift hits them alike
+        for i, (llm, m, _k) in enumerate(runs):
+            per_run[i].append(time_decode(llm, caches[m], ctx - 1, steps, backend or llm.attn_backend))
+    rss = psutil.Process().memory_info().rss
+    rows = []
+    for (llm, m, kind), timed in zip(runs, per_run, strict=True):
+        t, attn, write, lin, layers = median_step(timed)  # the median round
+        s = spread([1 / r[0] for r in timed])
+        split = (None, None) if layers else (1e3 * attn, 1e3 * write)  # fused layers: no attention split
+        rows.append(
+            DecodeRow(
+                "kvlens", llm.weights_mode, m, ctx, 1 / t, 1e3 * t, caches[m].bytes_per_token() * ctx, rss,
+                backend or llm.attn_backend, kind, *split, 1e3 * lin, 1e3 * (t - attn - lin - layers),
+                1e3 * layers if layers else None, s.low, s.high, len(timed),
+            )
+        )  # fmt: skip
     return rows
 
 
@@ -269,15 +297,15 @@ def llama_cpp_rows(llm: LLM, binary: str, modes: list[str], ctx: int, steps: int
 
 
 TABLE_HEADERS = (
-    "engine", "weights", "KV", "ctx", "tok/s", "min–max", "spread", "ms/tok", "× base KV", "× llama.cpp",
-    "weights ms", "attn ms", "(KV write)", "other ms", "KV MiB", "RSS MiB",
+    "engine", "weights", "KV", "step", "ctx", "tok/s", "min–max", "spread", "ms/tok", "× base KV",
+    "× llama.cpp", "layers ms", "weights ms", "attn ms", "(KV write)", "other ms", "KV MiB", "RSS MiB",
 )  # fmt: skip
 
 
 def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
-    """Printable rows: ``× base KV`` = tok/s over the ``base_mode`` row with the same engine, weights
-    and context; ``× llama.cpp`` = over llama-bench's row with the same KV mode and context."""
-    base = {(r.engine, r.weights, r.ctx): r.tok_per_s for r in rows if r.mode == base_mode}
+    """Printable rows: ``× base KV`` = tok/s over the ``base_mode`` row with the same engine, weights,
+    step kind and context; ``× llama.cpp`` = over llama-bench's row with the same KV mode and context."""
+    base = {(r.engine, r.weights, r.step, r.ctx): r.tok_per_s for r in rows if r.mode == base_mode}
     lcpp = {(r.mode, r.ctx): r.tok_per_s for r in rows if r.engine == "llama.cpp"}
 
     def ms(x: float | None) -> str:
@@ -285,12 +313,13 @@ def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
 
     out = []
     for r in rows:
-        b, ref = base.get((r.engine, r.weights, r.ctx)), lcpp.get((r.mode, r.ctx))
+        b, ref = base.get((r.engine, r.weights, r.step, r.ctx)), lcpp.get((r.mode, r.ctx))
         out.append(
             [
                 r.engine,
                 r.weights,
                 r.mode,
+                r.step,
                 str(r.ctx),
                 f"{r.tok_per_s:.1f}",
                 "" if r.spread is None else f"{r.spread.low:.1f}–{r.spread.high:.1f}",
@@ -298,6 +327,7 @@ def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
                 f"{r.ms_per_tok:.2f}",
                 f"{r.tok_per_s / b:.2f}" if b else "",
                 f"{r.tok_per_s / ref:.2f}" if ref else "",
+                ms(r.layers_ms),
                 ms(r.weights_ms),
                 ms(r.attn_ms),
                 ms(r.kv_write_ms),
@@ -323,8 +353,11 @@ class DecodeBenchConfig:
     hf: bool = True
     hf_max_ctx: int = 2048
     vs_llama_cpp: str | None = None
+    step: str = "fused"  # fused, general, or both (interleaved)
 
     def __post_init__(self) -> None:
+        if self.step not in (*STEP_KINDS, "both"):
+            raise ValueError(f"step must be one of {', '.join(STEP_KINDS)}, both; got {self.step!r}")
         from ..models.loader import check_weights_mode
 
         for m in self.kv:
@@ -355,6 +388,7 @@ def main(cfg: DecodeBenchConfig, json_out: bool = False) -> None:
             llms, [c], cfg.kv, cfg.steps, rounds=ROUNDS, with_hf=cfg.hf and c <= cfg.hf_max_ctx,
             llama_bench=cfg.vs_llama_cpp,
             progress=None if json_out else lambda c: print(f"  ctx {c} done", file=sys.stderr),
+            step_kinds=STEP_KINDS if cfg.step == "both" else (cfg.step,),
         )  # fmt: skip
     load = meter.read()
     if json_out:
