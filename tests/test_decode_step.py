@@ -159,3 +159,20 @@ def test_f16_bits_at_the_edges():
     expect = torch.from_numpy(x).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
     got = np.array([decode_step.f32_to_f16_bits(v) for v in x], np.uint16)
     assert np.array_equal(got, expect)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_serving_engine_runs_one_sequence_fused(tiny_dirs):
+    """A request alone goes through the paged pool (block table) and the fused step; the tokens are
+    the general path's (test_batch_invariance holds a sequence's logits alone and in a batch equal)."""
+    llm = kvlens.load(tiny_dirs["llama"], kv="q8", weights="int8", attn_backend="numba")
+    spy = Spy(llm)
+    prompt = list(range(3, 60))  # two blocks of the pool
+    fused = list(llm.generate_ids(prompt, 12, stop_at_eos=False))
+    assert spy.calls == 11  # every decode step (the first token comes from the prefill)
+    llm.fused_step = False
+    try:
+        assert list(llm.generate_ids(prompt, 12, stop_at_eos=False)) == fused
+    finally:
+        llm.fused_step = True
+    assert spy.calls == 11

@@ -17,6 +17,7 @@ from ..kernels.threads import decode_threads
 from ..kv.blocks import SparseConfig
 from ..kv.cache import KVCache, check_kv_finite
 from ..kv.modes import MODES, CacheOptions, KVMode
+from ..kv.pool import PagedKV
 from ..models.loader import LoadedModel, check_weights_mode, load_model
 from ..models.transformer import Transformer
 from .attention import make_attend, resolve_backend
@@ -95,7 +96,7 @@ class LLM:
         self.check_fits(start + ids.shape[0])
         if not prefill and ids.shape[0] == 1:
             with self._step_threads(True):
-                hidden = self._forward_fused(ids, cache, start, backend or self.attn_backend)
+                hidden = self.forward_fused(ids, cache, start, backend or self.attn_backend)
             if hidden is not None:
                 return hidden
         sparse = self.sparse if cache.bounds is not None and not prefill else None
@@ -110,19 +111,24 @@ class LLM:
         with self._step_threads(not prefill):
             return self.model.forward(ids, start, attend)
 
-    def _forward_fused(
-        self, ids: torch.Tensor, cache: KVCache, start: int, backend: str
+    def forward_fused(
+        self, ids: torch.Tensor, cache: KVCache | PagedKV, start: int, backend: str
     ) -> torch.Tensor | None:
-        """A one-token step with each layer one compiled call (kernels/decode_step.py), or None where
-        that path does not apply (then :meth:`forward` runs the general one): a plain KV cache whose
-        layers all store q8, f16 or f32 (no mirror, kept-exact rows or block tracking), the numba or
-        numba-int16 backend, no attention window reached, Llama-style layers on the CPU."""
+        """Hidden state [1, hidden] of one token (``ids [1]``) at ``start``, each layer one compiled call
+        (kernels/decode_step.py), or None where that path does not apply (then the general one runs):
+        a KV cache (contiguous, or a sequence's paged view holding the blocks) whose layers all store
+        q8, f16 or f32 (no mirror, kept-exact rows or block tracking), the numba or numba-int16
+        backend, no attention window reached, Llama-style layers on the CPU."""
         attn = attention_kind(backend)
-        if not self.fused_step or self.model.fused is None or attn is None or type(cache) is not KVCache:
+        if not self.fused_step or self.model.fused is None or attn is None:
             return None
         if cache.bounds is not None or cache.has_mirror or start + 1 > self._window_free:
             return None
-        cache.reserve(start + 1)
+        paged = type(cache) is PagedKV
+        if paged and start + 1 > cache.capacity or not paged and type(cache) is not KVCache:
+            return None
+        if not paged:
+            cache.reserve(start + 1)
         stores = fused_stores(cache)
         if stores is None or (attn[0] == ATTN_INT16 and any(s[2] != CODE_Q8 for s in stores)):
             return None
@@ -130,7 +136,7 @@ class LLM:
         def refused(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             check_kv_finite(layer, start, k, v)
 
-        hidden = self.model.forward_fused(ids, start, stores, attn, refused)
+        hidden = self.model.forward_fused(ids, start, stores, attn, refused, cache.table if paged else None)
         cache.length = max(cache.length, start + 1)
         return hidden
 

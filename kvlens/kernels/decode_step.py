@@ -221,7 +221,8 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
 
     ``kind``, ``path``: literal attention kind and integer-kernel path (one specialization each).
     ``lw``: (attn_norm, ffn_norm, eps, wqkv, bqkv, wo, w_gate_up, w_down), weights as tuples.
-    ``ks``/``vs``: the layer's K and V store tuples. ``rope``: (cos, sin) rows of ``pos``.
+    ``ks``/``vs``: the layer's K and V store tuples, written at row ``pos`` (physical, in a paged
+    cache). ``rope``: (cos, sin) rows of the token's position.
     ``at``: (K code, V code, 1/sqrt(d) as f32, length, then flash.plan_call's splits, serial, tiles, table).
     ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then :func:`_attend`'s."""
     kind, path = literally(kind), literally(path)
@@ -334,18 +335,22 @@ class FusedDecoder:
         self.inv_sqrt = np.float32(1.0 / math.sqrt(shape.head_dim))  # as cpu._run computes it
         self._entry: dict[tuple, object] = {}
 
-    def run(self, x: np.ndarray, pos: int, rope: tuple, stores: list[tuple], attn: tuple[int, int]) -> int:
+    def run(
+        self, x: np.ndarray, pos: int, rope: tuple, stores: list[tuple], attn: tuple[int, int], table=None
+    ) -> int:
         """Every layer at position ``pos`` over ``stores`` (per layer: K tuple, V tuple, K code, V code),
-        ``x [1, hidden]`` in place. Returns -1, or the layer whose K or V (:attr:`kv_rows`) holds a
-        non-finite value (stopped there: nothing of it stored)."""
+        ``x [1, hidden]`` in place; ``table``: a paged cache's block table (int32), else None. Returns
+        -1, or the layer whose K or V (:attr:`kv_rows`) holds a non-finite value (stopped there:
+        nothing of it stored)."""
         length, cap = pos + 1, stores[0][0][0].shape[1]
         # split_threads: the splits, hence the sums, never vary with the load (as cpu.decode_attention)
         tiles, table, serial, n_splits = flash.plan_call(
-            self.shape.n_kv, cap, length, None, None, None, split_threads()
+            self.shape.n_kv, cap, length, None, table, None, split_threads()
         )
+        row = pos if table.shape[0] == 0 else int(table[pos // flash.TILE]) * flash.TILE + pos % flash.TILE
         for i, (lw, (ks, vs, k_code, v_code)) in enumerate(zip(self.layers, stores, strict=True)):
             at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, tiles, table)
-            args = (*attn, x, lw, ks, vs, pos, rope, at, self.buf, self.min_work)
+            args = (*attn, x, lw, ks, vs, row, rope, at, self.buf, self.min_work)
             entry = self._entry.get((i, *attn, k_code, v_code)) or self._compile(i, args)
             bad = entry(*args)
             if bad >= 0:

@@ -216,16 +216,18 @@ class Transformer:
         return x + self.linear(torch.from_numpy(act), L.w_down)
 
     def forward_fused(
-        self, ids: torch.Tensor, start: int, stores: list[tuple], attn: tuple[int, int], refused: RefusedFn
-    ) -> torch.Tensor:
+        self, ids: torch.Tensor, start: int, stores: list[tuple], attn: tuple[int, int], refused: RefusedFn,
+        table: np.ndarray | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """:meth:`forward` of one token with each layer one compiled call (:attr:`fused`), its K/V
         written into ``stores`` (:func:`kvlens.kernels.decode_step.store_tuple` per layer, with the
-        kinds' codes) and attended by ``attn`` (kind, path). A layer whose K or V is not finite stops
+        kinds' codes; ``table``: a paged cache's block table) and attended by ``attn`` (kind, path).
+        A layer whose K or V is not finite stops
         the step: ``refused(layer, k, v)`` gets its rows and must raise."""
         x = self.embed(ids).contiguous()
         cos, sin = self.ropes[0].rows(start, 1)
         bad = timed(self.profiler, "layers", self.fused.run, x.numpy(), start, (cos.numpy()[0], sin.numpy()[0]),
-                    stores, attn)  # fmt: skip
+                    stores, attn, table)  # fmt: skip
         if bad >= 0:
             k, v = self.fused.kv_rows
             refused(bad, torch.from_numpy(k), torch.from_numpy(v))
