@@ -213,25 +213,14 @@ def run_decode_bench(
         rows += timed_rows(runs, caches, ctx, steps, rounds, backend)
         del caches
         gc.collect()
-        if with_hf:
-            t = hf_decode_time(first, ids, steps)
-            if t is not None:
-                cfg = first.config
-                kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4 * ctx
-                rss = psutil.Process().memory_info().rss
-                rows.append(
-                    DecodeRow(
-                        "transformers",
-                        "f32",
-                        "f32 (DynamicCache)",
-                        ctx,
-                        1 / t,
-                        1e3 * t,
-                        kv_bytes,
-                        rss,
-                        "sdpa",
-                    )
+        if with_hf and (t := hf_decode_time(first, ids, steps)) is not None:
+            cfg, rss = first.config, psutil.Process().memory_info().rss
+            kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4 * ctx
+            rows.append(
+                DecodeRow(
+                    "transformers", "f32", "f32 (DynamicCache)", ctx, 1 / t, 1e3 * t, kv_bytes, rss, "sdpa"
                 )
+            )
         if llama_bench:
             rows += llama_cpp_rows(first, llama_bench, modes, ctx, steps)
         if progress:
