@@ -125,7 +125,7 @@ def _first_nonfinite(a):  # pragma: no cover - compiled
 
 # numba's own get/set_num_threads reach the threading layer through ctypes pointers, which numba
 # cannot cache to disk (every process would recompile the step: ~20 s); these call the same C
-# functions by the symbols numba registers when it starts its threads (numba.get_num_threads() below).
+# functions by the symbols numba registers when it starts its threads (FusedDecoder._compile).
 @intrinsic
 def _get_threads(typingctx):
     def codegen(context, builder, sig, args):
@@ -146,9 +146,6 @@ def _set_threads(typingctx, n):
         return context.get_dummy_value()
 
     return types.void(types.int64), codegen
-
-
-numba.get_num_threads()  # starts numba's threads: registers the symbols above
 
 
 @njit(cache=True)
@@ -359,6 +356,7 @@ class FusedDecoder:
 
     def _compile(self, layer: int, args: tuple):
         """The compiled specialization for ``args`` (compiled, or loaded from numba's disk cache, once)."""
+        numba.get_num_threads()  # starts numba's threads (once): registers the symbols _get/_set_threads call
         sig = (types.literal(args[0]), types.literal(args[1]), *(numba.typeof(a) for a in args[2:]))
         entry = decode_layer.compile(sig)
         at = args[8]
