@@ -205,7 +205,8 @@ def run_decode_bench(
         first.check_fits(ctx)
         ids = corpus_ids(first, ctx - 1)
         source = first.new_cache(ctx - 1, "f32")
-        first.prefill(ids, source, chunk=512)
+        # torch attention: an integer backend refuses the f32 cache (prefill runs torch's path anyway)
+        first.variant(attn_backend="torch").prefill(ids, source, chunk=512)
         caches = {m: fill_cache(first, source, m, ctx - 1, ctx) for m in modes}
         del source
         gc.collect()
