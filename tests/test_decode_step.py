@@ -17,7 +17,8 @@ from tiny_models import write_hf
 
 import kvlens
 from kvlens.kernels import decode_step
-from kvlens.kv.cache import NonFiniteKVError
+from kvlens.kv.cache import BLOCK, NonFiniteKVError
+from kvlens.kv.pool import BlockPool, PagedKV, kv_bytes_per_token
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +177,28 @@ def test_serving_engine_runs_one_sequence_fused(tiny_dirs):
     finally:
         llm.fused_step = True
     assert spy.calls == 11
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_paged_sequence_with_blocks_out_of_order(tiny_dirs):
+    """A paged view whose blocks lie in reverse order in the pool: the fused step writes each layer's
+    K/V at the block table's physical row and attends through the table, as the general path does."""
+    llm = kvlens.load(tiny_dirs["llama"], kv="q8", weights="int4", attn_backend="numba")
+    cfg, ids = llm.config, list(range(3, 43))
+    spy = Spy(llm)
+    outs = []
+    for fused in (True, False):
+        per_token = kv_bytes_per_token(llm.kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+        pool = BlockPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, llm.kv, 4 * BLOCK * per_token)
+        kv = PagedKV(pool)
+        kv.blocks = pool.allocate(2)[::-1]  # logical block 0 in physical block 1 and back
+        llm.forward(ids, kv, 0)
+        llm.fused_step = fused
+        try:
+            outs.append([llm.forward([5 + i], kv, len(ids) + i, prefill=False) for i in range(3)])
+        finally:
+            llm.fused_step = True
+        outs[-1].append(torch.cat([s.data for s in pool.k + pool.v]))
+    assert spy.calls == 3
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
