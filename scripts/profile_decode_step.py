@@ -75,8 +75,8 @@ def instrument(llm, parts: Parts, undo: list) -> None:
     patch(attention_mod, "_fused_kernel", lambda b: parts.wrap(fused(b), "attn_kernel"), undo)
     for cls, fn in ((transformer_mod.Transformer, "layer"),):
         patch(cls, fn, parts.wrap(getattr(cls, fn), "layer_total"), undo)
-    if llm.model.fused is not None:  # the one-call-per-layer path (kernels/decode_step.py)
-        patch(llm.model.fused, "run", parts.wrap(llm.model.fused.run, "fused_layers"), undo)
+    if llm.fused is not None:  # the one-call-per-layer path (kernels/decode_step.py)
+        patch(llm.fused, "run", parts.wrap(llm.fused.run, "fused_layers"), undo)
 
 
 def report(parts: Parts, steps: int, step_s: float) -> None:

@@ -35,7 +35,7 @@ class Spy:
     """Counts FusedDecoder.run calls of one model (the fused path really ran)."""
 
     def __init__(self, llm) -> None:
-        self.calls, fused = 0, llm.model.fused
+        self.calls, fused = 0, llm.fused
         inner = fused.run
 
         def run(*args):

@@ -11,16 +11,15 @@ from pathlib import Path
 import torch
 
 from ..checks import check_device, check_int, check_text, check_token_ids
-from ..kernels.decode_step import ATTN_INT16, attention_kind, fused_stores
-from ..kernels.stage import CODE_Q8
 from ..kernels.threads import decode_threads
 from ..kv.blocks import SparseConfig
-from ..kv.cache import KVCache, check_kv_finite
+from ..kv.cache import KVCache
 from ..kv.modes import MODES, CacheOptions, KVMode
 from ..kv.pool import PagedKV
 from ..models.loader import LoadedModel, check_weights_mode, load_model
 from ..models.transformer import Transformer
 from .attention import make_attend, resolve_backend
+from .fused_step import forward_fused, fused_decoder
 from .sampling import Sampler, SamplingParams
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -55,6 +54,7 @@ class LLM:
         self.device = self.model.device
         self.prefill_chunk = prefill_chunk
         self.attn_backend = resolve_backend(attn_backend, self.device)
+        self.fused = fused_decoder(self.model)  # one compiled call per layer (None: the model has none)
         self.fused_step = True  # one-token steps as one compiled call per layer where they can (False: never)
         windows = [w for w in loaded.config.layer_windows if w is not None]
         self._window_free = min(windows, default=loaded.config.max_ctx)  # positions every layer attends whole
@@ -114,31 +114,11 @@ class LLM:
     def forward_fused(
         self, ids: torch.Tensor, cache: KVCache | PagedKV, start: int, backend: str
     ) -> torch.Tensor | None:
-        """Hidden state [1, hidden] of one token (``ids [1]``) at ``start``, each layer one compiled call
-        (kernels/decode_step.py), or None where that path does not apply (then the general one runs):
-        a KV cache (contiguous, or a sequence's paged view holding the blocks) whose layers all store
-        q8, f16 or f32 (no mirror, kept-exact rows or block tracking), the numba or numba-int16
-        backend, no attention window reached, Llama-style layers on the CPU."""
-        attn = attention_kind(backend)
-        if not self.fused_step or self.model.fused is None or attn is None:
+        """Hidden state [1, hidden] of one token (``ids [1]``) at ``start`` with each layer one compiled
+        call, or None where that path does not apply (:func:`kvlens.engine.fused_step.forward_fused`)."""
+        if not self.fused_step or self.fused is None:
             return None
-        if cache.bounds is not None or cache.has_mirror or start + 1 > self._window_free:
-            return None
-        paged = type(cache) is PagedKV
-        if paged and start + 1 > cache.capacity or not paged and type(cache) is not KVCache:
-            return None
-        if not paged:
-            cache.reserve(start + 1)
-        stores = fused_stores(cache)
-        if stores is None or (attn[0] == ATTN_INT16 and any(s[2] != CODE_Q8 for s in stores)):
-            return None
-
-        def refused(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            check_kv_finite(layer, start, k, v)
-
-        hidden = self.model.forward_fused(ids, start, stores, attn, refused, cache.table if paged else None)
-        cache.length = max(cache.length, start + 1)
-        return hidden
+        return forward_fused(self.model, self.fused, ids, cache, start, backend, self._window_free)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of final hidden states [n, hidden] (what :meth:`forward` returns)."""

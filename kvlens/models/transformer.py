@@ -18,20 +18,18 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import rowops
-from ..kernels.decode_step import FusedDecoder, StepShape
 from .config import ModelConfig
-from .qlinear import PARALLEL_MIN_WORK, embedding, linear, linear_rows
+from .qlinear import embedding, linear, linear_rows
 from .weights import LayerWeights, Weights
 
 # attend(layer, q [H, n, d], k [KV, n, d], v [KV, n, d], start) -> out [H, n, d]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-RefusedFn = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, k, v) of a step it stopped
 
 
 class Profiler(Protocol):
     """Told the seconds of each timed part of a forward pass: ``"linear"`` (every weight matmul, LM head
-    included), ``"attend"`` (a layer's attention call, KV write included) and ``"kv_write"``; a fused
-    step (:meth:`Transformer.forward_fused`) reports its layers as one part, ``"layers"``."""
+    included), ``"attend"`` (a layer's attention call, KV write included) and ``"kv_write"``; the
+    engine's fused step (kvlens.engine.fused_step) reports its layers as one part, ``"layers"``."""
 
     def add(self, part: str, seconds: float) -> None: ...
 
@@ -107,30 +105,6 @@ def layer_ropes(cfg: ModelConfig, weights: Weights, device: torch.device) -> lis
     return [local if cfg.is_windowed(i) else main for i in range(cfg.n_layers)]
 
 
-def fused_decoder(cfg: ModelConfig, weights: Weights) -> FusedDecoder | None:
-    """The one-call-per-layer decoder of these weights, or None where a matrix has no CPU kernel tuple
-    (or an odd-width int4 input, which the kernel would need padded)."""
-
-    def arrays(w) -> tuple | None:
-        if isinstance(w, torch.Tensor):
-            return (w.numpy(),) if w.dtype == torch.float32 and w.device.type == "cpu" else None
-        if w.kind == "int4" and w.shape[1] % 2:
-            return None
-        return w.kernel_arrays
-
-    layers = []
-    for L in weights.layers:
-        mats = [arrays(w) for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
-        if any(m is None for m in mats):
-            return None
-        bias = np.zeros(0, np.float32) if L.bqkv is None else L.bqkv.numpy()
-        layers.append((L.attn_norm.numpy(), L.ffn_norm.numpy(), cfg.rms_eps, mats[0], bias, *mats[1:]))
-    d = cfg.head_dim
-    n_qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * d
-    shape = StepShape(cfg.hidden, cfg.n_heads, cfg.n_kv_heads, d, cfg.ffn, n_qkv)
-    return FusedDecoder(layers, shape, PARALLEL_MIN_WORK)
-
-
 ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -150,7 +124,6 @@ class Transformer:
         self._row_norms = (
             [(L.attn_norm.numpy(), L.ffn_norm.numpy()) for L in weights.layers] if self.row_ops else []
         )
-        self.fused = fused_decoder(cfg, weights) if self.row_ops else None  # one call per layer (CPU)
 
     def rope_tables(self, start: int, n: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] of ``layer`` for positions start..start+n-1 (tables grown on demand)."""
@@ -214,25 +187,6 @@ class Transformer:
         act = np.empty((1, gate_up.shape[0] // 2), np.float32)
         rowops.silu_mul_row(gate_up, act[0])
         return x + self.linear(torch.from_numpy(act), L.w_down)
-
-    def forward_fused(
-        self, ids: torch.Tensor, start: int, stores: list[tuple], attn: tuple[int, int], refused: RefusedFn,
-        table: np.ndarray | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """:meth:`forward` of one token with each layer one compiled call (:attr:`fused`), its K/V
-        written into ``stores`` (:func:`kvlens.kernels.decode_step.store_tuple` per layer, with the
-        kinds' codes; ``table``: a paged cache's block table) and attended by ``attn`` (kind, path).
-        A layer whose K or V is not finite stops
-        the step: ``refused(layer, k, v)`` gets its rows and must raise."""
-        x = self.embed(ids).contiguous()
-        cos, sin = self.ropes[0].rows(start, 1)
-        bad = timed(self.profiler, "layers", self.fused.run, x.numpy(), start, (cos.numpy()[0], sin.numpy()[0]),
-                    stores, attn, table)  # fmt: skip
-        if bad >= 0:
-            k, v = self.fused.kv_rows
-            refused(bad, torch.from_numpy(k), torch.from_numpy(v))
-            raise AssertionError("refused() must raise")
-        return rms_norm(x, self.w.norm, self.cfg.rms_eps)
 
     def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Every weight matmul goes through here (the profiler times them)."""

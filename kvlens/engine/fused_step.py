@@ -1,0 +1,78 @@
+"""The engine's one-token CPU step with each layer one compiled call (kernels/decode_step.py).
+
+The model stays cache-agnostic (models/ imports no kv code): this module builds the per-layer
+weight tuples of a :class:`~kvlens.models.transformer.Transformer` once, and runs a step over a
+KV cache's stores where the fused path applies (:func:`forward_fused`); otherwise the engine runs
+the general path, which gives bit-identical results (tests/test_decode_step.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kernels.decode_step import ATTN_INT16, FusedDecoder, StepShape, attention_kind, fused_stores
+from ..kernels.stage import CODE_Q8
+from ..kv.cache import KVCache, check_kv_finite
+from ..kv.pool import PagedKV
+from ..models.qlinear import PARALLEL_MIN_WORK
+from ..models.transformer import Transformer, rms_norm, timed
+
+
+def fused_decoder(model: Transformer) -> FusedDecoder | None:
+    """The one-call-per-layer decoder of a model's weights, or None where it does not apply: layers
+    that are not Llama-style on the CPU (``model.row_ops``), a matrix with no CPU kernel tuple, or an
+    odd-width int4 input (the kernel would need it padded)."""
+    if not model.row_ops:
+        return None
+
+    def arrays(w) -> tuple | None:
+        if isinstance(w, torch.Tensor):
+            return (w.numpy(),) if w.dtype == torch.float32 and w.device.type == "cpu" else None
+        if w.kind == "int4" and w.shape[1] % 2:
+            return None
+        return w.kernel_arrays
+
+    cfg, layers = model.cfg, []
+    for L in model.w.layers:
+        mats = [arrays(w) for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
+        if any(m is None for m in mats):
+            return None
+        bias = np.zeros(0, np.float32) if L.bqkv is None else L.bqkv.numpy()
+        layers.append((L.attn_norm.numpy(), L.ffn_norm.numpy(), cfg.rms_eps, mats[0], bias, *mats[1:]))
+    n_qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    shape = StepShape(cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn, n_qkv)
+    return FusedDecoder(layers, shape, PARALLEL_MIN_WORK)
+
+
+def forward_fused(
+    model: Transformer, decoder: FusedDecoder, ids: torch.Tensor, cache: KVCache | PagedKV, start: int,
+    backend: str, window_free: int,
+) -> torch.Tensor | None:  # fmt: skip
+    """Final-normed hidden state [1, hidden] of one token (``ids [1]``) at ``start``, or None where the
+    fused path does not apply: a KV cache (contiguous, or a sequence's paged view holding the
+    blocks) whose layers all store q8, f16 or f32 (no mirror, kept-exact rows or block tracking),
+    the numba or numba-int16 backend, no attention window reached (``window_free``: positions every
+    layer attends whole). A non-finite K/V raises the general path's NonFiniteKVError."""
+    attn = attention_kind(backend)
+    if attn is None or cache.bounds is not None or cache.has_mirror or start + 1 > window_free:
+        return None
+    paged = type(cache) is PagedKV
+    if paged and start + 1 > cache.capacity or not paged and type(cache) is not KVCache:
+        return None
+    if not paged:
+        cache.reserve(start + 1)
+    stores = fused_stores(cache)
+    if stores is None or (attn[0] == ATTN_INT16 and any(s[2] != CODE_Q8 for s in stores)):
+        return None
+    x = model.embed(ids).contiguous()
+    cos, sin = model.ropes[0].rows(start, 1)
+    rope = (cos.numpy()[0], sin.numpy()[0])
+    table = cache.table if paged else None
+    bad = timed(model.profiler, "layers", decoder.run, x.numpy(), start, rope, stores, attn, table)
+    if bad >= 0:
+        k, v = decoder.kv_rows
+        check_kv_finite(bad, start, torch.from_numpy(k), torch.from_numpy(v))
+        raise AssertionError(f"the fused step stopped at layer {bad} on finite K/V")
+    cache.length = max(cache.length, start + 1)
+    return rms_norm(x, model.w.norm, model.cfg.rms_eps)
