@@ -53,6 +53,11 @@ class BlockPool:
             raise TypeError(f"BlockPool takes a KVMode (KVMode.parse(name)), got {type(mode).__name__}")
         if mirror_prefill not in MIRROR_PREFILL:
             raise ValueError("mirror_prefill must be 'exact' or 'q8'")
+        if mode.per_head:
+            raise ValueError(
+                f"KV recipe {mode.name} gives KV heads of one layer different kinds; the paged pool "
+                "(kvlens serve) runs per-layer recipes only"
+            )
         self.mode, self.n_layers, self.n_kv_heads, self.head_dim = mode, n_layers, n_kv_heads, head_dim
         self.mirror_prefill, self.has_mirror = mirror_prefill, mode.mirror
         self.device = torch.device(device)
