@@ -129,6 +129,15 @@ def layer_json(mode: KVMode, layer: int) -> dict[str, str | list[str]]:
     return out
 
 
+def mix(mode: KVMode, n_layers: int, n_kv: int) -> str:
+    """How many (layer, KV head) pairs store each (K, V) pair, e.g. ``60x K q8h / V q8h, 30x K q8h / V q4h``."""
+    counts: dict[str, int] = {}
+    for i in range(n_layers):
+        for k, v in mode.head_kinds(i) or (mode.kinds(i),) * n_kv:
+            counts[f"K {k} / V {v}"] = counts.get(f"K {k} / V {v}", 0) + 1
+    return ", ".join(f"{n}x {pair}" for pair, n in sorted(counts.items(), key=lambda x: -x[1]))
+
+
 def recipe_json(mode: KVMode, n_layers: int, **meta: Any) -> dict[str, Any]:
     """The JSON object of ``mode`` over ``n_layers`` layers (a uniform mode is written out per layer)."""
     layers = [layer_json(mode, i) for i in range(n_layers)]
