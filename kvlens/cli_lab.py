@@ -112,6 +112,8 @@ def lab_plan(
     heldout_chunks: int = Option(4, min=1, help="Later chunks verifying the recipe."),
     candidates: str = Option("q8h,q4h", help="Kinds tried per layer for K and V (f16 is the fallback)."),
     per_head: bool = Option(True, "--per-head/--per-layer", help="Choose kinds per KV head or per layer."),
+    calib_target: float = Option(1.0, help="Share of the budget the recipe may cost on calibration text."),
+    reuse: str | None = Option(None, help="A `lab plan --json` output whose sensitivities to reuse."),
     kv: str = Option("q8,f16", help="Modes verified beside the recipe."),
     prefill_chunk: int = opt.PREFILL,
     json_out: bool = opt.JSON,

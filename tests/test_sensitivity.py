@@ -3,6 +3,7 @@ pass, per-head probes, and the doctor reusing a plan's measurements."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -81,6 +82,10 @@ def test_doctor_reuses_a_plan_and_refuses_another_models(tmp_path, tiny_dir, cap
     n_layer_findings = len({f.layer for f in doc.findings if f.layer is not None})
     # consequences (2 kinds per flagged layer) and the recipe's check(s): no sensitivity pass repeated
     assert doc.passes <= 2 * n_layer_findings + plan.rounds
+    # the plan itself reuses them too: no sensitivity pass, only the recipe's check(s)
+    again = run_plan(dataclasses.replace(cfg, reuse=str(path), calib_target=0.5))
+    assert again.sensitivity == plan.sensitivity and again.passes == again.rounds
+    assert again.calib_kld <= 0.5 * 0.01 or again.rounds == 3
     data = plan.to_json() | {"model": "another"}
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="was measured on another"):

@@ -6,7 +6,8 @@ on held-out text.
    that layer's (head's) K or V is stored in a candidate kind (q8h, q4h, ...) and every other row
    stays f32 — llama-perplexity's scoring of :mod:`.ppl` (second half of each chunk), one pass per
    (item, kind, chunk), resumed at the probed layer from the f32 pass's residual.
-2. Choice: per item the options are f16 (the fallback, counted as KLD 0) and the candidates;
+2. Choice (aiming at ``calib_target`` x the budget, leaving room for the calibration text to
+   under-predict other text): per item the options are f16 (the fallback, counted as KLD 0) and the candidates;
    treating the items' KLDs as additive (first order in small perturbations), a greedy
    multiple-choice knapsack takes, step by step, the downgrade saving the most bytes per unit of
    KLD that keeps the sum within the working budget. The recipe is then measured on the calibration
@@ -46,6 +47,7 @@ class PlanConfig(CompareConfig):
     candidates: list[StoreKind] | str = "q8h,q4h"
     out: str = "recipe.json"
     per_head: bool = True
+    calib_target: float = 1.0  # the share of the budget the recipe may cost on the calibration chunks
     reuse: str | None = None  # a earlier ``lab plan --json`` output: its sensitivities, not measured again
 
     def __post_init__(self) -> None:
@@ -56,6 +58,8 @@ class PlanConfig(CompareConfig):
             self.candidates = [_kind(c) for c in self.candidates.split(",") if c.strip()]
         if not self.candidates:
             raise ValueError("--candidates names no KV kind")
+        if not 0 < self.calib_target <= 1:
+            raise ValueError(f"--calib-target must be in (0, 1], got {self.calib_target}")
 
 
 def _kind(name: str) -> StoreKind:
@@ -238,7 +242,8 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     else:
         table = sens.table(cfg.candidates, cfg.per_head)
     t1 = time.perf_counter()
-    recipe, predicted, measured, rounds = choose_verified(sens, table, cfg.kld_budget, cfg.out)
+    target = cfg.kld_budget * cfg.calib_target
+    recipe, predicted, measured, rounds = choose_verified(sens, table, target, cfg.out)
     meta = {"model": model_name(llm), "kld_budget": cfg.kld_budget, "calibration_kld": measured}
     save_recipe(recipe, c.n_layers, cfg.out, **meta)
     t2 = time.perf_counter()
