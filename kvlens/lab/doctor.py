@@ -224,20 +224,13 @@ def recipe_line(r: DoctorResult) -> str:
 def main(cfg: DoctorConfig, json_out: bool = False, report: str | None = None) -> None:
     """The body of ``kvlens lab doctor``."""
     r = run_doctor(cfg)
+    title = f"doctor: {r.model}, {r.ctx}-token window of {r.corpus}"  # a reused plan's ctx, not --ctx
     if json_out:
         print(json.dumps(r.to_json(), indent=1))
     else:
-        print_table(
-            f"doctor: {r.model}, {cfg.ctx}-token window of {r.corpus}", HEADERS, table_rows(r), width=160
-        )
+        print_table(title, HEADERS, table_rows(r), width=160)
         print(recipe_line(r))
     if report:
-        md = (
-            f"# kvlens lab doctor: {r.model}\n\n"
-            + md_table(HEADERS, table_rows(r))
-            + "\n\n"
-            + recipe_line(r)
-            + "\n"
-        )
+        md = f"# kvlens lab {title}\n\n" + md_table(HEADERS, table_rows(r)) + "\n\n" + recipe_line(r) + "\n"
         write_markdown(report, "doctor.md", md)
         Path(report, "recipe.json").write_text(json.dumps(r.recipe, indent=1) + "\n", encoding="utf-8")
