@@ -13,7 +13,7 @@ import kvlens
 from kvlens.kernels.reference import reference_attention
 from kvlens.kv.cache import HeadSplitStore, RowStore
 from kvlens.kv.modes import KVMode, StoreKind
-from kvlens.kv.pool import BlockPool
+from kvlens.kv.pool import BlockPool, PagedKV
 from kvlens.kv.quant import rotation
 from kvlens.kv.recipe import RecipeError, head_recipe_mode, load_recipe, save_recipe
 
@@ -112,12 +112,31 @@ def test_bad_per_head_recipe_is_one_clear_error(tmp_path, layers, match):
         KVMode.parse(write(tmp_path / "bad.json", layers))
 
 
-def test_wrong_head_count_and_paged_pool_are_refused(tmp_path, tiny, tiny_dir):
+def test_wrong_head_count_is_refused(tmp_path, tiny, tiny_dir):
     three = write(tmp_path / "three.json", [{"k": ["q8", "q8", "q4"], "v": "q8"}] * 2)
     msg = "gives layer 0 kinds for 3 KV heads; the model has 2"
     with pytest.raises(ValueError, match=msg):
         tiny.variant(kv=three)
     with pytest.raises(ValueError, match=msg):
         kvlens.load(tiny_dir, kv=three)
-    with pytest.raises(ValueError, match="the paged pool \\(kvlens serve\\) runs per-layer recipes only"):
-        BlockPool(2, 2, 32, head_recipe_mode("h", HEADS), 1 << 20)
+
+
+def test_paged_pool_runs_a_per_head_recipe_like_the_contiguous_cache(tiny):
+    """The serving pool (block table, fused kernel per head through the table) computes what the
+    contiguous cache computes, and its disk-tier block view holds every head's tensors."""
+    mode = head_recipe_mode("h", HEADS)
+    llm = tiny.variant(kv=mode, attn_backend="numba")
+    ids = list(range(5, 46))
+    pool = BlockPool(2, 2, 32, mode, 1 << 20)
+    pool.allocate(1)  # the sequence's blocks are not the first ones: the table matters
+    paged, contiguous = PagedKV(pool), llm.new_cache(len(ids))
+    paged.grow(len(ids))
+    out = []
+    for cache in (paged, contiguous):
+        with torch.inference_mode():
+            llm.forward(ids[:-1], cache, 0, prefill=True)
+            out.append(llm.lm_head(llm.forward(ids[-1:], cache, len(ids) - 1, prefill=False)))
+    assert torch.equal(out[0], out[1])
+    # layer 0, per head: K q4h codes+scales, K q8 codes+scales+sums, V q8 codes+scales, V q4h
+    # codes+scales; layer 1 (not split): K and V q4h codes+scales of both heads at once
+    assert len(pool.block_rows(0)) == (2 + 3 + 2 + 2) + (2 + 2)
