@@ -202,3 +202,19 @@ def test_paged_sequence_with_blocks_out_of_order(tiny_dirs):
     assert spy.calls == 3
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_layer_stored_per_head_runs_the_general_path(tiny_dirs):
+    """A per-KV-head recipe (layer 0: both K heads q8 but V heads differ): the fused step does not
+    apply (its stores are split per head) and the general path runs the step."""
+    from kvlens.kv.modes import StoreKind
+    from kvlens.kv.recipe import head_recipe_mode
+
+    q8, f16 = StoreKind("q8"), StoreKind("f16")
+    mode = head_recipe_mode("r", [[(q8, f16), (q8, q8)], [(q8, q8), (q8, q8)]])
+    llm = kvlens.load(tiny_dirs["llama"], kv=mode, attn_backend="numba")
+    spy = Spy(llm)
+    fused, _ = decode_steps(llm, list(range(3, 30)), mode, 2, True)
+    plain, _ = decode_steps(llm, list(range(3, 30)), mode, 2, False)
+    assert spy.calls == 0 and all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))

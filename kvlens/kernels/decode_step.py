@@ -255,12 +255,13 @@ _STORE_KIND = {StoreKind.Q8: CODE_Q8, StoreKind.F16: CODE_F16, StoreKind.F32: CO
 
 def store_tuple(store) -> tuple[np.ndarray, ...] | None:
     """A RowStore as :func:`store_row` takes it (zero-copy views), or None for a kind not written here
-    (4-bit, bf16, rotated). Memoized on the store while its tensors are the same objects."""
+    (4-bit, bf16, rotated) and for a layer stored per KV head (kv.cache.HeadSplitStore). Memoized on
+    the store while its tensors are the same objects."""
+    if not hasattr(store, "data") or store.kind not in _STORE_KIND:  # a per-head split store too
+        return None
     memo = store.__dict__.get("_step_tuple")
     if memo is not None and memo[0] is store.data:
         return memo[1]
-    if store.kind not in _STORE_KIND:
-        return None
     if store.kind == StoreKind.Q8:
         ksum = NO_KSUM if store.ksum is None else store.ksum.numpy()
         arrays = (store.data.numpy(), store.scale.numpy(), ksum)
@@ -276,8 +277,9 @@ def fused_stores(cache) -> list[tuple] | None:
     """Per layer of a KVCache: (K tuple, V tuple, K code, V code) for :meth:`FusedDecoder.run`, or None
     if a layer's kind is not written here. Memoized on the cache while its stores keep their tensors
     (they grow all together: :meth:`kvlens.kv.cache.KVCache.reserve`)."""
+    first, last = (getattr(s, "data", s) for s in (cache.k[0], cache.v[-1]))
     memo = cache.__dict__.get("_step_stores")
-    if memo is not None and memo[0] is cache.k[0].data and memo[1] is cache.v[-1].data:
+    if memo is not None and memo[0] is first and memo[1] is last:
         return memo[2]
     stores = []
     for ks, vs in zip(cache.k, cache.v, strict=True):
@@ -286,7 +288,7 @@ def fused_stores(cache) -> list[tuple] | None:
             stores = None
             break
         stores.append((kt, vt, _STORE_KIND[ks.kind], _STORE_KIND[vs.kind]))
-    cache.__dict__["_step_stores"] = (cache.k[0].data, cache.v[-1].data, stores)
+    cache.__dict__["_step_stores"] = (first, last, stores)
     return stores
 
 
