@@ -41,7 +41,16 @@ import torch
 from ..checks import check_int, check_tensor
 from .blocks import BlockBounds
 from .modes import Q4_BLOCK, CacheOptions, KVMode, StoreKind
-from .quant import KSUM_BLOCK, dequantize_q4, dequantize_q8, first_nonfinite, rotation, store_q4, store_q8
+from .quant import (
+    KSUM_BLOCK,
+    dequantize_q4,
+    dequantize_q8,
+    first_nonfinite,
+    rotate_rows,
+    rotation,
+    store_q4,
+    store_q8,
+)
 
 BLOCK = 32
 F32 = StoreKind.F32  # the exact copy's storage
@@ -63,10 +72,9 @@ def check_kv_finite(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) ->
 
 
 def store_basis(kind: StoreKind, rows: torch.Tensor) -> torch.Tensor:
-    """``rows [..., head_dim]`` in the basis a store of ``kind`` keeps them (rotated kinds: ``rows @ R``)."""
-    if not kind.rotated:
-        return rows
-    return rows.to(torch.float32) @ rotation(rows.shape[-1], torch.float32, rows.device)
+    """``rows [..., head_dim]`` in the basis a store of ``kind`` keeps them (rotated kinds: ``rows @ R``,
+    as a fast Walsh–Hadamard transform: :func:`kvlens.kv.quant.rotate_rows`)."""
+    return rotate_rows(rows) if kind.rotated else rows
 
 
 def rotations(k_store: RowStore, v_store: RowStore) -> tuple[torch.Tensor | None, torch.Tensor | None]:
