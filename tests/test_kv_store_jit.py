@@ -12,7 +12,15 @@ import torch
 from kvlens.kernels.q4store import fp16_bits
 from kvlens.kv.cache import KVCache
 from kvlens.kv.modes import KVMode
-from kvlens.kv.quant import pack_q4, quantize_q4, rotate_rows, rotate_rows_torch, rotation, store_q4
+from kvlens.kv.quant import (
+    pack_q4,
+    quantize_q4,
+    rotate_rows,
+    rotate_rows_torch,
+    rotation,
+    store_q4,
+    unrotate_rows,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,9 +52,14 @@ def test_jit_rotation_is_bit_identical_to_torch_and_is_the_rotation(hd):
     jit = rotate_rows(x)
     assert torch.equal(jit, rotate_rows_torch(x))
     # and it is x @ R (float64): f32 rounding of log2(d) butterfly levels, with headroom
-    ref = x.double() @ rotation(hd, torch.float64)
-    tol = 4 * np.log2(hd) * 2**-24 * x.abs().amax(-1, keepdim=True).double() * np.sqrt(hd)
-    assert ((jit.double() - ref).abs() <= tol + 1e-30).all()
+    r = rotation(hd, torch.float64)
+    # f32 rounding of log2(d) butterfly levels over partial sums <= sqrt(d) |x|max, with headroom
+    tol = 4 * np.log2(hd) * 2**-24 * x.abs().amax(-1, keepdim=True).double() * np.sqrt(hd) + 1e-30
+    assert ((jit.double() - x.double() @ r).abs() <= tol).all()
+    # the inverse (attention's output over rotated V): y @ R.T, and back to x
+    back = unrotate_rows(jit)
+    assert ((back.double() - jit.double() @ r.T).abs() <= tol).all()
+    assert ((back.double() - x.double()).abs() <= 2 * tol).all()
 
 
 def test_fp16_bits_round_to_nearest_even_like_numpy():

@@ -23,8 +23,9 @@ import torch
 from ..kernels.cpu_int import BACKEND_QBITS, IntAttn
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
-from ..kv.cache import BLOCK, KVCache, rotations
+from ..kv.cache import BLOCK, KVCache
 from ..kv.pool import PagedKV
+from ..kv.quant import rotate_rows, unrotate_rows
 from ..models.transformer import AttendFn, Profiler, timed
 
 BACKENDS = ("auto", "torch", "numba", "triton", *BACKEND_QBITS)
@@ -139,15 +140,14 @@ def make_attend(
     if sparse is not None and cache.bounds is None:
         raise ValueError("sparse decode needs a cache created with track_blocks=True")
     paged = isinstance(cache, PagedKV)  # the kernels then read through its block table
-    # rotated kinds (q8h, q4h): the query goes into K's stored basis, the output back from V's
-    rotation = [rotations(cache.k[i], cache.v[i]) for i in range(len(cache.k))]
+    # rotated kinds (q8h, q4h): the query goes into K's stored basis, the output back from V's (a
+    # fast Walsh-Hadamard transform each, JIT on the CPU: no torch op between the numba kernels)
+    rotated = [(cache.k[i].kind.rotated, cache.v[i].kind.rotated) for i in range(len(cache.k))]
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-        rk, rv = rotation[layer]
-        if rk is not None:
-            q = q.to(torch.float32) @ rk
-        out = attend_stored(layer, q, k, v, start)
-        return out if rv is None else out @ rv.T
+        rot_k, rot_v = rotated[layer]
+        out = attend_stored(layer, rotate_rows(q) if rot_k else q, k, v, start)
+        return unrotate_rows(out) if rot_v else out
 
     def attend_stored(
         layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int

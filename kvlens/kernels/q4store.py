@@ -19,13 +19,15 @@ FP16_ZERO_MAX = np.float32(2.0**-25)  # an f32 at or below this rounds to an fp1
 
 
 @njit(cache=True)
-def hadamard_rows(x, signs, scale, out):  # pragma: no cover - compiled
-    """``out[..., :] = (x * signs) @ H * scale`` for rows ``x [m, d]`` (f32, d a power of two), ``H``
-    the Sylvester Hadamard matrix: butterflies of stride 1, 2, 4, ... (a + b, a - b), then the scale."""
+def hadamard_rows(x, pre, post, scale, out):  # pragma: no cover - compiled
+    """``out = ((x * pre) @ H) * scale * post`` for rows ``x [m, d]`` (f32, d a power of two), ``H``
+    the Sylvester Hadamard matrix (butterflies ``(a + b, a - b)`` of stride 1, 2, 4, ...), ``pre`` and
+    ``post`` sign vectors: the rotation ``x @ R`` (pre = the signs, post = 1) and its inverse
+    ``y @ R.T`` (pre = 1, post = the signs), ``R = diag(s) H / sqrt(d)``."""
     m, d = x.shape
     for r in range(m):
         for i in range(d):
-            out[r, i] = x[r, i] * signs[i]
+            out[r, i] = x[r, i] * pre[i]
         h = 1
         while h < d:
             for i0 in range(0, d, 2 * h):
@@ -35,7 +37,7 @@ def hadamard_rows(x, signs, scale, out):  # pragma: no cover - compiled
                     out[r, j + h] = a - b
             h *= 2
         for i in range(d):
-            out[r, i] *= scale
+            out[r, i] = out[r, i] * scale * post[i]
 
 
 @njit(cache=True)

@@ -226,30 +226,52 @@ def _hadamard_scale(head_dim: int) -> np.float32:
     return np.float32(1.0 / math.sqrt(head_dim))
 
 
-def rotate_rows_torch(rows: torch.Tensor) -> torch.Tensor:
-    """``rows [..., d] @ rotation(d)`` in float32 as a fast Walsh–Hadamard transform: signs, then
-    butterflies ``(a + b, a - b)`` of stride 1, 2, 4, ..., then ``1/sqrt(d)`` — the operations of the
-    JIT pass (:func:`kvlens.kernels.q4store.hadamard_rows`) in the same order, so bit-identical."""
+@functools.cache
+def _ones(head_dim: int) -> torch.Tensor:
+    return torch.ones(head_dim, dtype=torch.float32)
+
+
+def _hadamard(rows: torch.Tensor, pre: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    """``((rows * pre) @ H) / sqrt(d) * post`` in float32 (:func:`kvlens.kernels.q4store.hadamard_rows`
+    on the CPU, the same operations in torch elsewhere: bit-identical)."""
     d = rows.shape[-1]
-    y = rows.to(torch.float32) * _signs(d).to(rows.device)
+    if rows.device.type == "cpu":
+        x = rows.detach().to(torch.float32).contiguous()
+        out = torch.empty_like(x)
+        hadamard_rows(
+            x.view(-1, d).numpy(), pre.numpy(), post.numpy(), _hadamard_scale(d), out.view(-1, d).numpy()
+        )
+        return out
+    return _hadamard_torch(rows, pre, post)
+
+
+def _hadamard_torch(rows: torch.Tensor, pre: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    d = rows.shape[-1]
+    y = rows.to(torch.float32) * pre.to(rows.device)
     h = 1
     while h < d:
         pairs = y.reshape(*y.shape[:-1], d // (2 * h), 2, h)
         a, b = pairs[..., 0, :], pairs[..., 1, :]
         y = torch.stack((a + b, a - b), dim=-2).reshape(y.shape)
         h *= 2
-    return y * torch.tensor(_hadamard_scale(d), device=rows.device)
+    return y * torch.tensor(_hadamard_scale(d), device=rows.device) * post.to(rows.device)
+
+
+def rotate_rows_torch(rows: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate_rows` in torch ops on any device: the reference the JIT pass must equal."""
+    d = rows.shape[-1]
+    return _hadamard_torch(rows, _signs(d), _ones(d))
 
 
 def rotate_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``rows [..., d]`` (d a power of two) turned into the rotated kinds' stored basis, ``rows @ R``
-    up to float32 rounding (:func:`rotation`), as a new float32 tensor: one JIT pass on the CPU,
-    :func:`rotate_rows_torch` elsewhere (the same bits)."""
-    if rows.device.type != "cpu":
-        return rotate_rows_torch(rows)
+    """``rows [..., d]`` (d a power of two) in the rotated kinds' stored basis, ``rows @ R`` up to
+    float32 rounding (:func:`rotation`), as a new float32 tensor: a fast Walsh–Hadamard transform
+    (signs, butterflies of stride 1, 2, 4, ..., then ``1/sqrt(d)``), one JIT pass on the CPU."""
     d = rows.shape[-1]
-    signs = _signs(d).numpy()
-    x = rows.detach().to(torch.float32).contiguous()
-    out = torch.empty_like(x)
-    hadamard_rows(x.view(-1, d).numpy(), signs, _hadamard_scale(d), out.view(-1, d).numpy())
-    return out
+    return _hadamard(rows, _signs(d), _ones(d))
+
+
+def unrotate_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`rotate_rows`: ``rows @ R.T`` (attention's output over rotated V rows)."""
+    d = rows.shape[-1]
+    return _hadamard(rows, _ones(d), _signs(d))
