@@ -126,7 +126,7 @@ class RowStore:
         scale = ksum = None
         if kind.int8:
             scale = torch.ones(n_kv, cap, dtype=torch.float32, device=device)
-            if with_ksum and head_dim % KSUM_BLOCK == 0:
+            if with_ksum and kind.ksum_bytes(head_dim):
                 ksum = torch.zeros(n_kv, cap, head_dim // KSUM_BLOCK, dtype=torch.int16, device=device)
         elif kind.int4:
             scale = torch.ones(n_kv, cap, head_dim // Q4_BLOCK, dtype=torch.float16, device=device)

@@ -23,6 +23,7 @@ from ..kernels.q4store import Q4_BLOCK as JIT_Q4_BLOCK
 from ..kernels.q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
 from ..kernels.q8store import KSUM_BLOCK, NO_KSUM, first_nonfinite_index, store_q8_rows
 from ..models.blockquant import symmetric_blocks
+from .modes import KSUM_BLOCK as MODES_KSUM_BLOCK
 from .modes import Q4_BLOCK
 
 Q8_MAX = 127.0
@@ -107,7 +108,8 @@ def store_q8(
 
 
 # -- the 4-bit rule (q4, q4h) ---------------------------------------------------------------------
-assert JIT_Q4_BLOCK == Q4_BLOCK  # the JIT store (a kvlens-free leaf) keeps its own copy
+# the JIT stores (kvlens-free leaves) keep their own copies of the block sizes
+assert JIT_Q4_BLOCK == Q4_BLOCK and MODES_KSUM_BLOCK == KSUM_BLOCK
 Q4_MAX = 7.0  # codes -7..7: symmetric, so |error| <= step/2 for every element (kv.schemes explains)
 FP16_MAX = 65504.0
 
