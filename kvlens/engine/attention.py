@@ -166,6 +166,12 @@ def make_attend(
             return kernel(q[:, 0], cache.k[layer], cache.v[layer], end, blocks=blocks, table=table).unsqueeze(
                 1
             )
+        if decode and win is not None and blocks is None and not paged and not cache.options.keeps_exact:
+            # a windowed decode step reads only the rows its window can reach (plus a block of
+            # headroom; the mask selects), not all `end` rows
+            lo = max(0, end - win - BLOCK)
+            k_win, v_win = cache.k[layer].read(lo, end), cache.v[layer].read(lo, end)
+            return sdpa_attention(q, k_win, v_win, torch.arange(start - lo, end - lo, device=q.device), win)
         k_all, v_all = cache.read(layer, end, prefill=prefill)
         q_pos = torch.arange(start, end, device=q.device)
         kv_mask = None if blocks is None else blocks_to_mask(blocks, end, BLOCK)
