@@ -15,16 +15,17 @@ from kvlens.kv.quant import rotate_rows, rotation
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("mode", ["f32", "q8", "q4h"])
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("mode", ["f32", "f16", "bf16", "q8", "q4h", "k=q8,v=q4"])
 @pytest.mark.parametrize("window,end", [(4, 100), (40, 41), (40, 150), (37, 75)])
-def test_windowed_decode_equals_the_full_windowed_attention(mode, window, end):
+def test_windowed_decode_equals_the_full_windowed_attention(mode, window, end, backend):
     gen = torch.Generator().manual_seed(window + end)
-    n_kv, hd = 2, 64
+    n_kv, hd = 1, 256
     cache = KVCache(1, n_kv, hd, end, KVMode.parse(mode))
     k, v = (torch.randn(n_kv, end, hd, generator=gen) for _ in range(2))
     cache.write(0, 0, k[:, :-1], v[:, :-1])
     q = torch.randn(2 * n_kv, 1, hd, generator=gen)
-    out = make_attend(cache, False, "torch", window)(0, q, k[:, -1:], v[:, -1:], end - 1)
+    out = make_attend(cache, False, backend, window)(0, q, k[:, -1:], v[:, -1:], end - 1)
     # in the stored basis, over all `end` rows with the window mask (rotated kinds: q in K's basis)
     k_all, v_all = cache.read(0, end)
     qs = rotate_rows(q) if cache.k[0].kind.rotated else q

@@ -167,8 +167,12 @@ def make_attend(
                 1
             )
         if decode and win is not None and blocks is None and not paged and not cache.options.keeps_exact:
-            # a windowed decode step reads only the rows its window can reach (plus a block of
-            # headroom; the mask selects), not all `end` rows
+            # a windowed decode step reads only the rows its window reaches, not all `end` rows: on
+            # the CPU kernels exactly those (a query at end - 1 sees positions end - win ..), on torch
+            # a block more (the mask selects)
+            if use_kernel and cache.k[layer].data.device.type == "cpu":
+                ks, vs = cache.k[layer].span(end - win, end), cache.v[layer].span(end - win, end)
+                return kernel(q[:, 0], ks, vs, win).unsqueeze(1)
             lo = max(0, end - win - BLOCK)
             k_win, v_win = cache.k[layer].read(lo, end), cache.v[layer].read(lo, end)
             return sdpa_attention(q, k_win, v_win, torch.arange(start - lo, end - lo, device=q.device), win)
