@@ -47,7 +47,10 @@ def test_round_trip_json_engine(tmp_path, tiny):
     cache = llm.new_cache(40)
     assert [(s.kind, t.kind) for s, t in zip(cache.k, cache.v, strict=True)] == list(mode.layers)
     hd, n_kv = 32, 2  # bytes: each layer's own rows, summed
-    expected = n_kv * (Q8H.row_bytes(hd) + Q4H.row_bytes(hd) + F16.row_bytes(hd) + StoreKind.Q8.row_bytes(hd))
+    k_sums = 2 * (hd // 32)  # the q8h K store keeps its int16 code sums per 32 codes
+    expected = n_kv * (
+        Q8H.row_bytes(hd) + k_sums + Q4H.row_bytes(hd) + F16.row_bytes(hd) + StoreKind.Q8.row_bytes(hd)
+    )
     assert cache.bytes_per_token() == expected == back.bytes_per_token(2, n_kv, hd)
 
 

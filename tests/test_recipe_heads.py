@@ -52,7 +52,7 @@ def test_round_trip_json_engine(tmp_path, tiny):
     got = [[(ks.kind, vs.kind) for ks, vs in zip(cache.k[0].parts, cache.v[0].parts, strict=True)]]
     assert got == [HEADS[0]] and (cache.k[1].kind, cache.v[1].kind) == (Q4H, Q4H)
     hd = 32  # bytes: every head's own rows, summed
-    expected = sum(k.row_bytes(hd) + v.row_bytes(hd) for layer in HEADS for k, v in layer)
+    expected = sum(k.row_bytes(hd, with_ksum=True) + v.row_bytes(hd) for layer in HEADS for k, v in layer)
     assert cache.bytes_per_token() == expected == back.bytes_per_token(2, 2, hd)
 
 
