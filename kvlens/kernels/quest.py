@@ -49,18 +49,39 @@ def _split_query(q, hq0, group, qpn):  # pragma: no cover - compiled
 @njit(fastmath=_FM, cache=True)
 def _head_scores(kmin, kmax, h, nb, qpn, group, scores):  # pragma: no cover - compiled
     """scores[b] = max_g Σ_d kmax·q⁺ + kmin·q⁻ for blocks b < nb of KV head h; -inf where any head's
-    bound is NaN (torch's max propagates the NaN, and top_blocks counts it as -inf)."""
+    bound is NaN (torch's max propagates the NaN, and top_blocks counts it as -inf). Four blocks per
+    pass over d, so each query load feeds four pairs of FMAs (one block per pass is load-bound)."""
     hd = kmin.shape[2]
-    for b in range(nb):
-        best = np.float32(-np.inf)
-        nan = False
-        for g in range(group):
+    n4 = nb - nb % 4
+    scores[:nb] = -np.inf
+    for g in range(group):
+        for b in range(0, n4, 4):
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for d in range(hd):
+                qp, qn = qpn[g, d], qpn[group + g, d]
+                s0 += kmax[h, b, d] * qp + kmin[h, b, d] * qn
+                s1 += kmax[h, b + 1, d] * qp + kmin[h, b + 1, d] * qn
+                s2 += kmax[h, b + 2, d] * qp + kmin[h, b + 2, d] * qn
+                s3 += kmax[h, b + 3, d] * qp + kmin[h, b + 3, d] * qn
+            _keep_max(scores, b, s0)
+            _keep_max(scores, b + 1, s1)
+            _keep_max(scores, b + 2, s2)
+            _keep_max(scores, b + 3, s3)
+        for b in range(n4, nb):
             s = np.float32(0.0)
             for d in range(hd):
                 s += kmax[h, b, d] * qpn[g, d] + kmin[h, b, d] * qpn[group + g, d]
-            nan |= s != s
-            best = max(best, s)
-        scores[b] = np.float32(-np.inf) if nan else best
+            _keep_max(scores, b, s)
+    for b in range(nb):
+        if scores[b] != scores[b]:
+            scores[b] = -np.inf
+
+
+@njit(inline="always")
+def _keep_max(scores, b, s):  # pragma: no cover - compiled
+    """scores[b] = max(scores[b], s), NaN sticky (a NaN stays NaN until _head_scores makes it -inf)."""
+    if s != s or s > scores[b]:
+        scores[b] = s
 
 
 @njit(cache=True)
