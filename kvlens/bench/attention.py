@@ -30,17 +30,13 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numba
-import numpy as np
 import torch
-from numba import njit, prange
 
 from ..kernels.cpu import decode_attention
 from ..kernels.cpu_int import IntAttn, decode_attention_int
@@ -49,13 +45,12 @@ from ..kernels.reference import sdpa_attention
 from ..kernels.threads import set_threads
 from ..kv.cache import RowStore
 from ..kv.modes import MODES, KVMode, StoreKind
+from .bandwidth import Bandwidth, MiB, llc_bytes, machine_line, measure_bandwidth, sync
 from .spread import OtherLoad, Spread, spread, spread_warning
 
 SHAPES: dict[str, tuple[int, int, int]] = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}  # heads, kv, hd
 CPU_BACKENDS = ("numba", "numba-intdot", "numba-int", "numba-int16", "torch-sdpa", "dequant-sdpa")
 ALL_BACKENDS = (*CPU_BACKENDS, "triton")
-DEFAULT_LLC = 32 * 2**20
-MiB = 2**20
 
 
 @dataclass
@@ -89,66 +84,6 @@ def spread_warnings(rows: list[AttnRow], load: OtherLoad | None) -> list[str]:
     """A warning line for every row whose rounds disagree by more than :data:`WIDE_SPREAD`."""
     lines = (spread_warning(f"{r.shape} {r.ctx} {r.mode} {r.backend} µs/call", r.spread, load) for r in rows)
     return [line for line in lines if line]
-
-
-@dataclass
-class Bandwidth:
-    copy_gb_per_s: float
-    read_gb_per_s: float
-    device: str
-
-
-def llc_bytes() -> int:
-    """Last-level cache size from sysfs (index3 = L3), else 32 MiB."""
-    try:
-        s = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip().upper()
-        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1], 1)
-        return int(s.rstrip("KMG")) * mult
-    except (OSError, ValueError, IndexError):
-        return DEFAULT_LLC
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _parallel_sum(a, n_chunks):  # pragma: no cover - compiled
-    """Sum of a flat f32 array in ``n_chunks`` contiguous pieces (one per thread): a pure read stream.
-    Each piece is a slice walked from 0 (with ``min`` in the loop bound LLVM did not vectorize it)."""
-    part = np.zeros(n_chunks, np.float32)
-    step = (a.size + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        x = a[c * step : min(a.size, (c + 1) * step)]
-        s = np.float32(0.0)
-        for i in range(x.size):
-            s += x[i]
-        part[c] = s
-    return part.sum()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_bandwidth(n_bytes: int = 512 * MiB, reps: int = 5, device: str = "cpu") -> Bandwidth:
-    """Copy bandwidth (2 x bytes / time of ``dst.copy_(src)``) and, on CPU, read-only bandwidth."""
-    dev = torch.device(device)
-    src = torch.ones(n_bytes // 4, dtype=torch.float32, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in before timing
-    t_copy, t_read = [], []
-    a = src.numpy() if dev.type == "cpu" else None
-    for _ in range(reps):
-        _sync(dev)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(dev)
-        t_copy.append(time.perf_counter() - t0)
-        if a is not None:
-            t0 = time.perf_counter()
-            _parallel_sum(a, numba.get_num_threads())
-            t_read.append(time.perf_counter() - t0)
-    copy = 2 * src.numel() * 4 / min(t_copy) / 1e9
-    read = src.numel() * 4 / min(t_read) / 1e9 if t_read else copy / 2  # GPU: no read-only probe
-    return Bandwidth(copy, read, device)
 
 
 def layer_bytes(mode: str, n_kv: int, ctx: int, hd: int) -> int:
@@ -219,12 +154,12 @@ def time_cells(cells: dict, n_layers: dict, reps: int, device_of: dict, min_roun
 
     def sweep(key, times: int) -> float:
         call, dev, n = cells[key], device_of[key], n_layers[key]
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         for _ in range(times):
             for i in range(n):
                 call(i)
-        _sync(dev)
+        sync(dev)
         return (time.perf_counter() - t0) / (times * n)
 
     sweeps = {}
@@ -355,31 +290,6 @@ def time_prefill_read(shape: str = "smollm2", history: int = 4096, chunk: int = 
             t_read.append(t1 - t0)
         out[m] = (1e3 * min(t_read), 1e3 * min(t_sdpa))
     return out
-
-
-def _layer() -> str:
-    try:
-        return numba.threading_layer()
-    except ValueError:  # no parallel numba function has run yet
-        return numba.config.THREADING_LAYER
-
-
-def machine_line(bw: dict[str, Bandwidth]) -> str:
-    """One line of context for the table: CPU, LLC, threads, bandwidths, OpenMP settings."""
-    with open("/proc/cpuinfo") as f:
-        model = next(
-            (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.machine()
-        )
-    c = bw["cpu"]
-    return (
-        f"{model}, {os.cpu_count()} CPUs, LLC {llc_bytes() // MiB} MiB; threads numba {numba.get_num_threads()} "
-        f"({_layer()}), torch {torch.get_num_threads()}; "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
-        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '(unset)')}; numba-int path {IntAttn().resolved_path()}\n"
-        f"bandwidth: copy {c.copy_gb_per_s:.1f} GB/s (torch copy_, 2 x bytes), read {c.read_gb_per_s:.1f} GB/s "
-        "(numba sum); '% copy' = GB/s over the copy bandwidth"
-        + "".join(f"; {d} copy {b.copy_gb_per_s:.0f} GB/s" for d, b in bw.items() if d != "cpu")
-    )
 
 
 def render(rows: list[AttnRow], bw: dict[str, Bandwidth]) -> None:

@@ -32,59 +32,14 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from ..kv.cache import BLOCK
 from ..kv.modes import StoreKind
 from ..kv.quant import quantize_q8
+from . import flash
+from .flash import TILE, choose_splits  # noqa: F401 - choose_splits: part of this module's API
 from .stage import _FM, _KIND_CODE, CODE_Q4, CODE_Q8, Q4B, _stage
 from .threads import run_serial_if, split_threads
 
 QBLOCK = 32  # query block of the int-dot variant (the seed: 32 values, one scale)
-# positions per online-softmax step = the cache block, so sparse decode can pick tiles by block index;
-# the scratch K/V tile is TILE*hd*4 bytes (16 KiB at hd 128)
-TILE = BLOCK
-SERIAL_ROWS = 2048  # below this many (kv_head, position) rows one thread runs it all (~0.1 ms of work)
-MIN_SPLIT = 256  # shortest split worth a thread: below it the merge and scheduling cost dominate
-
-
-@njit(fastmath={"contract"}, cache=True)  # no reassoc: it would fold the two-step ln2 reduction
-def _exp_inplace(x, n, e_u, e_f):  # pragma: no cover - compiled
-    """x[:n] = exp(x[:n]) for x <= 88, vectorized (a libm expf call per score cost ~15 ns here). Cephes
-    expf: x = k ln2 + r, degree-6 polynomial in r, times 2^k built in the exponent bits of e_u/e_f
-    (one scratch). Max error ~1 ulp; x < -87 gives ~1e-38 instead of 0."""
-    for j in range(n):
-        xj = max(x[j], np.float32(-87.0))
-        k = np.floor(xj * np.float32(1.4426950408889634) + np.float32(0.5))
-        r = xj - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
-        y = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
-        y = (y * r + np.float32(8.3334519073e-3)) * r + np.float32(4.1665795894e-2)
-        y = ((y * r + np.float32(1.6666665459e-1)) * r + np.float32(5.0000001201e-1)) * (r * r)
-        x[j] = y + r + np.float32(1.0)
-        e_u[j] = np.uint32(np.int32(k) + 127) << np.uint32(23)
-    for j in range(n):
-        x[j] *= e_f[j]
-
-
-@njit(fastmath=_FM, cache=True)
-def _dot_tile(qs, hq0, group, tile, nt, sc):  # pragma: no cover - compiled
-    """sc[g, j] = dot(qs[hq0 + g], tile[j]); 4 positions per pass so each query load feeds 4 FMAs."""
-    hd = tile.shape[1]
-    n4 = nt - nt % 4
-    for g in range(group):
-        hq = hq0 + g
-        for j in range(0, n4, 4):
-            s0 = s1 = s2 = s3 = np.float32(0.0)
-            for d in range(hd):
-                qd = qs[hq, d]
-                s0 += qd * tile[j, d]
-                s1 += qd * tile[j + 1, d]
-                s2 += qd * tile[j + 2, d]
-                s3 += qd * tile[j + 3, d]
-            sc[g, j], sc[g, j + 1], sc[g, j + 2], sc[g, j + 3] = s0, s1, s2, s3
-        for j in range(n4, nt):
-            s = np.float32(0.0)
-            for d in range(hd):
-                s += qs[hq, d] * tile[j, d]
-            sc[g, j] = s
 
 
 @njit(fastmath=_FM, cache=True)
@@ -104,81 +59,6 @@ def _dot_tile_int(q8, qsc, hq0, group, k, h, t0, nt, prod, sc):  # pragma: no co
                     acc += prod[d]
                 s += np.float32(acc) * qsc[hq, b]
             sc[g, j] = s
-
-
-@njit(fastmath=_FM, cache=True)
-def _axpy_tile(sc, tile, nt, group, acc):  # pragma: no cover - compiled
-    """acc[g] += sum_j sc[g, j] * tile[j]; 4 positions per pass: one acc load/store per 4 FMAs."""
-    hd = tile.shape[1]
-    n4 = nt - nt % 4
-    for g in range(group):
-        for j in range(0, n4, 4):
-            w0, w1, w2, w3 = sc[g, j], sc[g, j + 1], sc[g, j + 2], sc[g, j + 3]
-            for d in range(hd):
-                acc[g, d] += w0 * tile[j, d] + w1 * tile[j + 1, d] + w2 * tile[j + 2, d] + w3 * tile[j + 3, d]
-        for j in range(n4, nt):
-            w = sc[g, j]
-            for d in range(hd):
-                acc[g, d] += w * tile[j, d]
-
-
-# The running max moves only when a tile's max exceeds it by more than this (in score units): weights
-# e^(s - m) then stay <= e^8 ~ 3e3 (no f32 overflow, l <= n e^8), and most tiles skip the rescale of
-# acc and l and its exp. Exact: acc and l always share the same reference m (FlashAttention-3's trick).
-LAZY_MAX = np.float32(8.0)
-
-
-@njit(fastmath=_FM, cache=True)
-def _softmax_tile(sc, nt, group, m, lsum, acc, v_scale, v_q8, h, t0, e_u, e_f):  # pragma: no cover
-    """Online-softmax step over a tile: update (m, l), rescale acc when m moves, leave the weights in
-    sc (times the row's max_abs/127 for an int8 V, so V is never dequantized)."""
-    hd = acc.shape[1]
-    for g in range(group):
-        row = sc[g]
-        m_tile = row[0]
-        for j in range(1, nt):
-            m_tile = max(m_tile, row[j])
-        if m_tile > m[g] + LAZY_MAX:  # first tile (m = -inf) or a much larger score: move m
-            alpha = np.float32(math.exp(m[g] - m_tile))  # exp(-inf) = 0 on the first tile
-            for d in range(hd):
-                acc[g, d] *= alpha
-            lsum[g] *= alpha
-            m[g] = m_tile
-        m_g = m[g]
-        for j in range(nt):
-            row[j] -= m_g
-        _exp_inplace(row, nt, e_u, e_f)
-        ps = np.float32(0.0)
-        for j in range(nt):
-            ps += row[j]
-        lsum[g] += ps
-        if v_q8:
-            for j in range(nt):
-                row[j] *= v_scale[h, t0 + j] * np.float32(1.0 / 127.0)
-
-
-@njit(fastmath=_FM, cache=True)
-def _merge(part_acc, part_m, part_l, n_splits, group, out):  # pragma: no cover - compiled
-    """Exact log-sum-exp merge: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s."""
-    n_heads, hd = out.shape
-    for hq in range(n_heads):
-        h, g = hq // group, hq % group
-        mx = np.float32(-np.inf)
-        for s in range(n_splits):
-            mx = max(mx, part_m[h * n_splits + s, g])
-        den = np.float32(0.0)
-        out[hq, :] = 0.0
-        for s in range(n_splits):
-            it = h * n_splits + s
-            if part_l[it, g] == 0.0:
-                continue  # empty split (more splits than positions)
-            c = np.float32(math.exp(part_m[it, g] - mx))
-            den += c * part_l[it, g]
-            for d in range(hd):
-                out[hq, d] += c * part_acc[it, g, d]
-        inv = np.float32(1.0) / den
-        for d in range(hd):
-            out[hq, d] *= inv
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -209,56 +89,29 @@ def _decode_core(
     ``table[j]`` of the store); empty = contiguous (logical = physical). ``k_bsc``/``v_bsc``: the
     fp16 block-scale bits of a 4-bit K/V store (unread otherwise)."""
     n_heads, hd = qs.shape
-    n_kv = k.shape[0]
-    group = n_heads // n_kv
     k8 = k.view(np.int8)
-    dense = tiles.shape[1] == 0
-    paged = table.shape[0] > 0
-    n_tiles = (length + TILE - 1) // TILE if dense else tiles.shape[1]
-    split_len = (n_tiles + n_splits - 1) // n_splits
-    n_items = n_kv * n_splits
-    part_acc = np.zeros((n_items, group, hd), np.float32)
-    part_m = np.full((n_items, group), -np.inf, np.float32)
-    part_l = np.zeros((n_items, group), np.float32)
+    group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.split_plan(
+        length, tiles, table, n_splits, k.shape[0], n_heads, hd
+    )
     k_q8, v_q8 = k_code == CODE_Q8, v_code == CODE_Q8
     for item in prange(n_items):
-        h = item // n_splits
-        i_lo = (item % n_splits) * split_len
-        i_hi = min(n_tiles, i_lo + split_len)
-        tile_u = np.empty((TILE, hd), np.uint32)  # one L1-resident f32 tile, used for K then V
-        tile = tile_u.view(np.float32)
-        sc = np.empty((group, TILE), np.float32)
-        e_u = np.empty(TILE, np.uint32)
-        e_f = e_u.view(np.float32)
+        h, i_lo, i_hi, tile_u, tile, sc, e_u, e_f, bs_u, bs_f = flash.item_setup(
+            item, n_splits, split_len, n_tiles, group, hd
+        )
         prod = np.empty(hd, np.int32)
-        bs_u = np.empty(TILE * (hd // Q4B) + 1, np.uint32)  # a 4-bit tile's block scales as f32
-        bs_f = bs_u.view(np.float32)
         for ti in range(i_lo, i_hi):
-            t_log = ti if dense else tiles[h, ti]
-            nt = min(TILE, length - t_log * TILE)
-            p0 = (table[t_log] if paged else t_log) * TILE  # where the tile's rows are stored
+            nt, t0 = flash.tile_rows(ti, h, length, dense, tiles, paged, table)
             if int_dot:
-                _dot_tile_int(q8, qsc, h * group, group, k8, h, p0, nt, prod, sc)
+                _dot_tile_int(q8, qsc, h * group, group, k8, h, t0, nt, prod, sc)
             else:
-                _stage(k, k_code, k_bsc, h, p0, nt, tile_u, tile, bs_u, bs_f)
-                _dot_tile(qs, h * group, group, tile, nt, sc)
-            if k_q8:  # fold the K row scale into the score
-                for g in range(group):
-                    for j in range(nt):
-                        sc[g, j] *= k_scale[h, p0 + j] * np.float32(1.0 / 127.0)
-            _softmax_tile(
-                sc, nt, group, part_m[item], part_l[item], part_acc[item], v_scale, v_q8, h, p0, e_u, e_f
+                _stage(k, k_code, k_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
+                flash.dot_tile(qs, h * group, group, tile, nt, sc)
+            flash.weigh_tile(
+                sc, nt, group, k_scale, k_q8, item, part_m, part_l, part_acc, v_scale, v_q8, h, t0, e_u, e_f
             )
-            _stage(v, v_code, v_bsc, h, p0, nt, tile_u, tile, bs_u, bs_f)
-            _axpy_tile(sc, tile, nt, group, part_acc[item])
-    _merge(part_acc, part_m, part_l, n_splits, group, out)
-
-
-def choose_splits(length: int, n_kv: int, n_threads: int | None = None) -> int:
-    """Splits per KV head: enough (kv_head, split) items to keep every thread busy, none tiny."""
-    n_threads = n_threads or split_threads()
-    want = max(1, -(-2 * n_threads // n_kv))  # ~2 items per thread evens out ragged last splits
-    return max(1, min(want, length // MIN_SPLIT))
+            _stage(v, v_code, v_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
+            flash.axpy_tile(sc, tile, nt, group, part_acc[item])
+    flash.merge(part_acc, part_m, part_l, n_splits, group, out)
 
 
 def quantize_query_blocks(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -293,44 +146,12 @@ def _raw(a: np.ndarray) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(a).view(np.uint8), _NP_CODE[a.dtype]
 
 
-_DENSE = np.zeros((1, 0), np.int32)  # the core's "every tile" table
-_CONTIGUOUS = np.zeros(0, np.int32)  # the core's "no block table" (logical block = physical block)
-
-
-def _tile_table(n_kv: int, length: int, blocks: np.ndarray | None) -> np.ndarray:
-    """Tiles each KV head attends: the given sparse blocks, or :data:`_DENSE` (all of them)."""
-    if blocks is None:
-        return _DENSE
-    blocks = np.ascontiguousarray(blocks, np.int32)
-    if blocks.ndim != 2 or blocks.shape[0] != n_kv or blocks.shape[1] == 0:
-        raise ValueError(f"blocks must be [n_kv={n_kv}, n_selected>0], got {blocks.shape}")
-    if blocks.min() < 0 or blocks.max() * TILE >= length:
-        raise ValueError(f"a selected block lies outside the {length} cached positions")
-    return blocks
-
-
-def _block_table(table: np.ndarray | None, length: int, cap: int) -> np.ndarray:
-    """A paged cache's block table as the core takes it (:data:`_CONTIGUOUS` when there is none)."""
-    if table is None:
-        if not 1 <= length <= cap:
-            raise ValueError(f"length {length} outside [1, cap={cap}]")
-        return _CONTIGUOUS
-    table = np.ascontiguousarray(table, np.int32)
-    if table.ndim != 1 or not 1 <= length <= table.shape[0] * TILE:
-        raise ValueError(f"length {length} outside the {table.shape[0]} blocks of the block table")
-    used = table[: -(-length // TILE)]
-    if used.min() < 0 or (int(used.max()) + 1) * TILE > cap:
-        raise ValueError(f"a block table entry lies outside the store's {cap // TILE} blocks")
-    return table
-
-
 def _run(
     q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_dot=False, blocks=None, table=None,
     k_bsc=_NO_BLOCK_SCALE, v_bsc=_NO_BLOCK_SCALE,
 ):  # fmt: skip
     n_heads, hd = q.shape
     n_kv, cap = k.shape[:2]
-    table = _block_table(table, length, cap)
     if n_heads % n_kv or v.shape[:2] != (n_kv, cap) or out.shape != q.shape:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}, out {out.shape}")
     if k.shape[2] != hd * _ROW_BYTES_PER_VALUE[k_code] or v.shape[2] != hd * _ROW_BYTES_PER_VALUE[v_code]:
@@ -344,13 +165,10 @@ def _run(
             )
     if out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError("out must be a C-contiguous float32 array")
-    tiles = _tile_table(n_kv, length, blocks)
-    rows = tiles.shape[1] * TILE if blocks is not None else length  # positions each KV head reads
-    n_threads = split_threads()  # not the step's count: the splits, hence the sums, never vary with load
-    serial = n_kv * rows < SERIAL_ROWS
-    if n_splits is None:
-        n_splits = 1 if serial else choose_splits(rows, n_kv, n_threads)
-    n_splits = max(1, int(n_splits))
+    # split_threads, not the step's count: the splits, hence the sums, never vary with load
+    tiles, table, serial, n_splits = flash.plan_call(
+        n_kv, cap, length, blocks, table, n_splits, split_threads()
+    )
     qs = np.ascontiguousarray(q, np.float32) * np.float32(1.0 / math.sqrt(hd))  # 1/sqrt(d) once, in q
     q8, qsc = _NO_Q8, _NO_SCALE
     if int_dot:
@@ -443,9 +261,5 @@ def decode_attention(
         raise ValueError("int_dot needs an int8 K store")
     qn = q.detach().numpy() if q.dtype == torch.float32 else q.detach().float().numpy()
     out = np.empty(qn.shape, np.float32)
-    if isinstance(blocks, torch.Tensor):
-        blocks = blocks.numpy()
-    if isinstance(table, torch.Tensor):
-        table = table.numpy()
     _run(qn, k, kc, ks, v, vc, vs, length, out, n_splits, int_dot, blocks, table, kb, vb)
     return torch.from_numpy(out)

@@ -28,23 +28,11 @@ import numpy as np
 import torch
 from numba import literally, njit, prange
 
-from . import intdot
-from .cpu import (
-    CODE_Q8,
-    SERIAL_ROWS,
-    TILE,
-    _axpy_tile,
-    _block_table,
-    _merge,
-    _softmax_tile,
-    _stage,
-    _store_arrays,
-    _tile_table,
-    choose_splits,
-    quantize_query_blocks,
-)
+from . import flash, intdot
+from .cpu import CODE_Q8, _store_arrays, quantize_query_blocks
 from .q8store import KSUM_BLOCK
-from .stage import Q4B
+from .stage import _stage
+from .threads import run_serial_if
 
 PATH_ENV = "KVLENS_INT_PATH"  # forces the CPU path of the integer kernels (vnni512|vnni256|avx2|portable)
 Q16_MAX = 32767.0
@@ -197,49 +185,30 @@ def _core(
     contiguous) as there."""
     path, qbits, pv8 = literally(path), literally(qbits), literally(pv8)
     n_heads, hd = out.shape
-    n_kv = k.shape[0]
-    group = n_heads // n_kv
     k8 = k.view(np.int8)
-    dense = tiles.shape[1] == 0
-    paged = table.shape[0] > 0
-    n_tiles = (length + TILE - 1) // TILE if dense else tiles.shape[1]
-    split_len = (n_tiles + n_splits - 1) // n_splits
-    n_items = n_kv * n_splits
-    part_acc = np.zeros((n_items, group, hd), np.float32)
-    part_m = np.full((n_items, group), -np.inf, np.float32)
-    part_l = np.zeros((n_items, group), np.float32)
+    group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.split_plan(
+        length, tiles, table, n_splits, k.shape[0], n_heads, hd
+    )
     v_q8 = v_code == CODE_Q8
     for item in prange(n_items):
-        h = item // n_splits
-        i_lo = (item % n_splits) * split_len
-        i_hi = min(n_tiles, i_lo + split_len)
-        tile_u = np.empty((TILE, hd), np.uint32)
-        tile = tile_u.view(np.float32)
-        sc = np.empty((group, TILE), np.float32)
-        e_u = np.empty(TILE, np.uint32)
-        e_f = e_u.view(np.float32)
-        vt = np.zeros((TILE // 4, hd, 4), np.int8)  # pv8: V codes interleaved by 4 rows
-        p8 = np.zeros((group, TILE), np.uint8)
+        h, i_lo, i_hi, tile_u, tile, sc, e_u, e_f, bs_u, bs_f = flash.item_setup(
+            item, n_splits, split_len, n_tiles, group, hd
+        )
+        vt = np.zeros((flash.TILE // 4, hd, 4), np.int8)  # pv8: V codes interleaved by 4 rows
+        p8 = np.zeros((group, flash.TILE), np.uint8)
         acc8 = np.empty((group, hd), np.int32)
-        bs_u = np.empty(TILE * (hd // Q4B) + 1, np.uint32)  # a 4-bit V tile's block scales as f32
-        bs_f = bs_u.view(np.float32)
         for ti in range(i_lo, i_hi):
-            t_log = ti if dense else tiles[h, ti]
-            nt = min(TILE, length - t_log * TILE)
-            t0 = (table[t_log] if paged else t_log) * TILE  # where the tile's rows are stored
+            nt, t0 = flash.tile_rows(ti, h, length, dense, tiles, paged, table)
             _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, h * group, group, sc)
-            for g in range(group):  # fold the K row scale into the score
-                for j in range(nt):
-                    sc[g, j] *= k_scale[h, t0 + j] * np.float32(1.0 / 127.0)
-            _softmax_tile(
-                sc, nt, group, part_m[item], part_l[item], part_acc[item], v_scale, v_q8, h, t0, e_u, e_f
+            flash.weigh_tile(
+                sc, nt, group, k_scale, True, item, part_m, part_l, part_acc, v_scale, v_q8, h, t0, e_u, e_f
             )
             if pv8:
                 _pv8_tile(path, sc, v, h, t0, nt, group, vt, p8, acc8, part_acc[item])
             else:
                 _stage(v, v_code, v_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
-                _axpy_tile(sc, tile, nt, group, part_acc[item])
-    _merge(part_acc, part_m, part_l, n_splits, group, out)
+                flash.axpy_tile(sc, tile, nt, group, part_acc[item])
+    flash.merge(part_acc, part_m, part_l, n_splits, group, out)
 
 
 _ENTRY: dict[tuple[int, int, int], object] = {}
@@ -290,30 +259,14 @@ def decode_attention_int(
         raise ValueError(f"integer attention needs head_dim divisible by {KSUM_BLOCK}, got {hd}")
     if qn.shape[1] != hd or n_heads % n_kv or v.shape[:2] != (n_kv, cap):
         raise ValueError(f"shape mismatch: q {tuple(qn.shape)}, k {k.shape}, v {v.shape}")
-    if isinstance(blocks, torch.Tensor):
-        blocks = blocks.numpy()
-    if isinstance(table, torch.Tensor):
-        table = table.numpy()
-    table = _block_table(table, length, cap)
-    tiles = _tile_table(n_kv, length, blocks)
-    rows = tiles.shape[1] * TILE if blocks is not None else length
-    n_threads = numba.get_num_threads()
-    serial = n_kv * rows < SERIAL_ROWS
-    if n_splits is None:
-        n_splits = 1 if serial else choose_splits(rows, n_kv, n_threads)
+    tiles, table, serial, n_splits = flash.plan_call(
+        n_kv, cap, length, blocks, table, n_splits, numba.get_num_threads()
+    )
     qc = quantize_query(qn, spec.qbits, path)
     ksum = k_store.ksum.numpy() if shifted else _NO_KSUM
     out = np.empty((n_heads, hd), np.float32)
     codes = (qc.qu, qc.q8, qc.lane_scale, qc.block_scale, qc.q16, qc.scale16)
     args = (intdot.PATHS.index(path), spec.qbits, int(spec.pv8), codes, k, ks, ksum, v, vc, vs, v_bsc, int(length), tiles, table,
-            max(1, int(n_splits)), out)  # fmt: skip
-    core = _compiled_core(args)
-    if serial and n_threads > 1:
-        numba.set_num_threads(1)
-        try:
-            core(*args)
-        finally:
-            numba.set_num_threads(n_threads)
-    else:
-        core(*args)
+            n_splits, out)  # fmt: skip
+    run_serial_if(serial, _compiled_core(args), *args)
     return torch.from_numpy(out)

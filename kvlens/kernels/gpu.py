@@ -27,7 +27,6 @@ import torch
 from ..kv.cache import BLOCK
 
 LOG2E = 1.4426950408889634
-tl = None  # triton.language, bound by _kernels(); the jit functions resolve it from module globals
 
 
 class TritonUnavailableError(ImportError):
@@ -49,105 +48,9 @@ def _import_triton():
 
 @functools.cache
 def _kernels():
-    """Import triton and define the kernel (decorated now, so TRITON_INTERPRET is read at first use)."""
-    global tl
-    triton, tl = _import_triton()
-
-    @triton.jit
-    def split_kernel(
-        Q, K, KS, V, VS, Acc, M, L, Blocks, n_sel, Table,
-        length, split_len, stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh,
-        stride_kst, stride_vst, qk_scale,
-        GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr, K_Q4: tl.constexpr,
-        V_Q4: tl.constexpr, SPARSE: tl.constexpr, PAGED: tl.constexpr,
-    ):  # fmt: skip
-        h = tl.program_id(0)
-        s = tl.program_id(1)
-        n_splits = tl.num_programs(1)
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D_PAD)
-        gmask = g < GROUP
-        dmask = d < HD
-        # 4-bit rows (pack_q4's layout): element d is in byte 16*(d//32) + d%16, high nibble if d%32 >= 16
-        byte_of = (d // 32) * 16 + d % 16
-        shift_of = ((d % 32) // 16 * 4).to(tl.uint8)
-        # All query heads of the group, pre-scaled by log2(e)/sqrt(hd): the softmax runs in base 2.
-        q = tl.load(
-            Q + (h * GROUP + g)[:, None] * HD + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0
-        )
-        q = q.to(tl.float32) * qk_scale
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-        # Splits divide the positions (contiguous dense) or a list of cache blocks (BLOCK_N is then the
-        # cache block): this head's selected blocks (sparse) or every block of a paged cache, whose
-        # logical block b is stored in block Table[b]. One loop serves all so the tile body exists once.
-        lo = s * split_len
-        if SPARSE or PAGED:
-            hi = tl.minimum(lo + split_len, n_sel)
-            n_iter = hi - lo
-        else:
-            hi = tl.minimum(lo + split_len, length)
-            n_iter = tl.cdiv(hi - lo, BLOCK_N)
-        for i in range(0, n_iter):
-            if SPARSE or PAGED:
-                if SPARSE:
-                    lb = tl.load(Blocks + h * n_sel + lo + i)
-                else:
-                    lb = lo + i
-                n = lb * BLOCK_N + tl.arange(0, BLOCK_N)  # logical positions
-                nmask = n < length
-                if PAGED:
-                    r = tl.load(Table + lb) * BLOCK_N + tl.arange(0, BLOCK_N)  # where they are stored
-                else:
-                    r = n
-            else:
-                n = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
-                nmask = n < hi
-                r = n
-            kmask = nmask[None, :] & dmask[:, None]
-            if K_Q4:  # [D, N]: code pairs and fp16 block scales, unpacked in registers
-                kb = tl.load(
-                    K + h * stride_kh + r[None, :] * stride_kt + byte_of[:, None], mask=kmask, other=8
-                )
-                kc = ((kb >> shift_of[:, None]) & 15).to(tl.float32) - 8.0
-                kd = tl.load(
-                    KS + h * stride_ksh + r[None, :] * stride_kst + (d // 32)[:, None], mask=kmask, other=0.0
-                )
-                kt = kc * kd.to(tl.float32)
-            else:
-                kt = tl.load(K + h * stride_kh + r[None, :] * stride_kt + d[:, None], mask=kmask, other=0)
-            sc = tl.dot(q, kt.to(tl.float32), input_precision="ieee")  # [G_PAD, BLOCK_N]
-            if K_Q8:  # K row scale folded into the score
-                ks = tl.load(KS + h * stride_ksh + r, mask=nmask, other=0.0)
-                sc = sc * (ks * (1.0 / 127.0))[None, :]
-            sc = tl.where(nmask[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_Q8:  # V row scale folded into the weight
-                vs = tl.load(VS + h * stride_vsh + r, mask=nmask, other=0.0)
-                p = p * (vs * (1.0 / 127.0))[None, :]
-            vmask = nmask[:, None] & dmask[None, :]
-            if V_Q4:  # [N, D]
-                vb = tl.load(
-                    V + h * stride_vh + r[:, None] * stride_vt + byte_of[None, :], mask=vmask, other=8
-                )
-                vc = ((vb >> shift_of[None, :]) & 15).to(tl.float32) - 8.0
-                vd = tl.load(
-                    VS + h * stride_vsh + r[:, None] * stride_vst + (d // 32)[None, :], mask=vmask, other=0.0
-                )
-                vt = vc * vd.to(tl.float32)
-            else:
-                vt = tl.load(V + h * stride_vh + r[:, None] * stride_vt + d[None, :], mask=vmask, other=0)
-            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-            m_i = m_new
-        item = h * n_splits + s
-        tl.store(M + item * G_PAD + g, m_i)
-        tl.store(L + item * G_PAD + g, l_i)
-        tl.store(Acc + (item * G_PAD + g)[:, None] * D_PAD + d[None, :], acc)
+    """Import triton and the kernel (decorated now, so TRITON_INTERPRET is read at first use)."""
+    _import_triton()
+    from .triton_decode import split_kernel
 
     return split_kernel
 
@@ -164,6 +67,34 @@ def choose_splits_gpu(length: int, n_kv: int, device: torch.device, block_n: int
         units = os.cpu_count() or 1
     want = max(1, -(-units // n_kv))
     return max(1, min(want, -(-length // max(256, block_n))))
+
+
+def _block_lists(
+    blocks, table, n_kv: int, cap: int, length: int, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The kernel's ``(Blocks, Table, n_sel)``: the sparse selection and the paged block table on
+    ``dev`` (1-element dummies when absent), checked; ``n_sel``: the cache blocks each split loop
+    walks (the selected ones, or every logical block of a paged cache)."""
+    n_sel, selected = 0, torch.zeros(1, dtype=torch.int32, device=dev)
+    if blocks is not None:
+        selected = torch.as_tensor(blocks, dtype=torch.int32).to(dev).contiguous()
+        n_sel = selected.shape[1]
+        if (
+            selected.shape[0] != n_kv
+            or n_sel == 0
+            or int(selected.max()) * BLOCK >= length
+            or int(selected.min()) < 0
+        ):
+            raise ValueError(f"blocks must be [n_kv={n_kv}, n_sel>0] indices of blocks below {length}")
+    page = torch.zeros(1, dtype=torch.int32, device=dev)
+    if table is not None:
+        page = torch.as_tensor(table, dtype=torch.int32).to(dev).contiguous()
+        used = page[: -(-length // BLOCK)]
+        if int(used.min()) < 0 or (int(used.max()) + 1) * BLOCK > cap:
+            raise ValueError(f"a block table entry lies outside the store's {cap // BLOCK} blocks")
+        if blocks is None:
+            n_sel = -(-length // BLOCK)
+    return selected, page, n_sel
 
 
 def decode_attention_triton(
@@ -206,26 +137,9 @@ def decode_attention_triton(
     group = n_heads // n_kv
     g_pad, d_pad = _next_pow2(group, 16), _next_pow2(hd, 16)
     dev = k.device
-    n_sel, selected = 0, torch.zeros(1, dtype=torch.int32, device=dev)
-    if blocks is not None:
-        selected = torch.as_tensor(blocks, dtype=torch.int32).to(dev).contiguous()
-        n_sel, block_n = selected.shape[1], BLOCK
-        if (
-            selected.shape[0] != n_kv
-            or n_sel == 0
-            or int(selected.max()) * BLOCK >= length
-            or int(selected.min()) < 0
-        ):
-            raise ValueError(f"blocks must be [n_kv={n_kv}, n_sel>0] indices of blocks below {length}")
-    page = torch.zeros(1, dtype=torch.int32, device=dev)
-    if table is not None:
-        page = torch.as_tensor(table, dtype=torch.int32).to(dev).contiguous()
-        used = page[: -(-length // BLOCK)]
-        if int(used.min()) < 0 or (int(used.max()) + 1) * BLOCK > cap:
-            raise ValueError(f"a block table entry lies outside the store's {cap // BLOCK} blocks")
-        block_n = BLOCK
-        if blocks is None:
-            n_sel = -(-length // BLOCK)  # the split loop walks every logical block
+    selected, page, n_sel = _block_lists(blocks, table, n_kv, cap, length, dev)
+    if blocks is not None or table is not None:
+        block_n = BLOCK  # the split loop walks cache blocks
     work = n_sel * BLOCK if blocks is not None or table is not None else length
     if n_splits is None:
         n_splits = choose_splits_gpu(work, n_kv, k.device, block_n)

@@ -152,6 +152,16 @@ def _literal_path(code) -> str:
     return PATHS[code.literal_value]
 
 
+def _sum_chunks(builder, hd_v, n_val: int, vec_type, step):
+    """The vector accumulator after ``acc = step(acc, off)`` over the chunks of ``n_val`` values of a
+    row of ``hd_v`` values (``off``: the chunk's first value), starting from zeros."""
+    acc = cgutils.alloca_once_value(builder, ir.Constant(vec_type, None))
+    with cgutils.for_range(builder, builder.udiv(hd_v, ir.Constant(hd_v.type, n_val))) as loop:
+        off = builder.mul(loop.index, ir.Constant(hd_v.type, n_val))
+        builder.store(step(builder.load(acc), off), acc)
+    return builder.load(acc)
+
+
 @intrinsic
 def dot8(typingctx, path_code, q_addr, sgn_addr, k_addr, ls_addr, hd):
     """``dot8(PATH, q, sgn, k, lane_scale, hd) -> f32``: sum over 32-bit lanes of f32(lane's int sum)
@@ -163,17 +173,14 @@ def dot8(typingctx, path_code, q_addr, sgn_addr, k_addr, ls_addr, hd):
     def codegen(context, builder, signature, args):
         _, qa, sa, ka, la, hd_v = args
         fvec = _vec(_F32, n_lane)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(fvec, None))
-        n_chunks = builder.udiv(hd_v, ir.Constant(hd_v.type, n_val))
-        with cgutils.for_range(builder, n_chunks) as loop:
-            off = builder.mul(loop.index, ir.Constant(hd_v.type, n_val))
+
+        def step(acc, off):
             lanes = _lanes_u8(builder, path, builder.add(qa, off), builder.add(sa, off), builder.add(ka, off))
             scale = _load(builder, builder.add(la, off), fvec)  # lane i's f32 sits at byte 4i = value 4i
-            builder.store(
-                builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(lanes, fvec), scale)), acc
-            )
-        return _call(builder, f"llvm.vector.reduce.fadd.v{n_lane}f32", _F32,
-                     [ir.Constant(_F32, 0.0), builder.load(acc)])  # fmt: skip
+            return builder.fadd(acc, builder.fmul(builder.sitofp(lanes, fvec), scale))
+
+        acc = _sum_chunks(builder, hd_v, n_val, fvec, step)
+        return _call(builder, f"llvm.vector.reduce.fadd.v{n_lane}f32", _F32, [ir.Constant(_F32, 0.0), acc])
 
     return sig, codegen
 
@@ -187,14 +194,13 @@ def dot16(typingctx, path_code, q_addr, k_addr, hd):
 
     def codegen(context, builder, signature, args):
         _, qa, ka, hd_v = args
-        ivec = _vec(_I32, n_lane)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(ivec, None))
-        n_chunks = builder.udiv(hd_v, ir.Constant(hd_v.type, n_val))
-        with cgutils.for_range(builder, n_chunks) as loop:
-            off = builder.mul(loop.index, ir.Constant(hd_v.type, n_val))
+
+        def step(acc, off):
             q_at = builder.add(qa, builder.mul(off, ir.Constant(hd_v.type, 2)))
-            builder.store(_lanes_i16(builder, path, builder.load(acc), q_at, builder.add(ka, off)), acc)
-        return _call(builder, f"llvm.vector.reduce.add.v{n_lane}i32", _I32, [builder.load(acc)])
+            return _lanes_i16(builder, path, acc, q_at, builder.add(ka, off))
+
+        acc = _sum_chunks(builder, hd_v, n_val, _vec(_I32, n_lane), step)
+        return _call(builder, f"llvm.vector.reduce.add.v{n_lane}i32", _I32, [acc])
 
     return sig, codegen
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .bits import bf16_f32, int8_f32
+
 G = 32  # inputs per quantization group
 _FM = {"reassoc", "contract", "nsz"}  # reassoc/contract: vectorized FMA accumulation
 
@@ -63,6 +65,38 @@ def _deq_bf16(q, t0, out):  # pragma: no cover - compiled
                 o[c] = np.uint32(qj[c]) << np.uint32(16)
 
 
+@njit(inline="always")
+def _fma4_row(dst, w, xa, xb, xc, xd):  # pragma: no cover - compiled
+    """dst += w[0] xa + w[1] xb + w[2] xc + w[3] xd: one load/store of ``dst`` feeds four FMAs."""
+    wa, wb, wc, wd = w[0], w[1], w[2], w[3]
+    for i in range(dst.shape[0]):
+        dst[i] += (wa[i] * xa + wb[i] * xb) + (wc[i] * xc + wd[i] * xd)
+
+
+@njit(inline="always")
+def _accumulate_rows(x, qt, j, j1, w, dst, to_f32):  # pragma: no cover - compiled
+    """dst[r] += sum over weight rows jj in [j, j1) of to_f32(qt[jj]) * x[r, jj], for every input row
+    r: four weight rows converted into the scratch ``w [4, T]`` per pass, then applied to each row."""
+    m, T = dst.shape
+    while j + 4 <= j1:
+        for i in range(T):
+            w[0, i] = to_f32(qt[j, i])
+            w[1, i] = to_f32(qt[j + 1, i])
+            w[2, i] = to_f32(qt[j + 2, i])
+            w[3, i] = to_f32(qt[j + 3, i])
+        for r in range(m):
+            _fma4_row(dst[r], w, x[r, j], x[r, j + 1], x[r, j + 2], x[r, j + 3])
+        j += 4
+    for jj in range(j, j1):
+        wa = w[0]
+        for i in range(T):
+            wa[i] = to_f32(qt[jj, i])
+        for r in range(m):
+            xa, dr = x[r, jj], dst[r]
+            for i in range(T):
+                dr[i] += wa[i] * xa
+
+
 # -- decode rows: x [m, k], out [m, n], each row computed exactly as it would be alone --------------
 # The rows are independent sequences (a decode batch): every weight row is converted to f32 once per
 # tile into scratch and then applied to each input row in turn by the same instructions, so a row's
@@ -80,27 +114,7 @@ def _mv_int8(x, q, s, out):  # pragma: no cover - compiled
         qt, st = q[t], s[t]
         for g in range(st.shape[0]):
             part[:] = 0
-            j, j1 = g * G, min(k, g * G + G)
-            while j + 4 <= j1:
-                for i in range(T):
-                    w[0, i] = np.float32(qt[j, i])
-                    w[1, i] = np.float32(qt[j + 1, i])
-                    w[2, i] = np.float32(qt[j + 2, i])
-                    w[3, i] = np.float32(qt[j + 3, i])
-                wa, wb, wc, wd = w[0], w[1], w[2], w[3]
-                for r in range(m):
-                    xa, xb, xc, xd, pr = x[r, j], x[r, j + 1], x[r, j + 2], x[r, j + 3], part[r]
-                    for i in range(T):
-                        pr[i] += (wa[i] * xa + wb[i] * xb) + (wc[i] * xc + wd[i] * xd)
-                j += 4
-            for jj in range(j, j1):
-                wa = w[0]
-                for i in range(T):
-                    wa[i] = np.float32(qt[jj, i])
-                for r in range(m):
-                    xa, pr = x[r, jj], part[r]
-                    for i in range(T):
-                        pr[i] += wa[i] * xa
+            _accumulate_rows(x, qt, g * G, min(k, g * G + G), w, part, int8_f32)
             sg = st[g]
             for r in range(m):
                 ar, pr = acc[r], part[r]
@@ -139,12 +153,11 @@ def _mv_int4(x, q, s, mn, out):  # pragma: no cover - compiled
                     fa, fb = np.float32(qt[j2, i]), np.float32(qt[j2 + 1, i])
                     w[0, i], w[1, i] = fa, np.floor(fa * sixteenth)
                     w[2, i], w[3, i] = fb, np.floor(fb * sixteenth)
-                fa, ha, fb, hb = w[0], w[1], w[2], w[3]
                 for r in range(m):
-                    x0, x2, pr = x[r, 2 * j2], x[r, 2 * j2 + 2], part[r]
-                    ca, cb = x[r, 2 * j2 + 1] - sixteen * x0, x[r, 2 * j2 + 3] - sixteen * x2
-                    for i in range(T):
-                        pr[i] += (fa[i] * x0 + ha[i] * ca) + (fb[i] * x2 + hb[i] * cb)
+                    x0, x2 = x[r, 2 * j2], x[r, 2 * j2 + 2]
+                    _fma4_row(
+                        part[r], w, x0, x[r, 2 * j2 + 1] - sixteen * x0, x2, x[r, 2 * j2 + 3] - sixteen * x2
+                    )
                 j2 += 2
             for jj in range(j2, j1):
                 fa, ha = w[0], w[1]
@@ -166,39 +179,11 @@ def _mv_int4(x, q, s, mn, out):  # pragma: no cover - compiled
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _mv_bf16(x, q, out):  # pragma: no cover - compiled
-    m, k = x.shape
-    n_tiles, _, T = q.shape
-    for t in prange(n_tiles):
-        acc = np.zeros((m, T), np.float32)
-        w = np.empty((4, T), np.float32)
-        qt = q[t]
-        j = 0
-        while j + 4 <= k:
-            for i in range(T):  # bf16 bits << 16 are the f32 bits (numba has no bf16 type)
-                w[0, i] = _bf16(qt[j, i])
-                w[1, i] = _bf16(qt[j + 1, i])
-                w[2, i] = _bf16(qt[j + 2, i])
-                w[3, i] = _bf16(qt[j + 3, i])
-            wa, wb, wc, wd = w[0], w[1], w[2], w[3]
-            for r in range(m):
-                xa, xb, xc, xd, ar = x[r, j], x[r, j + 1], x[r, j + 2], x[r, j + 3], acc[r]
-                for i in range(T):
-                    ar[i] += (wa[i] * xa + wb[i] * xb) + (wc[i] * xc + wd[i] * xd)
-            j += 4
-        for jj in range(j, k):
-            wa = w[0]
-            for i in range(T):
-                wa[i] = _bf16(qt[jj, i])
-            for r in range(m):
-                xa, ar = x[r, jj], acc[r]
-                for i in range(T):
-                    ar[i] += wa[i] * xa
+    T = q.shape[2]
+    for t in prange(q.shape[0]):
+        acc = np.zeros((x.shape[0], T), np.float32)
+        _accumulate_rows(x, q[t], 0, x.shape[1], np.empty((4, T), np.float32), acc, bf16_f32)
         _store(acc, out, t * T)
-
-
-@njit(inline="always")
-def _bf16(bits):  # pragma: no cover - compiled
-    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)

@@ -31,6 +31,18 @@ def blocks_to_mask(blocks: torch.Tensor, n_k: int, block: int) -> torch.Tensor:
     return (pos[None, None, :] // block == blocks.long()[:, :, None]).any(dim=1)
 
 
+def _key_mask(
+    q_pos: torch.Tensor | None, n_k: int, window: int | None, kv_mask: torch.Tensor | None, group: int
+) -> torch.Tensor | None:
+    """The keys each query may attend: the causal/window mask ``[n_q, n_k]`` (with ``q_pos``) and the
+    sparse selection ``kv_mask [n_kv, n_k]`` as ``[H, 1, n_k]``, broadcast together; None: all."""
+    mask = None if q_pos is None else attention_mask(q_pos, n_k, window)
+    if kv_mask is not None:
+        head_mask = kv_mask.repeat_interleave(group, dim=0)[:, None, :]
+        mask = head_mask if mask is None else mask[None] & head_mask
+    return mask
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -51,11 +63,9 @@ def reference_attention(
     k = k.to(q.dtype).repeat_interleave(group, dim=0)
     v = v.to(q.dtype).repeat_interleave(group, dim=0)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
-    if q_pos is not None:
-        mask = attention_mask(q_pos, k.shape[1], window)
+    mask = _key_mask(q_pos, k.shape[1], window, kv_mask, group)
+    if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    if kv_mask is not None:
-        scores = scores.masked_fill(~kv_mask.repeat_interleave(group, dim=0)[:, None, :], float("-inf"))
     scores = scores - scores.amax(dim=-1, keepdim=True)
     w = torch.exp(scores)
     w = w / w.sum(dim=-1, keepdim=True)
@@ -73,12 +83,9 @@ def sdpa_attention(
 ) -> torch.Tensor:
     """The same contract through torch's fused ``scaled_dot_product_attention`` (the engine's default)."""
     n_heads, n_kv = q.shape[0], k.shape[0]
-    mask = None if q_pos is None else attention_mask(q_pos, k.shape[1], window)
     if q.shape[1] == 1 and window is None:
-        mask = None  # one query at the newest position sees every cached key
-    if kv_mask is not None:
-        head_mask = kv_mask.repeat_interleave(n_heads // n_kv, dim=0)[:, None, :]  # [H, 1, n_k]
-        mask = head_mask if mask is None else mask[None] & head_mask
+        q_pos = None  # one query at the newest position sees every cached key
+    mask = _key_mask(q_pos, k.shape[1], window, kv_mask, n_heads // n_kv)
     return torch.nn.functional.scaled_dot_product_attention(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=n_heads != n_kv
     ).squeeze(0)

@@ -9,6 +9,7 @@ import numpy as np
 from numba import njit
 
 from ..kv.modes import Q4_BLOCK, StoreKind
+from .bits import bf16_bits, int8_f32, same_bits
 
 CODE_Q8, CODE_F16, CODE_BF16, CODE_F32, CODE_Q4 = 0, 1, 2, 3, 4
 # the one place a StoreKind becomes the int code the compiled core branches on (rotation is the
@@ -55,6 +56,14 @@ def _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f):  # pragma: no cover - com
                 dst_f[j, o + half + i] = np.float32(np.int32(raw[h, t0 + j, r0 + i] >> np.uint8(4)) - 8) * sb
 
 
+@njit(inline="always")
+def _convert_rows(src, h, t0, nt, dst, convert):  # pragma: no cover - compiled
+    """dst[j, d] = convert(src[h, t0 + j, d]) for the tile's rows."""
+    for j in range(nt):
+        for d in range(dst.shape[1]):
+            dst[j, d] = convert(src[h, t0 + j, d])
+
+
 @njit(fastmath=_FM, cache=True)
 def _stage(raw, code, bsc, h, t0, nt, dst_u, dst_f, bs_u, bs_f):  # pragma: no cover - compiled
     """Rows t0..t0+nt of KV head h as f32 in dst_f (dst_u: same buffer). ``raw``: the store's bytes
@@ -64,20 +73,11 @@ def _stage(raw, code, bsc, h, t0, nt, dst_u, dst_f, bs_u, bs_f):  # pragma: no c
     if code == CODE_Q4:
         _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f)
     elif code == CODE_Q8:
-        s8 = raw.view(np.int8)
-        for j in range(nt):
-            for d in range(hd):
-                dst_f[j, d] = np.float32(s8[h, t0 + j, d])
+        _convert_rows(raw.view(np.int8), h, t0, nt, dst_f, int8_f32)
     elif code == CODE_F32:
-        s32 = raw.view(np.uint32)
-        for j in range(nt):
-            for d in range(hd):
-                dst_u[j, d] = s32[h, t0 + j, d]
-    elif code == CODE_BF16:  # bf16 is the top half of an f32
-        s16 = raw.view(np.uint16)
-        for j in range(nt):
-            for d in range(hd):
-                dst_u[j, d] = np.uint32(s16[h, t0 + j, d]) << np.uint32(16)
+        _convert_rows(raw.view(np.uint32), h, t0, nt, dst_u, same_bits)
+    elif code == CODE_BF16:
+        _convert_rows(raw.view(np.uint16), h, t0, nt, dst_u, bf16_bits)
     else:  # f16; cache rows are finite by policy, so Inf/NaN bit patterns need no special case
         s16 = raw.view(np.uint16)
         for j in range(nt):

@@ -1,0 +1,89 @@
+"""The machine's memory bandwidth and last-level cache, measured or read in the same run as a
+benchmark, and the one line of machine context printed under its tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba
+import torch
+
+from ..kernels.cpu_int import IntAttn
+from ..kernels.readprobe import parallel_sum
+
+DEFAULT_LLC = 32 * 2**20
+MiB = 2**20
+
+
+@dataclass
+class Bandwidth:
+    copy_gb_per_s: float
+    read_gb_per_s: float
+    device: str
+
+
+def llc_bytes() -> int:
+    """Last-level cache size from sysfs (index3 = L3), else 32 MiB."""
+    try:
+        s = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip().upper()
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1], 1)
+        return int(s.rstrip("KMG")) * mult
+    except (OSError, ValueError, IndexError):
+        return DEFAULT_LLC
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(n_bytes: int = 512 * MiB, reps: int = 5, device: str = "cpu") -> Bandwidth:
+    """Copy bandwidth (2 x bytes / time of ``dst.copy_(src)``) and, on CPU, read-only bandwidth."""
+    dev = torch.device(device)
+    src = torch.ones(n_bytes // 4, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in before timing
+    t_copy, t_read = [], []
+    a = src.numpy() if dev.type == "cpu" else None
+    for _ in range(reps):
+        sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(dev)
+        t_copy.append(time.perf_counter() - t0)
+        if a is not None:
+            t0 = time.perf_counter()
+            parallel_sum(a, numba.get_num_threads())
+            t_read.append(time.perf_counter() - t0)
+    copy = 2 * src.numel() * 4 / min(t_copy) / 1e9
+    read = src.numel() * 4 / min(t_read) / 1e9 if t_read else copy / 2  # GPU: no read-only probe
+    return Bandwidth(copy, read, device)
+
+
+def _layer() -> str:
+    try:
+        return numba.threading_layer()
+    except ValueError:  # no parallel numba function has run yet
+        return numba.config.THREADING_LAYER
+
+
+def machine_line(bw: dict[str, Bandwidth]) -> str:
+    """One line of context for the table: CPU, LLC, threads, bandwidths, OpenMP settings."""
+    with open("/proc/cpuinfo") as f:
+        model = next(
+            (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.machine()
+        )
+    c = bw["cpu"]
+    return (
+        f"{model}, {os.cpu_count()} CPUs, LLC {llc_bytes() // MiB} MiB; threads numba {numba.get_num_threads()} "
+        f"({_layer()}), torch {torch.get_num_threads()}; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
+        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '(unset)')}; numba-int path {IntAttn().resolved_path()}\n"
+        f"bandwidth: copy {c.copy_gb_per_s:.1f} GB/s (torch copy_, 2 x bytes), read {c.read_gb_per_s:.1f} GB/s "
+        "(numba sum); '% copy' = GB/s over the copy bandwidth"
+        + "".join(f"; {d} copy {b.copy_gb_per_s:.0f} GB/s" for d, b in bw.items() if d != "cpu")
+    )

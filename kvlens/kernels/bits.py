@@ -1,0 +1,31 @@
+"""Element conversions the compiled kernels inline (numba has no bf16 or f16 arrays: such values
+arrive as their bits)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(inline="always")
+def int8_f32(code):  # pragma: no cover - compiled
+    """An int8 code as f32 (exact)."""
+    return np.float32(code)
+
+
+@njit(inline="always")
+def same_bits(u):  # pragma: no cover - compiled
+    """f32 bits kept as they are."""
+    return u
+
+
+@njit(inline="always")
+def bf16_bits(b):  # pragma: no cover - compiled
+    """bf16 bits as the f32 bits of the same value: bf16 is the top half of an f32."""
+    return np.uint32(b) << np.uint32(16)
+
+
+@njit(inline="always")
+def bf16_f32(b):  # pragma: no cover - compiled
+    """bf16 bits as the f32 value."""
+    return np.uint32(bf16_bits(b)).view(np.float32)
