@@ -7,9 +7,11 @@ from kvlens, so every layer may use it.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,3 +124,11 @@ def check_device(device: Any) -> torch.device:
     elif dev.type != "cpu":
         raise ValueError(f"unsupported device {device!r}; expected cpu or cuda[:N]")
     return dev
+
+
+def read_json(path: Path, error: type[Exception]) -> Any:
+    """The JSON value in ``path`` (UTF-8); ``error`` naming the file when it is not valid JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path} is not valid JSON: {e}") from None

@@ -13,7 +13,7 @@ from . import cli_args
 from . import cli_args as cb  # option callbacks: values checked at parse time
 from . import cli_config as opt  # options shared by several commands
 from .cli_bench import bench_app
-from .cli_config import KV_HELP, MODEL_HELP, config_from, sparse_policy
+from .cli_config import KV_HELP, config_from, sparse_policy
 from .cli_lab import lab_app
 from .corpus import corpus_app
 from .engine.attention import BACKENDS
@@ -32,7 +32,7 @@ app.add_typer(corpus_app, name="corpus")  # its commands live with the corpus
 @app.command()
 def generate(
     prompt: str = Argument(..., help="The prompt text.", callback=cb.text_argument),
-    model: str = Option("smollm2", help=opt.MODEL_HELP),
+    model: str = opt.MODEL,
     kv: str = Option("q8", help=opt.KV_HELP),
     max_tokens: int = Option(64, "--max-tokens", min=1, help="New tokens to generate at most."),
     chat: bool = Option(False, help="Wrap the prompt in the model's chat template."),
@@ -84,7 +84,7 @@ def tour() -> None:
 
 @app.command()
 def serve(
-    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    model: str = opt.MODEL,
     kv: str = typer.Option("q8", help=KV_HELP),
     weights: str = typer.Option("auto", help="Weights: auto, f32, bf16, int8, int4."),
     kv_budget: str = typer.Option(None, help="KV pool bytes, e.g. 512MiB (default: a share of free memory)."),

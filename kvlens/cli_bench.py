@@ -8,7 +8,7 @@ from typer import Option
 from . import cli_args as cb  # option callbacks: values checked at parse time
 from . import cli_config as opt  # options shared by several commands
 from .cli_args import parse_sizes
-from .cli_config import MODEL_HELP, config_from, names
+from .cli_config import config_from, names
 from .engine.attention import BACKENDS
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print ratios measured side by side.")
@@ -43,7 +43,7 @@ def bench_attention(
 
 @bench_app.command("decode")
 def bench_decode(
-    model: str = Option("smollm2", help=opt.MODEL_HELP),
+    model: str = opt.MODEL,
     ctx: str = Option("512,2048,4096", help="Contexts (4k = 4096).", callback=cb.sizes_option()),
     kv: str = Option("f32,f16,q8", help="Cache modes to compare (comma list)."),
     weights: str = Option("auto", help="Comma list of auto, f32, bf16, int8, int4."),
@@ -65,7 +65,7 @@ def bench_decode(
 @bench_app.command("serve")
 def bench_serve(
     url: str = typer.Option(None, help="Load an already running server instead of starting one per --kv."),
-    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    model: str = opt.MODEL,
     kv: str = typer.Option("q8,f16", help="Cache modes: one server each, compared in one run."),
     weights: str = typer.Option("auto", help="Weights of the started servers."),
     kv_budget: str = typer.Option(None, help="KV pool bytes of the started servers (e.g. 512MiB)."),

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..models.tokenizer import Tokenizer
+from .openai_stream import open_stream
 
 SYSTEM_HEAD = "You are a helpful assistant. Answer the user's questions about this reference text.\n\n"
 ARMS = ("no-cache", "cache", "disk", "small")
@@ -121,10 +122,7 @@ async def _chat_turn(client, model: str, messages: list[dict], output_len: int) 
     parts: list[str] = []
     sample = TurnSample(0, 0, True)
     try:
-        stream = await client.chat.completions.create(
-            model=model, messages=messages, max_tokens=output_len, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        stream = await open_stream(client.chat.completions.create, model, output_len, messages=messages)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.perf_counter()

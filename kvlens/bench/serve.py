@@ -21,6 +21,7 @@ import numpy as np
 from ..models.loader import resolve_model
 from ..models.tokenizer import Tokenizer
 from ..serve.process import scrape_metrics, watch_peaks
+from .openai_stream import open_stream
 
 METRICS_PERIOD_S = 0.2
 
@@ -100,10 +101,7 @@ async def _one(client, model: str, prompt: list[int], output_len: int) -> Sample
     itls: list[float] = []
     tokens = 0
     try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        stream = await open_stream(client.completions.create, model, output_len, prompt=prompt)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].text:

@@ -97,6 +97,13 @@ def _accumulate_rows(x, qt, j, j1, w, dst, to_f32):  # pragma: no cover - compil
                 dr[i] += wa[i] * xa
 
 
+@njit(inline="always")
+def _tile_scratch(m, T):  # pragma: no cover - compiled
+    """A tile's accumulators ``acc [m, T]`` (zeros), group partial sums ``part [m, T]`` and the
+    converted weight rows ``w [4, T]``."""
+    return np.zeros((m, T), np.float32), np.empty((m, T), np.float32), np.empty((4, T), np.float32)
+
+
 # -- decode rows: x [m, k], out [m, n], each row computed exactly as it would be alone --------------
 # The rows are independent sequences (a decode batch): every weight row is converted to f32 once per
 # tile into scratch and then applied to each input row in turn by the same instructions, so a row's
@@ -108,9 +115,7 @@ def _mv_int8(x, q, s, out):  # pragma: no cover - compiled
     m, k = x.shape
     n_tiles, _, T = q.shape
     for t in prange(n_tiles):
-        acc = np.zeros((m, T), np.float32)
-        part = np.empty((m, T), np.float32)
-        w = np.empty((4, T), np.float32)
+        acc, part, w = _tile_scratch(m, T)
         qt, st = q[t], s[t]
         for g in range(st.shape[0]):
             part[:] = 0
@@ -141,9 +146,7 @@ def _mv_int4(x, q, s, mn, out):  # pragma: no cover - compiled
             xs[r, j // G] += x[r, j]
     sixteenth, sixteen = np.float32(0.0625), np.float32(16.0)
     for t in prange(n_tiles):
-        acc = np.zeros((m, T), np.float32)
-        part = np.empty((m, T), np.float32)
-        w = np.empty((4, T), np.float32)
+        acc, part, w = _tile_scratch(m, T)
         qt, st, mt = q[t], s[t], mn[t]
         for g in range(ng):
             part[:] = 0

@@ -177,6 +177,23 @@ def kept_exact_line(r: Any) -> list[str]:
     return [f"kept exact in test modes: first {r.keep_sink} / last {r.keep_recent} positions"]
 
 
+REF_KV = MODES["f32"]  # the KV mode of the f32-weights reference model
+VS_F32_TITLE = "cost vs f32 weights + f32 KV"
+
+
+def header_notes(r: Any, compared: str, reference_tail: str = "") -> list[str]:
+    """The header lines shared by the compare commands' results ``r``: the kept-exact positions and,
+    with an f32-weights reference, what it is (``compared``: what the base with the same weights is
+    compared by)."""
+    lines = kept_exact_line(r)
+    if r.vs_f32_weights:
+        lines.append(
+            f"weights {r.weights} for the base and every mode ({compared} the base with the same weights); "
+            f"reference for '{VS_F32_TITLE}': a second model with f32 weights, KV {REF_KV}{reference_tail}"
+        )
+    return lines
+
+
 def load_compare(cfg: CompareConfig):
     """(llm, f32-weights reference or None, corpus text, corpus label) for a :class:`CompareConfig`."""
     llm, text, label = load_lab(cfg.model, cfg.corpus, cfg.base, cfg.weights)

@@ -28,20 +28,19 @@ import numpy as np
 
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
-from ..kv.modes import MODES, CacheOptions, KVMode
+from ..kv.modes import CacheOptions, KVMode
 from ..report import CommandOutput, md_table, print_table, run_command, write_markdown
 from .common import (
+    REF_KV,
+    VS_F32_TITLE,
     CompareConfig,
-    kept_exact_line,
+    header_notes,
     load_compare,
     model_name,
     plot_divergence,
     vs_f32_json,
     weights_label,
 )
-
-REF_KV = MODES["f32"]  # the reference's KV mode (with f32 weights)
-VS_F32_TITLE = "cost vs f32 weights + f32 KV"
 
 
 @dataclass
@@ -270,13 +269,7 @@ def describe(r: GreedyResult) -> list[str]:
         f"{r.n_tokens} greedy tokens under base {r.base} and each mode; prompt prefilled in sub-chunks "
         f"of {r.prefill_chunk}, then one decode step per token through the mode's cache",
     ]
-    lines += kept_exact_line(r)
-    if r.vs_f32_weights:
-        lines.append(
-            f"weights {r.weights} for the base and every mode (agreement is with the base with the same "
-            f"weights); reference for '{VS_F32_TITLE}': a second model with f32 weights, KV {REF_KV}"
-        )
-    return lines
+    return lines + header_notes(r, "agreement is with")
 
 
 def titles(r: GreedyResult) -> tuple[str, str]:

@@ -32,16 +32,15 @@ import torch
 
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
-from ..kv.modes import MODES, CacheOptions, KVMode
-from .common import CompareConfig, model_name, vs_f32_json
-from .stats import summarize
+from ..kv.modes import CacheOptions, KVMode
+from .common import REF_KV, CompareConfig, model_name, vs_f32_json
+from .stats import summarize, target_nll
 
 MIRROR_NOTE = (
     "measures nothing about prefill: every prefill sub-chunk reads the exact f32 mirror, never the "
     "int8 rows (the seed engine's behaviour), so this perplexity cannot see q8"
 )
 _METRIC_KEYS = ("nll_q", "nll_base", "kld", "top_q", "top_base")
-REF_KV = MODES["f32"]  # the reference's KV mode (with f32 weights)
 OnStep = Callable[[str], None]
 
 
@@ -141,10 +140,9 @@ def chunk_metrics(
     """Per-token nll_q, nll_base, kld, top_q, top_base (as ``stats.token_metrics``, ~5x faster: the base
     log-softmax is shared and KL(base || q) is one fused product-sum; finite logits never give 0 * inf)."""
     lq = torch.log_softmax(logits_q.to(torch.float64), dim=-1)
-    idx = targets.to(torch.long).reshape(-1, 1)
     return {
-        "nll_q": -lq.gather(-1, idx).squeeze(-1),
-        "nll_base": -base.logp.gather(-1, idx).squeeze(-1),
+        "nll_q": target_nll(lq, targets),
+        "nll_base": target_nll(base.logp, targets),
         "kld": torch.einsum("ij,ij->i", base.p, base.logp - lq),
         "top_q": logits_q.argmax(dim=-1),
         "top_base": base.top,

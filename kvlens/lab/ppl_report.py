@@ -7,12 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from ..report import CommandOutput, md_table, print_table, run_command, write_markdown
-from .common import kept_exact_line, load_compare, plot_kld, weights_label
-from .ppl import MIRROR_NOTE, REF_KV, ModeResult, PplConfig, PplResult, run_ppl, scored_span
+from .common import REF_KV, VS_F32_TITLE, header_notes, load_compare, plot_kld, weights_label
+from .ppl import MIRROR_NOTE, ModeResult, PplConfig, PplResult, run_ppl, scored_span
 from .stats import format_kld_report
 
 HEADERS = ["mode", "KV B/token", "PPL", "ΔPPL", "PPL ratio", "KLD mean", "KLD 99%", "same top p", "tok/s"]
-VS_F32_TITLE = "cost vs f32 weights + f32 KV"
 
 
 def describe(r: PplResult) -> list[str]:
@@ -37,13 +36,7 @@ def describe(r: PplResult) -> list[str]:
         f"test modes: prefill sub-chunk {r.prefill_chunk} tokens; each sub-chunk is written to the mode's "
         "cache, then attends every position up to its own through it (its own rows included)",
     ]
-    lines += kept_exact_line(r)
-    if r.vs_f32_weights:
-        lines.append(
-            f"weights {r.weights} for the base and every mode (KV costs are vs the base with the same "
-            f"weights); reference for '{VS_F32_TITLE}': a second model with f32 weights, KV {REF_KV}, "
-            "one pass per chunk"
-        )
+    lines += header_notes(r, "KV costs are vs", ", one pass per chunk")
     return lines
 
 

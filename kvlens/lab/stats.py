@@ -85,6 +85,11 @@ def token_kld(logits_base: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor
     return torch.where(pb > 0, pb * (lb - lq), torch.zeros_like(pb)).sum(dim=-1)
 
 
+def target_nll(logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log p of each position's target token, from log-probabilities ``logp [n, V]``."""
+    return -logp.gather(-1, targets.to(torch.long).reshape(-1, 1)).squeeze(-1)
+
+
 def token_metrics(
     logits_base: torch.Tensor, logits_q: torch.Tensor, targets: torch.Tensor
 ) -> dict[str, torch.Tensor]:
@@ -93,12 +98,9 @@ def token_metrics(
     ``targets[i]`` is the actual next token scored at position i. Concatenate these across chunks and
     pass them to :func:`summarize`.
     """
-    lb = torch.log_softmax(logits_base.to(torch.float64), dim=-1)
-    lq = torch.log_softmax(logits_q.to(torch.float64), dim=-1)
-    idx = targets.to(torch.long).reshape(-1, 1)
     return {
-        "nll_q": -lq.gather(-1, idx).squeeze(-1),
-        "nll_base": -lb.gather(-1, idx).squeeze(-1),
+        "nll_q": target_nll(torch.log_softmax(logits_q.to(torch.float64), dim=-1), targets),
+        "nll_base": target_nll(torch.log_softmax(logits_base.to(torch.float64), dim=-1), targets),
         "kld": token_kld(logits_base, logits_q),
         "top_q": logits_q.argmax(dim=-1),
         "top_base": logits_base.argmax(dim=-1),
@@ -178,6 +180,15 @@ def _pm(v: float, e: float) -> str:
     return f"{v:10.6f} ± {e:10.6f}"
 
 
+def _quantile_lines(
+    s: dict[str, float], key: str, label: str, fmt: str, unit: str, high: list, low: list
+) -> list[str]:
+    """Maximum, the ``high`` percentiles, median, the ``low`` ones and minimum of ``key``, one a line."""
+    rows = [("Maximum", "max"), *((f"{name}  ", k) for k, _, name in high), ("Median ", "median"),
+            *((f"{name}  ", k) for k, _, name in low), ("Minimum", "min")]  # fmt: skip
+    return [f"{name} {label}: {s[f'{key}_{k}']:{fmt}}{unit}" for name, k in rows]
+
+
 def format_kld_report(stats: dict[str, float]) -> str:
     """The three blocks in llama-perplexity's layout and field names; blocks whose keys are absent are
     skipped, so the output of any one ``*_stats`` function can be printed alone."""
@@ -198,19 +209,11 @@ def format_kld_report(stats: dict[str, float]) -> str:
             "====== KL divergence statistics ======",
             f"Mean    KLD: {_pm(s['kld_mean'], s['kld_mean_err'])}",
         ]
-        lines.append(f"Maximum KLD: {s['kld_max']:10.6f}")
-        lines += [f"{lab}   KLD: {s[f'kld_{k}']:10.6f}" for k, _, lab in _KLD_PCTS]
-        lines.append(f"Median  KLD: {s['kld_median']:10.6f}")
-        lines += [f"{lab}   KLD: {s[f'kld_{k}']:10.6f}" for k, _, lab in _KLD_PCTS_LOW]
-        lines += [f"Minimum KLD: {s['kld_min']:10.6f}", ""]
+        lines += [*_quantile_lines(s, "kld", "KLD", "10.6f", "", _KLD_PCTS, _KLD_PCTS_LOW), ""]
     if "dp_mean" in s:
         lines += ["====== Token probability statistics ======"]
         lines.append(f"Mean    Δp: {s['dp_mean']:6.3f} ± {s['dp_mean_err']:5.3f} %")
-        lines.append(f"Maximum Δp: {s['dp_max']:6.3f}%")
-        lines += [f"{lab}   Δp: {s[f'dp_{k}']:6.3f}%" for k, _, lab in _DP_PCTS]
-        lines.append(f"Median  Δp: {s['dp_median']:6.3f}%")
-        lines += [f"{lab}   Δp: {s[f'dp_{k}']:6.3f}%" for k, _, lab in _DP_PCTS_LOW]
-        lines.append(f"Minimum Δp: {s['dp_min']:6.3f}%")
+        lines += _quantile_lines(s, "dp", "Δp", "6.3f", "%", _DP_PCTS, _DP_PCTS_LOW)
         lines.append(f"RMS Δp    : {s['rms_dp']:6.3f} ± {s['rms_dp_err']:5.3f} %")
         lines.append(f"Same top p: {s['same_top_p']:6.3f} ± {s['same_top_p_err']:5.3f} %")
         lines.append("")

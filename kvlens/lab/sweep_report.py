@@ -182,31 +182,33 @@ def _ppl_table(rows: list[dict[str, Any]]) -> str:
     return md_table(headers, out)
 
 
+def _mode(r: dict[str, Any]) -> dict[str, Any]:
+    """A row's result for its KV mode."""
+    return r["result"]["modes"][r["kv"]]
+
+
+def _section(
+    rows: list[dict[str, Any]], measurement: str, title: str, columns: list[str], cells
+) -> list[str]:
+    """A Markdown section for the rows of one ``measurement`` (none: no section): ``cells(row)``
+    gives a row's cells between its label and its command."""
+    body = [[cell_label(r["config"]), *cells(r), f"`{cell_command(r['config'])}`"]
+            for r in rows if r["measurement"] == measurement]  # fmt: skip
+    return [f"## {title}\n", md_table(["cell", *columns, "command"], body)] if body else []
+
+
 def _other_tables(rows: list[dict[str, Any]]) -> list[str]:
-    out = []
-    greedy = [r for r in rows if r["measurement"] == "greedy"]
-    if greedy:
-        body = [[cell_label(r["config"]), f"{100 * (g := r['result']['modes'][r['kv']])['agreement']:.1f}%",
-                 f"{g['identical_prompts']}/{r['result']['n_prompts']}", g["first_divergence_median"],
-                 f"`{cell_command(r['config'])}`"] for r in greedy]  # fmt: skip
-        out += [
-            "## Greedy agreement with the base\n",
-            md_table(["cell", "token agreement", "identical prompts", "first div. median", "command"], body),
-        ]
-    layers = [r for r in rows if r["measurement"] == "layers"]
-    if layers:
-        body = [[cell_label(r["config"]), f"{(m := r['result']['modes'][r['kv']])['rel_err_median']:.2e}",
-                 f"{m['rel_err_max']:.2e}", len(m["flagged"]), f"`{cell_command(r['config'])}`"] for r in layers]  # fmt: skip
-        out += [
-            "## Attention-output error per layer and head\n",
-            md_table(["cell", "median rel err", "max rel err", "flagged heads", "command"], body),
-        ]
-    needle = [r for r in rows if r["measurement"] == "needle"]
-    if needle:
-        body = [[cell_label(r["config"]), ", ".join(f"{k}: {v:.0%}" for k, v in r["result"]["recall"].items()),
-                 f"`{cell_command(r['config'])}`"] for r in needle]  # fmt: skip
-        out += ["## Needle recall (over depths)\n", md_table(["cell", "recall", "command"], body)]
-    return out
+    return [
+        *_section(rows, "greedy", "Greedy agreement with the base",
+                  ["token agreement", "identical prompts", "first div. median"],
+                  lambda r: [f"{100 * (g := _mode(r))['agreement']:.1f}%",
+                             f"{g['identical_prompts']}/{r['result']['n_prompts']}", g["first_divergence_median"]]),
+        *_section(rows, "layers", "Attention-output error per layer and head",
+                  ["median rel err", "max rel err", "flagged heads"],
+                  lambda r: [f"{(m := _mode(r))['rel_err_median']:.2e}", f"{m['rel_err_max']:.2e}", len(m["flagged"])]),
+        *_section(rows, "needle", "Needle recall (over depths)", ["recall"],
+                  lambda r: [", ".join(f"{k}: {v:.0%}" for k, v in r["result"]["recall"].items())]),
+    ]  # fmt: skip
 
 
 def _provenance(store: Store, rows: list[dict[str, Any]], failed: list[dict[str, Any]]) -> list[str]:
@@ -227,6 +229,11 @@ def _provenance(store: Store, rows: list[dict[str, Any]], failed: list[dict[str,
     return lines
 
 
+def _figure(title: str, alt: str, png: Path, reproduce: str) -> list[str]:
+    """A figure's subsection: heading, image, the error-bar note and how to reproduce it."""
+    return [f"### {title}\n", f"![{alt}]({png.name})\n", ERR_NOTE, reproduce, ""]
+
+
 def write_report(db: str | Path, out_dir: str | Path, command: str) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -243,25 +250,14 @@ def write_report(db: str | Path, out_dir: str | Path, command: str) -> Path:
             png = plot_frontier(
                 _short(model), [r for r in ppl if r["model"] == model], out / f"frontier-{_short(model)}.png"
             )
-            lines += [
-                f"### Accuracy vs KV memory: {_short(model)}\n",
-                f"![frontier]({png.name})\n",
-                ERR_NOTE,
-                reproduce,
-                "",
-            ]
-        lines += [
-            "### KL divergence vs context length\n",
-            f"![kld vs ctx]({plot_kld_vs_ctx(ppl, out / 'kld-vs-ctx.png').name})\n",
-        ]
-        lines += [ERR_NOTE, reproduce, ""]
+            lines += _figure(f"Accuracy vs KV memory: {_short(model)}", "frontier", png, reproduce)
+        png = plot_kld_vs_ctx(ppl, out / "kld-vs-ctx.png")
+        lines += _figure("KL divergence vs context length", "kld vs ctx", png, reproduce)
         kv_rows = [r for r in ppl if side(r["kv"]) is not None]
         if any(side(r["kv"]) != "K and V" for r in kv_rows):
-            lines += [
-                "### K only vs V only\n",
-                f"![k vs v]({plot_k_vs_v(kv_rows, out / 'k-vs-v.png').name})\n",
-            ]
-            lines += [ERR_NOTE, reproduce, ""]
+            lines += _figure(
+                "K only vs V only", "k vs v", plot_k_vs_v(kv_rows, out / "k-vs-v.png"), reproduce
+            )
     lines += _other_tables(rows)
     return write_markdown(out, "README.md", "\n".join(lines) + "\n")
 

@@ -189,16 +189,19 @@ HF_KEYS = {
 }
 
 
-def _flag(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be true or false, got {value!r}")
-    return value
+def _of_type(kind: type, what: str) -> Callable[[Any, str], Any]:
+    """A :func:`read_key` check that the value is a ``kind`` (``what``: the words for one)."""
+
+    def check(value: Any, name: str) -> Any:
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be {what}, got {value!r}")
+        return value
+
+    return check
 
 
-def _mapping(value: Any, name: str) -> dict:
-    if not isinstance(value, dict):
-        raise TypeError(f"{name} must be a JSON object, got {value!r}")
-    return value
+_flag = _of_type(bool, "true or false")
+_mapping = _of_type(dict, "a JSON object")
 
 
 def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
@@ -218,7 +221,7 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     def get(field_name: str, check: Callable[[Any, str], Any] = count, default: Any = REQUIRED) -> Any:
         return read_key(cfg, HF_KEYS[field_name], where, check, default)
 
-    hidden, n_heads, head_dim = read_head_size(get, HF_KEYS, where)
+    shape = read_shape(get, HF_KEYS, where)
     scaling = read_key(cfg, "rope_scaling", where, _mapping, None) or read_key(
         cfg, "rope_parameters", where, _mapping, None
     )
@@ -230,16 +233,9 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     windowed = read_key(cfg, "use_sliding_window", where, _flag, arch == "mistral")
     fields = dict(
         arch=arch,
-        n_layers=get("n_layers"),
-        hidden=hidden,
-        n_heads=n_heads,
-        n_kv_heads=get("n_kv_heads", count, n_heads),
-        head_dim=head_dim,
-        ffn=get("ffn"),
+        **shape,
         vocab=get("vocab"),
         rope_theta=theta,
-        rms_eps=get("rms_eps", positive, 1e-5),
-        max_ctx=get("max_ctx", count, 4096),
         tied_embeddings=read_key(cfg, "tie_word_embeddings", where, _flag, False),
         qkv_bias=read_key(cfg, "attention_bias", where, _flag, ARCHITECTURES[arch]["qkv_bias"]),
         qk_norm=ARCHITECTURES[arch]["qk_norm"],
@@ -250,8 +246,9 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     return build_config(fields, HF_KEYS, where)
 
 
-def read_head_size(get: Callable[..., Any], keys: dict[str, str], where: str) -> tuple[int, int, int]:
-    """``(hidden, n_heads, head_dim)``: the head size as given, else hidden / n_heads when that divides."""
+def read_shape(get: Callable[..., Any], keys: dict[str, str], where: str) -> dict[str, Any]:
+    """The fields every loader reads alike: layer count and sizes (the head size as given, else
+    hidden / n_heads when that divides), the norm epsilon and the context length."""
     hidden, n_heads = get("hidden"), get("n_heads")
     head_dim = get("head_dim", count, None)
     if head_dim is None:
@@ -260,7 +257,16 @@ def read_head_size(get: Callable[..., Any], keys: dict[str, str], where: str) ->
                 f"{where}: {keys['hidden']}={hidden} is not a multiple of {keys['n_heads']}={n_heads}"
             )
         head_dim = hidden // n_heads
-    return hidden, n_heads, head_dim
+    return dict(
+        n_layers=get("n_layers"),
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=get("n_kv_heads", count, n_heads),
+        head_dim=head_dim,
+        ffn=get("ffn"),
+        rms_eps=get("rms_eps", positive, 1e-5),
+        max_ctx=get("max_ctx", count, 4096),
+    )
 
 
 def build_config(fields: dict[str, Any], keys: dict[str, str], where: str) -> ModelConfig:

@@ -24,8 +24,8 @@ from .config import (
     check_readable,
     count,
     positive,
-    read_head_size,
     read_key,
+    read_shape,
 )
 from .weights import check_structure
 
@@ -157,7 +157,8 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
     def get(field_name: str, check: Any = count, default: Any = REQUIRED) -> Any:
         return read_key(meta, keys[field_name], where, check, default)
 
-    hidden, n_heads, head_dim = read_head_size(get, keys, where)
+    shape = read_shape(get, keys, where)
+    hidden, n_heads, head_dim = shape["hidden"], shape["n_heads"], shape["head_dim"]
     for other in ("attention.value_length", "rope.dimension_count"):  # kvlens needs both = head_dim
         value = read_key(meta, f"{arch}.{other}", where, count, head_dim)
         if value != head_dim:
@@ -181,17 +182,10 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
         }
     fields = dict(
         arch=arch,
-        **(_gemma3_fields(meta, where, hidden, n_heads, get("n_layers")) if arch == "gemma3" else {}),
-        n_layers=get("n_layers"),
-        hidden=hidden,
-        n_heads=n_heads,
-        n_kv_heads=get("n_kv_heads", count, n_heads),
-        head_dim=head_dim,
-        ffn=get("ffn"),
+        **(_gemma3_fields(meta, where, hidden, n_heads, shape["n_layers"]) if arch == "gemma3" else {}),
+        **shape,
         vocab=vocab,
         rope_theta=get("rope_theta", positive, 10000.0),
-        rms_eps=get("rms_eps", positive, 1e-5),
-        max_ctx=get("max_ctx", count, 4096),
         tied_embeddings=False,  # decided from the tensors (no output.weight → tied)
         qkv_bias=ARCHITECTURES[arch]["qkv_bias"],
         qk_norm=ARCHITECTURES[arch]["qk_norm"],

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import read_json
 from .config import ModelConfig, ModelLoadError, check_readable, config_from_hf
 from .gguf_loader import check_gguf_structure, config_from_gguf, load_gguf_tensors, open_gguf
 from .gguf_repack import gguf_codes, gguf_modes
@@ -158,11 +159,7 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype, weights: 
     from safetensors import SafetensorError, safe_open
 
     config_path = check_readable(path / "config.json")
-    try:
-        raw = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from e
-    cfg = config_from_hf(raw, str(config_path))
+    cfg = config_from_hf(read_json(config_path, ModelLoadError), str(config_path))
     where, found = {}, {}
     for f in _safetensors_files(path):
         try:

@@ -18,7 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from ..checks import check_int
+from ..checks import check_int, read_json
 
 
 class TokenizerError(ValueError):
@@ -119,10 +119,7 @@ def _as_ids(value: Any, name: str = "token id") -> list[int]:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+    data = read_json(path, TokenizerError)
     if not isinstance(data, dict):
         raise TokenizerError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
