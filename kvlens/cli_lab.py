@@ -111,11 +111,14 @@ def lab_plan(
     calib_chunks: int = Option(2, min=1, help="Chunks measuring per-layer sensitivity."),
     heldout_chunks: int = Option(4, min=1, help="Later chunks verifying the recipe."),
     candidates: str = Option("q8h,q4h", help="Kinds tried per layer for K and V (f16 is the fallback)."),
+    per_head: bool = Option(True, "--per-head/--per-layer", help="Choose kinds per KV head or per layer."),
+    calib_target: float = Option(1.0, help="Share of the budget the recipe may cost on calibration text."),
+    reuse: str | None = Option(None, help="A `lab plan --json` output whose sensitivities to reuse."),
     kv: str = Option("q8,f16", help="Modes verified beside the recipe."),
     prefill_chunk: int = opt.PREFILL,
     json_out: bool = opt.JSON,
 ) -> None:
-    """A per-layer KV recipe under a KLD budget: measure each layer, choose, verify on held-out text."""
+    """A per-layer (per-KV-head) KV recipe under a KLD budget: measure, choose, verify on held-out text."""
     from .lab import plan
 
     plan.main(config_from(plan.PlanConfig, locals()), json_out)
@@ -129,6 +132,7 @@ def lab_doctor(
     kld_budget: float = Option(
         0.002, help="KLD budget of the recommended recipe.", callback=cb.finite_option(above=0.0)
     ),
+    plan: str | None = Option(None, help="A `lab plan --json` output whose measurements to reuse."),
     json_out: bool = opt.JSON,
     report: str | None = opt.REPORT,
 ) -> None:

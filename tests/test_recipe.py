@@ -140,8 +140,8 @@ def test_choice_is_within_budget_maximal_and_near_optimal(seed):
             sens[layer, role, Q8H] = a
             sens[layer, role, Q4H] = a * (5 + 20 * float(torch.rand(1, generator=gen)))
     budget = 2e-3
-    layers, predicted = choose(sens, n, hd, budget)
-    chosen = {(i, r): kind for i, (k, v) in enumerate(layers) for r, kind in (("k", k), ("v", v))}
+    chosen, predicted = choose(sens, hd, budget)
+    assert set(chosen) == {(layer, role) for layer in range(n) for role in ("k", "v")}
     kld = sum(0.0 if kind == F16 else sens[(*it, kind)] for it, kind in chosen.items())
     assert kld == pytest.approx(predicted) and kld <= budget
     size = sum(kind.row_bytes(hd) for kind in chosen.values())
@@ -154,17 +154,18 @@ def test_choice_is_within_budget_maximal_and_near_optimal(seed):
     assert size <= 1.25 * opt_size  # greedy knapsack: close to the optimum on these instances
 
 
-def test_plan_end_to_end_on_a_tiny_model(tmp_path, tiny_dir):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_plan_end_to_end_on_a_tiny_model(tmp_path, tiny_dir, per_head):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(f"the {w} in a tin" for w in range(400)))
     out = tmp_path / "plan.json"
     cfg = PlanConfig(
         model=str(tiny_dir), corpus=str(corpus), kld_budget=0.01, ctx=64, calib_chunks=1, heldout_chunks=2,
-        out=str(out), kv="q8",
+        out=str(out), kv="q8", per_head=per_head,
     )  # fmt: skip
     r = run_plan(cfg)
     back = load_recipe(out)
-    assert back.layers == r.recipe.layers and len(back.layers) == 2
+    assert back.layers == r.recipe.layers and back.heads == r.recipe.heads and len(back.layers) == 2
     assert r.calib_kld <= 0.01 or r.rounds == 3
     rows = {x["kv"]: x for x in r.rows}
     assert set(rows) == {str(out), "q8"}

@@ -24,7 +24,7 @@ from ..kernels.cpu_int import BACKEND_QBITS, IntAttn
 from ..kernels.quest import quest_select
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
-from ..kv.cache import BLOCK, KVCache, rotations
+from ..kv.cache import BLOCK, HeadSplitStore, KVCache, Rotation, rotations
 from ..kv.pool import PagedKV
 from ..models.transformer import AttendFn, Profiler, timed
 
@@ -120,6 +120,41 @@ def select_blocks(
     return top_blocks(scores, n_select)
 
 
+def turn(x: torch.Tensor, rot: Rotation, back: bool = False) -> torch.Tensor:
+    """Query heads ``x [H, n, d]`` times a layer's rotation (``back``: its transpose); a per-KV-head
+    rotation turns each KV head's group of query heads (GQA: query head i reads KV head i // (H/KV))
+    by its own matrix, or leaves the group alone (None)."""
+    if rot is None:
+        return x
+    if isinstance(rot, torch.Tensor):
+        return x.to(torch.float32) @ (rot.T if back else rot)
+    g = x.shape[0] // len(rot)
+    groups = [x[h * g : (h + 1) * g].to(torch.float32) for h in range(len(rot))]
+    return torch.cat(
+        [xs if r is None else xs @ (r.T if back else r) for xs, r in zip(groups, rot, strict=True)]
+    )
+
+
+def split_kernel(
+    kernel, q: torch.Tensor, k_store: HeadSplitStore, v_store: HeadSplitStore, end: int, blocks, table
+):
+    """A fused decode kernel over a layer split per KV head: one call per head on its query group."""
+    g = q.shape[0] // len(k_store.parts)
+    return torch.cat(
+        [
+            kernel(
+                q[h * g : (h + 1) * g].contiguous(),
+                ks,
+                vs,
+                end,
+                blocks=None if blocks is None else blocks[h : h + 1],
+                table=table,
+            )
+            for h, (ks, vs) in enumerate(zip(k_store.parts, v_store.parts, strict=True))
+        ]
+    )
+
+
 def make_attend(
     cache: KVCache | PagedKV,
     prefill: bool,
@@ -151,10 +186,7 @@ def make_attend(
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         rk, rv = rotation[layer]
-        if rk is not None:
-            q = q.to(torch.float32) @ rk
-        out = attend_stored(layer, q, k, v, start)
-        return out if rv is None else out @ rv.T
+        return turn(attend_stored(layer, turn(q, rk), k, v, start), rv, back=True)
 
     def attend_stored(
         layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
@@ -170,9 +202,9 @@ def make_attend(
             blocks = select_blocks(q[:, 0], cache, layer, end, sparse)
         if use_kernel and decode and win is None:
             table = cache.table if paged else None
-            return kernel(q[:, 0], cache.k[layer], cache.v[layer], end, blocks=blocks, table=table).unsqueeze(
-                1
-            )
+            ks, vs = cache.k[layer], cache.v[layer]
+            run = functools.partial(split_kernel, kernel) if isinstance(ks, HeadSplitStore) else kernel
+            return run(q[:, 0], ks, vs, end, blocks=blocks, table=table).unsqueeze(1)
         k_all, v_all = cache.read(layer, end, prefill=prefill)
         q_pos = torch.arange(start, end, device=q.device)
         kv_mask = None if blocks is None else blocks_to_mask(blocks, end, BLOCK)

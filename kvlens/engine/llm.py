@@ -47,7 +47,8 @@ class LLM:
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
         self.loaded = loaded  # the model file's digest (verifiable records) is cached on it
         self.weights_mode = loaded.weights_mode
-        self.kv.check_layout(loaded.config.n_layers, loaded.config.head_dim)  # a recipe fits this model
+        cfg = loaded.config
+        self.kv.check_layout(cfg.n_layers, cfg.head_dim, cfg.n_kv_heads)  # a recipe fits this model
         self.model = Transformer(loaded.config, loaded.weights)
         self.device = self.model.device
         self.prefill_chunk = prefill_chunk
@@ -117,7 +118,7 @@ class LLM:
                 raise AttributeError(f"LLM has no setting {name!r}")
             setattr(other, name, value)
         other.kv = KVMode.parse(other.kv)
-        other.kv.check_layout(other.config.n_layers, other.config.head_dim)
+        other.kv.check_layout(other.config.n_layers, other.config.head_dim, other.config.n_kv_heads)
         other.attn_backend = resolve_backend(other.attn_backend, other.device)
         return other
 

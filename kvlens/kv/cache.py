@@ -69,24 +69,42 @@ def store_basis(kind: StoreKind, rows: torch.Tensor) -> torch.Tensor:
     return rows.to(torch.float32) @ rotation(rows.shape[-1], torch.float32, rows.device)
 
 
-def rotations(k_store: RowStore, v_store: RowStore) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+Rotation = torch.Tensor | list[torch.Tensor | None] | None  # per layer, or per KV head (HeadSplitStore)
+
+
+def _rotation_of(store: RowStore | HeadSplitStore) -> Rotation:
+    if isinstance(store, HeadSplitStore):
+        per_head = [_rotation_of(part) for part in store.parts]
+        return per_head if any(r is not None for r in per_head) else None
+    return rotation(store.head_dim, torch.float32, store.data.device) if store.kind.rotated else None
+
+
+def rotations(
+    k_store: RowStore | HeadSplitStore, v_store: RowStore | HeadSplitStore
+) -> tuple[Rotation, Rotation]:
     """The rotation attention applies to the query (K rotated) and, transposed, to its output (V
-    rotated) for one layer's stores; None where the kind is not rotated."""
-    hd = k_store.head_dim
-    dev = k_store.data.device
-    rk = rotation(hd, torch.float32, dev) if k_store.kind.rotated else None
-    rv = rotation(hd, torch.float32, dev) if v_store.kind.rotated else None
-    return rk, rv
+    rotated) for one layer's stores; None where the kind is not rotated, a list of one per KV head
+    (None for a head not rotated) for a layer split per head."""
+    return _rotation_of(k_store), _rotation_of(v_store)
 
 
 def layer_stores(
     mode: KVMode, n_layers: int, n_kv: int, cap: int, head_dim: int, device: torch.device
-) -> tuple[list[RowStore], list[RowStore]]:
-    """Empty K and V stores of every layer, each of the kind ``mode`` gives that layer."""
-    kinds = [mode.kinds(i) for i in range(n_layers)]
-    # int8 K keeps its code sums per 32-block for the integer attention kernels
-    k = [RowStore.empty(kk, n_kv, cap, head_dim, device, with_ksum=True) for kk, _ in kinds]
-    v = [RowStore.empty(vk, n_kv, cap, head_dim, device) for _, vk in kinds]
+) -> tuple[list[RowStore | HeadSplitStore], list[RowStore | HeadSplitStore]]:
+    """Empty K and V stores of every layer, each of the kind ``mode`` gives that layer (a layer whose
+    KV heads differ: one store per head, :class:`HeadSplitStore`)."""
+    k: list[RowStore | HeadSplitStore] = []
+    v: list[RowStore | HeadSplitStore] = []
+    for i in range(n_layers):
+        heads = mode.head_kinds(i)
+        if heads is None:
+            kk, vk = mode.kinds(i)
+            # int8 K keeps its code sums per 32-block for the integer attention kernels
+            k.append(RowStore.empty(kk, n_kv, cap, head_dim, device, with_ksum=True))
+            v.append(RowStore.empty(vk, n_kv, cap, head_dim, device))
+        else:
+            k.append(HeadSplitStore([RowStore.empty(kk, 1, cap, head_dim, device, True) for kk, _ in heads]))
+            v.append(HeadSplitStore([RowStore.empty(vk, 1, cap, head_dim, device) for _, vk in heads]))
     return k, v
 
 
@@ -128,6 +146,14 @@ class RowStore:
     def head_dim(self) -> int:
         return self.data.shape[2] * (2 if self.kind.int4 else 1)
 
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[1]
+
+    def basis(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [n_kv, n, head_dim]`` as the model makes them, in the basis this store keeps."""
+        return store_basis(self.kind, rows)
+
     def grow(self, cap: int) -> None:
         n_kv, old, d = self.data.shape
         data = self.data.new_zeros(n_kv, cap, d)
@@ -167,6 +193,46 @@ class RowStore:
         return self._values(self.data[:, start:end], None if self.scale is None else self.scale[:, start:end])
 
 
+@dataclass
+class HeadSplitStore:
+    """One of K or V of a layer whose KV heads are stored in different kinds (a per-head recipe):
+    one :class:`RowStore` of one head per KV head. Reads and writes take and give all heads at once,
+    like a RowStore; the fused kernels run per head on ``parts`` (:mod:`kvlens.engine.attention`)."""
+
+    parts: list[RowStore]
+
+    @property
+    def kind(self) -> StoreKind | None:
+        """The kind every head shares, or None (they differ)."""
+        kinds = {p.kind for p in self.parts}
+        return kinds.pop() if len(kinds) == 1 else None
+
+    @property
+    def head_dim(self) -> int:
+        return self.parts[0].head_dim
+
+    @property
+    def capacity(self) -> int:
+        return self.parts[0].capacity
+
+    def basis(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.basis(rows[h : h + 1]) for h, p in enumerate(self.parts)])
+
+    def grow(self, cap: int) -> None:
+        for p in self.parts:
+            p.grow(cap)
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        for h, p in enumerate(self.parts):
+            p.write(start, rows[h : h + 1])
+
+    def read_index(self, pos: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.read_index(pos) for p in self.parts])
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        return torch.cat([p.read(start, end) for p in self.parts])
+
+
 class KVCache:
     """KV cache for all layers of one sequence."""
 
@@ -195,7 +261,7 @@ class KVCache:
         self.has_mirror = mode.mirror or options.keeps_exact
         cap = round_up(max(capacity, 1))
 
-        mode.check_layout(n_layers, head_dim)
+        mode.check_layout(n_layers, head_dim, n_kv_heads)
         self.k, self.v = layer_stores(mode, n_layers, n_kv_heads, cap, head_dim, self.device)
         exact = KVMode("f32", F32, F32)
         self.k_exact, self.v_exact = (
@@ -211,7 +277,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].data.shape[1]
+        return self.k[0].capacity
 
     def bytes_per_token(self) -> int:
         """Stored KV bytes per token position over all layers (mirror and kept-exact copy included)."""
@@ -232,7 +298,7 @@ class KVCache:
         self._check_rows(layer, start, k, v)
         check_kv_finite(layer, start, k, v)
         self.reserve(start + k.shape[1])
-        k, v = store_basis(self.k[layer].kind, k), store_basis(self.v[layer].kind, v)
+        k, v = self.k[layer].basis(k), self.v[layer].basis(v)
         self.k[layer].write(start, k)
         self.v[layer].write(start, v)
         if self.has_mirror:

@@ -116,13 +116,18 @@ class KVMode:
 
     ``layers``: a per-layer mode (a recipe, :mod:`kvlens.kv.recipe`) gives each layer its own
     ``(K kind, V kind)``; ``k`` and ``v`` are then the widest kinds it uses. Empty: every layer
-    stores ``k`` and ``v``. Ask :meth:`kinds` for a layer's kinds."""
+    stores ``k`` and ``v``. Ask :meth:`kinds` for a layer's kinds.
+
+    ``heads``: a per-KV-head recipe gives, per layer, either ``()`` (the layer stores
+    ``layers[i]`` in every head) or one ``(K kind, V kind)`` per KV head; ``layers[i]`` is then the
+    widest pair of the layer. Ask :meth:`head_kinds`."""
 
     name: str
     k: StoreKind
     v: StoreKind
     mirror: bool = False
     layers: tuple[tuple[StoreKind, StoreKind], ...] = ()
+    heads: tuple[tuple[tuple[StoreKind, StoreKind], ...], ...] = ()
 
     def __str__(self) -> str:
         return self.name
@@ -132,34 +137,55 @@ class KVMode:
 
     @property
     def quantized(self) -> bool:
-        return any(k.quantized or v.quantized for k, v in self.layers or ((self.k, self.v),))
+        pairs = [*(self.layers or ((self.k, self.v),)), *(p for layer in self.heads for p in layer)]
+        return any(k.quantized or v.quantized for k, v in pairs)
+
+    @property
+    def per_head(self) -> bool:
+        """Some layer gives its KV heads different kinds (a per-KV-head recipe)."""
+        return any(self.heads)
 
     def kinds(self, layer: int) -> tuple[StoreKind, StoreKind]:
-        """(K kind, V kind) of ``layer``."""
+        """(K kind, V kind) of ``layer`` (a per-head layer: its widest kinds)."""
         return self.layers[layer] if self.layers else (self.k, self.v)
 
-    def check_layout(self, n_layers: int, head_dim: int) -> None:
-        """ValueError when this mode cannot store a model of ``n_layers`` layers of ``head_dim``."""
+    def head_kinds(self, layer: int) -> tuple[tuple[StoreKind, StoreKind], ...] | None:
+        """(K kind, V kind) per KV head of ``layer``, or None when every head stores :meth:`kinds`."""
+        return self.heads[layer] if self.heads and self.heads[layer] else None
+
+    def check_layout(self, n_layers: int, head_dim: int, n_kv_heads: int | None = None) -> None:
+        """ValueError when this mode cannot store a model of ``n_layers`` layers of ``head_dim`` (and,
+        given, ``n_kv_heads`` KV heads: a per-head layer must name that many)."""
         if self.layers and len(self.layers) != n_layers:
             raise ValueError(f"KV recipe {self.name} has {len(self.layers)} layers; the model has {n_layers}")
-        for k, v in self.layers or ((self.k, self.v),):
+        for i, per_head in enumerate(self.heads):
+            if per_head and n_kv_heads is not None and len(per_head) != n_kv_heads:
+                raise ValueError(
+                    f"KV recipe {self.name} gives layer {i} kinds for {len(per_head)} KV heads; the model "
+                    f"has {n_kv_heads}"
+                )
+        for k, v in [*(self.layers or ((self.k, self.v),)), *(p for layer in self.heads for p in layer)]:
             k.check_head_dim(head_dim)
             v.check_head_dim(head_dim)
 
     def bytes_per_token(self, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
         """Stored KV bytes per token position over all layers (scales and the mirror copy included)."""
-        self.check_layout(n_layers, head_dim)
+        self.check_layout(n_layers, head_dim, n_kv_heads)
         mirror = 2 * StoreKind.F32.row_bytes(head_dim) if self.mirror else 0
-        kinds = [self.kinds(i) for i in range(n_layers)]
-        rows = sum(k.row_bytes(head_dim) + v.row_bytes(head_dim) for k, v in kinds)
-        return (rows + mirror * n_layers) * n_kv_heads
+        rows = 0
+        for i in range(n_layers):
+            pairs = self.head_kinds(i) or (self.kinds(i),) * n_kv_heads
+            rows += sum(k.row_bytes(head_dim) + v.row_bytes(head_dim) for k, v in pairs)
+        return rows + mirror * n_layers * n_kv_heads
 
     @property
     def label(self) -> str:
         """What the mode stores, e.g. ``K q8 / V f32`` (a recipe: its distinct per-layer pairs)."""
         if self.layers:
             pairs = sorted({f"{k}/{v}" for k, v in self.layers})
-            return f"recipe, {len(self.layers)} layers, K/V {' '.join(pairs)}"
+            split = sum(1 for h in self.heads if h)
+            per_head = f", {split} split per KV head" if split else ""
+            return f"recipe, {len(self.layers)} layers{per_head}, K/V {' '.join(pairs)}"
         return f"K {self.k} / V {self.v}" + (" + exact f32 mirror" if self.mirror else "")
 
     @classmethod

@@ -1,8 +1,9 @@
 """A paged KV block pool: one fixed byte budget per cache mode, shared by many sequences.
 
 Storage is the cache's own :class:`~kvlens.kv.cache.RowStore` per layer (so every mode works paged:
-f32, f16, bf16, q8, q8-k, q8-v and q8+mirror with its exact copy), sized ``n_blocks * BLOCK``
-positions. Physical block ``b`` is rows ``[b * BLOCK, (b + 1) * BLOCK)`` of every layer's K and V
+f32, f16, bf16, q8, q8-k, q8-v and q8+mirror with its exact copy, and recipes; a layer that a
+per-head recipe splits keeps a :class:`~kvlens.kv.cache.HeadSplitStore`, one RowStore per KV head),
+sized ``n_blocks * BLOCK`` positions. Physical block ``b`` is rows ``[b * BLOCK, (b + 1) * BLOCK)`` of every layer's K and V
 (and mirror) store. A sequence owns a *block table*: its logical block ``j`` (positions
 ``j * BLOCK ..``) lives in physical block ``table[j]``. The fused decode kernels read through the table
 in place (no gather copy); prefill's torch path gathers the rows it attends.
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .cache import BLOCK, F32, check_kv_finite, layer_stores, store_basis
+from .cache import BLOCK, F32, HeadSplitStore, RowStore, check_kv_finite, layer_stores
 from .modes import MIRROR_PREFILL, CacheOptions, KVMode
 from .prefix import PrefixIndex
 
@@ -146,11 +147,18 @@ class BlockPool:
         rows = slice(block * BLOCK, (block + 1) * BLOCK)
         out = []
         for store in (*self.k, *self.v, *self.k_exact, *self.v_exact):
-            out.append(store.data[:, rows])
-            if store.scale is not None:
-                out.append(store.scale[:, rows])
-            if store.ksum is not None:  # the integer kernels read them: a restored block needs its own
-                out.append(store.ksum[:, rows])
+            for part in store.parts if isinstance(store, HeadSplitStore) else [store]:
+                out += self._rows_of(part, rows)
+        return out
+
+    @staticmethod
+    def _rows_of(store: RowStore, rows: slice) -> list[torch.Tensor]:
+        """One store's tensors of a block (a layer split per KV head: each head's store in turn)."""
+        out = [store.data[:, rows]]
+        if store.scale is not None:
+            out.append(store.scale[:, rows])
+        if store.ksum is not None:  # the integer kernels read them: a restored block needs its own
+            out.append(store.ksum[:, rows])
         return out
 
 
@@ -217,7 +225,7 @@ class PagedKV:
                 f"positions up to {end} need blocks the sequence does not hold ({self.capacity})"
             )
         check_kv_finite(layer, start, k, v)
-        k, v = store_basis(self.k[layer].kind, k), store_basis(self.v[layer].kind, v)
+        k, v = self.k[layer].basis(k), self.v[layer].basis(v)
         stores = [(self.k, k), (self.v, v)]
         if self.has_mirror:
             stores += [(self.pool.k_exact, k), (self.pool.v_exact, v)]

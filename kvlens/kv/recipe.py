@@ -10,14 +10,19 @@ the server). The file::
       "model": "...", "note": "..."                                          optional, free text
     }
 
+A layer may give its KV heads different kinds (a per-KV-head recipe): ``{"k": ["q8h", "q4h", "q8h"],
+"v": "q4h"}`` lists one kind per KV head (a single kind applies to every head of the layer). The
+cache then keeps that layer's heads in separate stores (:class:`kvlens.kv.cache.HeadSplitStore`).
+
 ``kvlens lab plan`` writes one (:mod:`kvlens.lab.plan`). A file that does not add up (not JSON, an
 unknown kind, a missing key, a layer count the model does not have) is refused with one
 ``ValueError`` naming the problem; the layer count is checked when the model is known
-(:meth:`KVMode.check_layout`).
+(:meth:`KVMode.check_layout`), and so is the head count of a per-head layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,44 @@ def recipe_mode(name: str, layers: list[tuple[StoreKind, StoreKind]]) -> KVMode:
     return KVMode(name, widest_k, widest_v, layers=tuple(layers))
 
 
+def head_recipe_mode(name: str, layers: list[list[tuple[StoreKind, StoreKind]]]) -> KVMode:
+    """A per-KV-head mode: ``layers[i][h]`` is (K kind, V kind) of head ``h`` of layer ``i``; a layer
+    whose heads agree is stored as one layer-wide pair."""
+    if not layers or any(not heads for heads in layers):
+        raise RecipeError(f"KV recipe {name}: every layer needs at least one KV head")
+    pairs = [
+        (
+            max((k for k, _ in heads), key=lambda kind: kind.row_bytes(256)),
+            max((v for _, v in heads), key=lambda kind: kind.row_bytes(256)),
+        )
+        for heads in layers
+    ]
+    split = tuple(() if len(set(heads)) == 1 else tuple(heads) for heads in layers)
+    mode = recipe_mode(
+        name, [heads[0] if not s else p for heads, s, p in zip(layers, split, pairs, strict=True)]
+    )
+    return dataclasses.replace(mode, heads=split) if any(split) else mode
+
+
+def _layer_kinds(entry: Any, where: str) -> list[tuple[StoreKind, StoreKind]]:
+    """One layer's entry as (K, V) per head (a single pair when neither role lists heads)."""
+    if not isinstance(entry, dict) or set(entry) - {"k", "v"} or not {"k", "v"} <= set(entry):
+        raise RecipeError(
+            f'{where} must be {{"k": KIND, "v": KIND}} (KIND or a list of one per KV head), got {entry!r}'
+        )
+    lists = [entry[r] for r in ("k", "v") if isinstance(entry[r], list)]
+    n_heads = len(lists[0]) if lists else 1
+    if any(len(x) != n_heads for x in lists) or n_heads == 0:
+        raise RecipeError(f"{where}: K and V list different numbers of KV heads (or none): {entry!r}")
+    roles = []
+    for r in ("k", "v"):
+        names = entry[r] if isinstance(entry[r], list) else [entry[r]] * n_heads
+        roles.append(
+            [_kind(x, f"{where} {r.upper()}" + (f" head {h}" if lists else "")) for h, x in enumerate(names)]
+        )
+    return list(zip(*roles, strict=True))
+
+
 def parse_recipe(data: Any, name: str) -> KVMode:
     """The mode of a recipe's parsed JSON ``data`` (``name``: the file, for messages and the mode)."""
     if not isinstance(data, dict) or data.get("kvlens_recipe") != RECIPE_VERSION:
@@ -55,12 +98,9 @@ def parse_recipe(data: Any, name: str) -> KVMode:
     layers = data.get("layers")
     if not isinstance(layers, list) or not layers:
         raise RecipeError(f'{name}: "layers" must be a non-empty list of {{"k": KIND, "v": KIND}}')
-    out = []
-    for i, entry in enumerate(layers):
-        if not isinstance(entry, dict) or set(entry) - {"k", "v"} or not {"k", "v"} <= set(entry):
-            raise RecipeError(f'{name}: layer {i} must be {{"k": KIND, "v": KIND}}, got {entry!r}')
-        out.append((_kind(entry["k"], f"{name} layer {i} K"), _kind(entry["v"], f"{name} layer {i} V")))
-    return recipe_mode(name, out)
+    return head_recipe_mode(
+        name, [_layer_kinds(entry, f"{name} layer {i}") for i, entry in enumerate(layers)]
+    )
 
 
 def load_recipe(path: str | Path) -> KVMode:
@@ -77,9 +117,30 @@ def load_recipe(path: str | Path) -> KVMode:
     return parse_recipe(data, name)
 
 
+def layer_json(mode: KVMode, layer: int) -> dict[str, str | list[str]]:
+    """The recipe entry of ``layer``: a kind per role, or a list per KV head where the heads differ."""
+    heads = mode.head_kinds(layer)
+    if heads is None:
+        k, v = mode.kinds(layer)
+        return {"k": str(k), "v": str(v)}
+    out: dict[str, str | list[str]] = {}
+    for role, kinds in zip(("k", "v"), zip(*heads, strict=True), strict=True):
+        out[role] = str(kinds[0]) if len(set(kinds)) == 1 else [str(x) for x in kinds]
+    return out
+
+
+def mix(mode: KVMode, n_layers: int, n_kv: int) -> str:
+    """How many (layer, KV head) pairs store each (K, V) pair, e.g. ``60x K q8h / V q8h, 30x K q8h / V q4h``."""
+    counts: dict[str, int] = {}
+    for i in range(n_layers):
+        for k, v in mode.head_kinds(i) or (mode.kinds(i),) * n_kv:
+            counts[f"K {k} / V {v}"] = counts.get(f"K {k} / V {v}", 0) + 1
+    return ", ".join(f"{n}x {pair}" for pair, n in sorted(counts.items(), key=lambda x: -x[1]))
+
+
 def recipe_json(mode: KVMode, n_layers: int, **meta: Any) -> dict[str, Any]:
     """The JSON object of ``mode`` over ``n_layers`` layers (a uniform mode is written out per layer)."""
-    layers = [{"k": str(k), "v": str(v)} for k, v in (mode.kinds(i) for i in range(n_layers))]
+    layers = [layer_json(mode, i) for i in range(n_layers)]
     return {"kvlens_recipe": RECIPE_VERSION, **meta, "layers": layers}
 
 

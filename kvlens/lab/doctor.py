@@ -1,7 +1,8 @@
 """``kvlens lab doctor``: what in a model's K and V makes low-bit caches risky, and what it costs.
 
-From one forward of a corpus window through an f32 cache (:meth:`LLM.capture_qkv`: post-RoPE Q, K, V
-of every layer), per layer and KV head:
+From one forward of a corpus window through an f32 cache (post-RoPE Q, K, V of every layer, captured
+by the same f32 pass that the KLD measurements resume from, :mod:`.sensitivity`), per layer and KV
+head:
 
 * outlier channels: a channel whose RMS over the window is ``OUTLIER_RATIO`` times the median
   channel's (K and V apart) — one such channel sets a whole row's or block's scale;
@@ -15,12 +16,14 @@ of every layer), per layer and KV head:
 For every flagged layer, the consequence is measured: the mean KLD (vs an f32 cache) when only that
 layer's K and V are stored q8, and q4h where the layout allows it (llama-perplexity's protocol of
 :mod:`.ppl`). The recommended recipe is :mod:`.plan`'s choice under ``kld_budget`` from per-layer
-sensitivities measured on the same window.
+sensitivities measured on the same window, or from a ``lab plan --json`` output (``plan``: its
+per-layer or per-head sensitivities, ctx and calibration chunks; nothing measured twice).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,10 +32,11 @@ import torch
 
 from ..kernels.reference import reference_attention
 from ..kv.modes import StoreKind
-from ..kv.recipe import recipe_json, recipe_mode
+from ..kv.recipe import mix, recipe_json, recipe_mode
 from ..report import md_table, print_table, write_markdown
 from .common import LabConfig, load_lab, model_name
-from .plan import PlanConfig, Sensitivity, choose, plan_chunks
+from .plan import PlanConfig, choose_verified, load_measurements, plan_chunks
+from .sensitivity import Sensitivity
 
 OUTLIER_RATIO = 6.0
 OFFSET_RATIO = 1.0
@@ -42,8 +46,12 @@ F32 = StoreKind.F32
 
 @dataclass
 class DoctorConfig(LabConfig):
+    """``plan``: a ``lab plan --json`` output of the same model and corpus whose per-layer (or per-head)
+    sensitivities the doctor reuses (with its ctx and calibration chunks) instead of measuring them."""
+
     ctx: int = 512
     kld_budget: float = 0.002
+    plan: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,6 +147,9 @@ class DoctorResult:
     findings: list[Finding]
     recipe: dict[str, Any]
     recipe_kld: float
+    recipe_mix: str
+    seconds: float
+    passes: int  # KLD passes (consequences, sensitivities, recipe), f32 base passes excluded
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "findings"} | {
@@ -146,34 +157,46 @@ class DoctorResult:
         }
 
 
-def run_doctor(cfg: DoctorConfig) -> DoctorResult:
-    llm, text, label = load_lab(cfg.model, cfg.corpus, "f32")
-    c = llm.config
-    pcfg = PlanConfig(model=cfg.model, corpus=cfg.corpus, kv="f32", ctx=cfg.ctx, calib_chunks=1, heldout_chunks=0,
-                      kld_budget=cfg.kld_budget, candidates=usable([StoreKind.Q8H, StoreKind.Q4H], c.head_dim) or "q8")  # fmt: skip
-    window = plan_chunks(llm, text, pcfg)[0]
-    findings = layout_findings(c.head_dim)
-    for layer, (q, k, v) in enumerate(llm.capture_qkv(window[0])):
-        findings += channel_findings(layer, "k", k) + channel_findings(layer, "v", v)
-        findings += sink_findings(layer, q, k, v)
-    sens = Sensitivity(llm, window, pcfg)
-    consequence = usable([StoreKind.Q8, StoreKind.Q4H], c.head_dim)
+def consequences(sens: Sensitivity, findings: list[Finding], kinds: list[StoreKind]) -> None:
+    """Fill each layer finding's ``kld``: the KLD when only that layer's K and V are each kind."""
+    c = sens.llm.config
     measured: dict[tuple[int, StoreKind], float] = {}
     for f in findings:
         if f.layer is None:
             continue
-        for kind in consequence:
+        for kind in kinds:
             if (f.layer, kind) not in measured:
                 layers = [(F32, F32)] * c.n_layers
                 layers[f.layer] = (kind, kind)
                 measured[f.layer, kind] = sens.kld(recipe_mode(f"L{f.layer}={kind}", layers))
             f.kld[str(kind)] = measured[f.layer, kind]
-    layers, _ = choose(sens.table(), c.n_layers, c.head_dim, cfg.kld_budget)
-    recipe = recipe_mode("doctor", layers)
+
+
+def run_doctor(cfg: DoctorConfig) -> DoctorResult:
+    """Findings from one f32 pass over the window, their measured cost, a recommended recipe."""
+    llm, text, label = load_lab(cfg.model, cfg.corpus, "f32")
+    c = llm.config
+    t0 = time.perf_counter()
+    ctx, calib, table = cfg.ctx, 1, None
+    if cfg.plan:  # the plan's sensitivities (and its ctx and calibration chunks) instead of measuring
+        table, calib, ctx = load_measurements(cfg.plan, model_name(llm), label, None)
+    candidates = usable([StoreKind.Q8H, StoreKind.Q4H], c.head_dim) or [StoreKind.Q8]
+    pcfg = PlanConfig(model=cfg.model, corpus=cfg.corpus, kv="f32", ctx=ctx, calib_chunks=calib, heldout_chunks=0,
+                      kld_budget=cfg.kld_budget, candidates=candidates)  # fmt: skip
+    chunks = plan_chunks(llm, text, pcfg)[0]
+    sens = Sensitivity(llm, chunks, ctx, capture=True)  # the f32 pass also captures the window's Q, K, V
+    findings = layout_findings(c.head_dim)
+    for layer, (q, k, v) in enumerate(sens.qkv):
+        findings += channel_findings(layer, "k", k) + channel_findings(layer, "v", v)
+        findings += sink_findings(layer, q, k, v)
+    consequences(sens, findings, usable([StoreKind.Q8, StoreKind.Q4H], c.head_dim))
+    if table is None:
+        table = sens.table(candidates, per_head=False)
+    recipe, _, measured, _ = choose_verified(sens, table, cfg.kld_budget, "doctor")
     return DoctorResult(
-        model_name(llm), label, cfg.ctx, c.head_dim, findings,
+        model_name(llm), label, ctx, c.head_dim, findings,
         recipe_json(recipe, c.n_layers, model=model_name(llm), kld_budget=cfg.kld_budget),
-        sens.kld(recipe),
+        measured, mix(recipe, c.n_layers, c.n_kv_heads), time.perf_counter() - t0, sens.passes,
     )  # fmt: skip
 
 
@@ -192,30 +215,22 @@ def table_rows(r: DoctorResult) -> list[list[str]]:
 
 
 def recipe_line(r: DoctorResult) -> str:
-    counts: dict[str, int] = {}
-    for x in r.recipe["layers"]:
-        counts[f"K {x['k']} / V {x['v']}"] = counts.get(f"K {x['k']} / V {x['v']}", 0) + 1
-    mix = ", ".join(f"{n}x {p}" for p, n in sorted(counts.items()))
-    return f"recommended recipe (budget {r.recipe['kld_budget']:g}, measured KLD {r.recipe_kld:.3g} on the window): {mix}"
+    return (
+        f"recommended recipe (budget {r.recipe['kld_budget']:g}, measured KLD {r.recipe_kld:.3g} on the "
+        f"calibration text), per (layer, KV head): {r.recipe_mix}; {r.passes} KLD passes, {r.seconds:.0f} s"
+    )
 
 
 def main(cfg: DoctorConfig, json_out: bool = False, report: str | None = None) -> None:
     """The body of ``kvlens lab doctor``."""
     r = run_doctor(cfg)
+    title = f"doctor: {r.model}, {r.ctx}-token window of {r.corpus}"  # a reused plan's ctx, not --ctx
     if json_out:
         print(json.dumps(r.to_json(), indent=1))
     else:
-        print_table(
-            f"doctor: {r.model}, {cfg.ctx}-token window of {r.corpus}", HEADERS, table_rows(r), width=160
-        )
+        print_table(title, HEADERS, table_rows(r), width=160)
         print(recipe_line(r))
     if report:
-        md = (
-            f"# kvlens lab doctor: {r.model}\n\n"
-            + md_table(HEADERS, table_rows(r))
-            + "\n\n"
-            + recipe_line(r)
-            + "\n"
-        )
+        md = f"# kvlens lab {title}\n\n" + md_table(HEADERS, table_rows(r)) + "\n\n" + recipe_line(r) + "\n"
         write_markdown(report, "doctor.md", md)
         Path(report, "recipe.json").write_text(json.dumps(r.recipe, indent=1) + "\n", encoding="utf-8")

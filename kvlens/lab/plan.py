@@ -1,11 +1,14 @@
-"""``kvlens lab plan``: a per-layer KV recipe chosen by measurement, then verified on held-out text.
+"""``kvlens lab plan``: a per-layer (or per-KV-head) KV recipe chosen by measurement, then verified
+on held-out text.
 
-1. Sensitivity (calibration chunks): for every layer and for K and V apart, the mean KL divergence
-   from the f32 cache when only that layer's K (or V) is stored in a candidate kind (q8h, q4h, ...)
-   and every other row stays f32 — llama-perplexity's protocol of :mod:`.ppl` (second half of each
-   chunk scored), one forward per (layer, role, kind, chunk).
-2. Choice: per (layer, role) the options are f16 (the fallback, counted as KLD 0) and the candidates;
-   treating the layers' KLDs as additive (first order in small perturbations), a greedy
+1. Sensitivity (calibration chunks, :mod:`.sensitivity`): for every layer (``per_head``: every KV
+   head of every layer) and for K and V apart, the mean KL divergence from the f32 cache when only
+   that layer's (head's) K or V is stored in a candidate kind (q8h, q4h, ...) and every other row
+   stays f32 — llama-perplexity's scoring of :mod:`.ppl` (second half of each chunk), one pass per
+   (item, kind, chunk), resumed at the probed layer from the f32 pass's residual.
+2. Choice (aiming at ``calib_target`` x the budget, leaving room for the calibration text to
+   under-predict other text): per item the options are f16 (the fallback, counted as KLD 0) and the candidates;
+   treating the items' KLDs as additive (first order in small perturbations), a greedy
    multiple-choice knapsack takes, step by step, the downgrade saving the most bytes per unit of
    KLD that keeps the sum within the working budget. The recipe is then measured on the calibration
    chunks; while it exceeds the budget, the working budget shrinks by the excess (3 rounds at most).
@@ -16,22 +19,19 @@
 from __future__ import annotations
 
 import json
-import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-
 from ..engine.llm import LLM
 from ..kv.modes import MODES, KVMode, StoreKind
-from ..kv.recipe import recipe_mode, save_recipe
+from ..kv.recipe import head_recipe_mode, layer_json, mix, save_recipe
 from ..report import print_table
 from .common import CompareConfig, load_compare, model_name
-from .ppl import BaseLogProbs, PplConfig, _PplRun, chunk_metrics, make_chunks, scored_logits, scored_span
+from .ppl import PplConfig, _PplRun, make_chunks
+from .sensitivity import ROLES, Item, Sensitivity
 
 F32, F16 = StoreKind.F32, StoreKind.F16
-ROLES = ("k", "v")
 SHRINK_ROUNDS = 3
 
 
@@ -46,6 +46,9 @@ class PlanConfig(CompareConfig):
     heldout_chunks: int = 4
     candidates: list[StoreKind] | str = "q8h,q4h"
     out: str = "recipe.json"
+    per_head: bool = True
+    calib_target: float = 1.0  # the share of the budget the recipe may cost on the calibration chunks
+    reuse: str | None = None  # a earlier ``lab plan --json`` output: its sensitivities, not measured again
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,6 +58,8 @@ class PlanConfig(CompareConfig):
             self.candidates = [_kind(c) for c in self.candidates.split(",") if c.strip()]
         if not self.candidates:
             raise ValueError("--candidates names no KV kind")
+        if not 0 < self.calib_target <= 1:
+            raise ValueError(f"--calib-target must be in (0, 1], got {self.calib_target}")
 
 
 def _kind(name: str) -> StoreKind:
@@ -66,47 +71,12 @@ def _kind(name: str) -> StoreKind:
         ) from None
 
 
-def single_layer_mode(n_layers: int, layer: int, role: str, kind: StoreKind) -> KVMode:
-    """Every row f32 except ``layer``'s K (``role="k"``) or V, stored as ``kind``."""
-    layers = [(F32, F32)] * n_layers
-    layers[layer] = (kind, F32) if role == "k" else (F32, kind)
-    return recipe_mode(f"L{layer}.{role}={kind}", layers)
-
-
-class Sensitivity:
-    """Mean KLD per (layer, role, kind) over the calibration chunks (one forward each)."""
-
-    def __init__(self, llm: LLM, chunks: list[list[int]], cfg: PlanConfig) -> None:
-        self.llm, self.chunks, self.cfg = llm, chunks, cfg
-        self.first = scored_span(cfg.ctx)[0]
-        self.bases = [BaseLogProbs(scored_logits(llm, c, MODES["f32"], cfg.ctx, self.first)) for c in chunks]
-
-    def kld(self, mode: KVMode) -> float:
-        """Mean KLD of ``mode`` from f32 over the calibration chunks' scored tokens."""
-        vals = []
-        for chunk, base in zip(self.chunks, self.bases, strict=True):
-            lq = scored_logits(self.llm, chunk, mode, self.cfg.prefill_chunk, self.first)
-            targets = torch.tensor(chunk[self.first + 1 :], dtype=torch.long)
-            vals.append(chunk_metrics(base, lq, targets)["kld"].numpy())
-        return float(np.concatenate(vals).mean())
-
-    def table(self) -> dict[tuple[int, str, StoreKind], float]:
-        n = self.llm.config.n_layers
-        out = {}
-        for layer in range(n):
-            for role in ROLES:
-                for kind in self.cfg.candidates:
-                    out[layer, role, kind] = self.kld(single_layer_mode(n, layer, role, kind))
-            print(f"  sensitivity: layer {layer + 1}/{n}", file=sys.stderr, flush=True)
-        return out
-
-
-def choose(
-    sens: dict[tuple[int, str, StoreKind], float], n_layers: int, head_dim: int, budget: float
-) -> tuple[list[tuple[StoreKind, StoreKind]], float]:
-    """The greedy choice under ``budget`` (sum of per-layer KLDs): per-layer kinds and the predicted KLD."""
-    kinds = sorted({k for _, _, k in sens}, key=lambda k: -k.row_bytes(head_dim))
-    choice = {(layer, role): F16 for layer in range(n_layers) for role in ROLES}
+def choose(sens: dict[tuple, float], head_dim: int, budget: float) -> tuple[dict[Item, StoreKind], float]:
+    """The greedy choice under ``budget`` (sum of the items' KLDs): a kind per item and the predicted
+    KLD. ``sens`` maps ``(*item, kind)`` to the item's KLD in that kind; items (a layer's K or V, or
+    one KV head's) share one granularity, so their bytes compare as one row's."""
+    kinds = sorted({key[-1] for key in sens}, key=lambda k: -k.row_bytes(head_dim))
+    choice: dict[Item, StoreKind] = {key[:-1]: F16 for key in sens}
 
     def cost(item, kind):
         return 0.0 if kind == F16 else sens[(*item, kind)]
@@ -128,7 +98,34 @@ def choose(
         item, kind, added = best
         choice[item] = kind
         total += added
-    return [(choice[layer, "k"], choice[layer, "v"]) for layer in range(n_layers)], total
+    return choice, total
+
+
+def choice_mode(name: str, choice: dict[Item, StoreKind], n_layers: int, n_kv: int) -> KVMode:
+    """The recipe of a choice over (layer, role) or (layer, head, role) items (unlisted: f16)."""
+    layers = [[[F16, F16] for _ in range(n_kv)] for _ in range(n_layers)]
+    for item, kind in choice.items():
+        heads = range(n_kv) if len(item) == 2 else [item[1]]
+        for h in heads:
+            layers[item[0]][h][ROLES.index(item[-1])] = kind
+    return head_recipe_mode(name, [[(k, v) for k, v in heads] for heads in layers])
+
+
+def choose_verified(
+    sens: Sensitivity, table: dict[tuple, float], budget: float, name: str
+) -> tuple[KVMode, float, float, int]:
+    """Choose under ``budget``, measure the recipe on the calibration chunks; while it exceeds the
+    budget shrink the working budget by the excess. (recipe, predicted, measured, rounds)."""
+    c = sens.llm.config
+    working, rounds = budget, 0
+    while True:
+        rounds += 1
+        choice, predicted = choose(table, c.head_dim, working)
+        recipe = choice_mode(name, choice, c.n_layers, c.n_kv_heads)
+        measured = sens.kld(recipe)
+        if measured <= budget or rounds >= SHRINK_ROUNDS:
+            return recipe, predicted, measured, rounds
+        working *= 0.9 * budget / measured  # the sum under-predicted: shrink by the excess
 
 
 @dataclass
@@ -143,14 +140,43 @@ class PlanResult:
     predicted_kld: float
     calib_kld: float
     rounds: int
+    n_kv_heads: int
     rows: list[dict[str, Any]] = field(default_factory=list)  # held-out verification, recipe first
-    sensitivity: dict[str, dict[str, float]] = field(default_factory=dict)
+    sensitivity: dict[str, float] = field(default_factory=dict)  # "layer[.head].role.kind" -> KLD
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time of each stage
+    passes: int = 0  # calibration passes (sensitivity and choice), f32 base passes excluded
 
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "recipe"}
         d["recipe"] = self.recipe.name
-        d["layers"] = [{"k": str(k), "v": str(v)} for k, v in self.recipe.layers]
+        d["layers"] = [layer_json(self.recipe, i) for i in range(len(self.recipe.layers))]
         return d
+
+
+def sensitivity_key(text: str) -> tuple:
+    """``"3.k.q8h"`` / ``"3.1.k.q8h"`` (layer[.head].role.kind) back to its table key."""
+    parts = text.split(".")
+    return (*map(int, parts[:-2]), parts[-2], StoreKind(parts[-1]))
+
+
+def load_measurements(
+    path: str, model: str, corpus: str, ctx: int | None
+) -> tuple[dict[tuple, float], int, int]:
+    """(sensitivity table, calibration chunks, ctx) of a ``lab plan --json`` output, refused when it
+    was measured on another model or corpus, or (``ctx`` given) another ctx."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        table = {sensitivity_key(k): float(v) for k, v in data["sensitivity"].items()}
+        got = (data["model"], data["corpus"], int(data["ctx"]))
+        calib = int(data["calib_chunks"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a readable `kvlens lab plan --json` output ({e})") from None
+    if got[:2] != (model, corpus) or ctx not in (None, got[2]):
+        raise ValueError(
+            f"{path} was measured on {got[0]}, {got[1]}, ctx {got[2]}; this run is {model}, {corpus}, ctx {ctx}"
+        )
+    return table, calib, got[2]
 
 
 def plan_chunks(llm: LLM, text: str, cfg: PlanConfig) -> tuple[list[list[int]], list[list[int]]]:
@@ -205,39 +231,42 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     llm, _, text, label = load_compare(cfg)
     c = llm.config
     calib, held = plan_chunks(llm, text, cfg)
-    sens = Sensitivity(llm, calib, cfg)
-    table = sens.table()
-    working, rounds = cfg.kld_budget, 0
-    while True:
-        rounds += 1
-        layers, predicted = choose(table, c.n_layers, c.head_dim, working)
-        recipe = recipe_mode(cfg.out, layers)
-        measured = sens.kld(recipe)
-        if measured <= cfg.kld_budget or rounds >= SHRINK_ROUNDS:
-            break
-        working *= 0.9 * cfg.kld_budget / measured  # the sum under-predicted: shrink by the excess
+    t0 = time.perf_counter()
+    sens = Sensitivity(llm, calib, cfg.ctx)
+    if cfg.reuse:
+        table, n_calib, _ = load_measurements(cfg.reuse, model_name(llm), label, cfg.ctx)
+        if n_calib != len(calib):
+            raise ValueError(
+                f"{cfg.reuse} was measured on {n_calib} calibration chunks; this run has {len(calib)}"
+            )
+    else:
+        table = sens.table(cfg.candidates, cfg.per_head)
+    t1 = time.perf_counter()
+    target = cfg.kld_budget * cfg.calib_target
+    recipe, predicted, measured, rounds = choose_verified(sens, table, target, cfg.out)
     meta = {"model": model_name(llm), "kld_budget": cfg.kld_budget, "calibration_kld": measured}
     save_recipe(recipe, c.n_layers, cfg.out, **meta)
-    sensitivity = {f"{layer}.{role}.{kind}": v for (layer, role, kind), v in table.items()}
+    t2 = time.perf_counter()
     result = PlanResult(
         model_name(llm), label, cfg.kld_budget, cfg.ctx, len(calib), len(held), recipe, predicted, measured,
-        rounds, sensitivity=sensitivity,
+        rounds, c.n_kv_heads, sensitivity={".".join(map(str, key)): v for key, v in table.items()}, passes=sens.passes,
     )  # fmt: skip
     result.rows = verify(llm, held, cfg, recipe)
+    result.seconds = {"sensitivity": t1 - t0, "choice": t2 - t1, "verify": time.perf_counter() - t2}
     return result
 
 
 def print_plan(r: PlanResult) -> None:
-    counts: dict[str, int] = {}
-    for k, v in r.recipe.layers:
-        counts[f"K {k} / V {v}"] = counts.get(f"K {k} / V {v}", 0) + 1
+    split = sum(1 for h in r.recipe.heads if h)
     print(
-        f"recipe {r.recipe.name} for {r.model}: " + ", ".join(f"{n}x {p}" for p, n in sorted(counts.items()))
+        f"recipe {r.recipe.name} for {r.model} ({r.n_kv_heads} KV heads per layer, {split} layers split per "
+        f"head); per (layer, KV head): {mix(r.recipe, len(r.recipe.layers), r.n_kv_heads)}"
     )
     print(
-        f"budget {r.budget:g}: predicted (sum of layers) {r.predicted_kld:.3g}, calibration "
-        f"{r.calib_kld:.3g} ({r.calib_chunks} chunks, {r.rounds} round(s)); held-out: {r.heldout_chunks} "
-        f"chunks of {r.ctx} on {r.corpus}"
+        f"budget {r.budget:g}: predicted (sum of items) {r.predicted_kld:.3g}, calibration "
+        f"{r.calib_kld:.3g} ({r.calib_chunks} chunks, {r.rounds} round(s), {r.passes} passes); held-out: "
+        f"{r.heldout_chunks} chunks of {r.ctx} on {r.corpus}; seconds: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in r.seconds.items())
     )
     headers = ["KV", "bytes/token", "x f16", "x q8", "KLD mean ± err", "PPL ratio", "same top", "<= budget"]
     rows = [

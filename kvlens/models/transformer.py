@@ -196,12 +196,25 @@ class Transformer:
 
     def forward(self, ids: torch.Tensor, start: int, attend: AttendFn) -> torch.Tensor:
         """Final-normed hidden states [n, hidden] for tokens at positions start..start+n-1."""
-        x = self.embed(ids)
-        tables = {id(r): r.rows(start, ids.shape[0]) for r in self.ropes}
+        return self.forward_from(self.embed(ids), start, attend)
+
+    def forward_from(
+        self,
+        x: torch.Tensor,
+        start: int,
+        attend: AttendFn,
+        first: int = 0,
+        on_input: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward` from the residual ``x [n, hidden]`` entering layer ``first`` (the lab resumes
+        a pass there); ``on_input(i, x)`` sees the residual entering each layer ``i``."""
+        tables = {id(r): r.rows(start, x.shape[0]) for r in self.ropes}
         if self.profiler is not None:
             inner, profiler = attend, self.profiler
             attend = lambda *args: timed(profiler, "attend", inner, *args)  # noqa: E731
-        for i in range(self.cfg.n_layers):
+        for i in range(first, self.cfg.n_layers):
+            if on_input is not None:
+                on_input(i, x)
             x = self.layer(i, x, start, *tables[id(self.ropes[i])], attend)
         return rms_norm(x, self.w.norm, self.cfg.rms_eps)
 

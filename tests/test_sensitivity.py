@@ -1,0 +1,92 @@
+"""The plan's and doctor's sensitivity passes: the fast KLD, the resumed pass against a full engine
+pass, per-head probes, and the doctor reusing a plan's measurements."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from tiny_models import write_hf
+
+import kvlens
+from kvlens.kv.modes import StoreKind
+from kvlens.lab.doctor import DoctorConfig, run_doctor
+from kvlens.lab.plan import PlanConfig, choice_mode, choose, run_plan
+from kvlens.lab.ppl import BaseLogProbs, chunk_metrics, scored_logits, scored_span
+from kvlens.lab.sensitivity import Sensitivity, kld_rows, probe_mode
+
+Q4H, Q8H = StoreKind.Q4H, StoreKind.Q8H
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sens") / "hf"
+    write_hf("qwen3", out, seed=7)  # 2 layers, 2 KV heads, head_dim 32
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return kvlens.load(tiny_dir, kv="f32", attn_backend="torch")
+
+
+@pytest.mark.parametrize("scale", [1e-3, 3e-2, 0.5])
+def test_kld_rows_equals_the_float64_log_softmax_kld(scale):
+    gen = torch.Generator().manual_seed(1)
+    base = 4 * torch.randn(6, 5000, generator=gen)
+    logits = base + scale * torch.randn(6, 5000, generator=gen)
+    ref = chunk_metrics(BaseLogProbs(base), logits, torch.zeros(6, dtype=torch.long))["kld"]
+    p = torch.softmax(base.double(), -1).float()
+    got = kld_rows(base, p, logits)
+    assert torch.allclose(got, ref, rtol=1e-3, atol=1e-9), (got, ref)
+
+
+@pytest.mark.parametrize("item", [(0, "k"), (1, "v"), (1, 0, "k"), (0, 1, "v")])
+def test_resumed_pass_equals_a_full_engine_pass(tiny, item):
+    ctx = 48
+    chunk = list(range(3, 3 + ctx))
+    sens = Sensitivity(tiny, [chunk], ctx)
+    mode = probe_mode(2, 2, item, Q4H)
+    first = scored_span(ctx)[0]
+    base = BaseLogProbs(scored_logits(tiny, chunk, tiny.kv, ctx, first))
+    full = scored_logits(tiny, chunk, mode, ctx, first)
+    expected = float(chunk_metrics(base, full, torch.tensor(chunk[first + 1 :]))["kld"].mean())
+    assert expected > 1e-7  # the probe changes something
+    assert sens.kld(mode) == pytest.approx(expected, rel=1e-3, abs=1e-9)
+    assert sens.layers_run == 2 - item[0]  # resumed at the probed layer
+
+
+def test_per_head_choice_builds_a_per_head_recipe():
+    sens = {(0, 0, "k", Q4H): 1e-4, (0, 1, "k", Q4H): 1.0, (0, 0, "v", Q4H): 1.0, (0, 1, "v", Q4H): 1.0}
+    sens |= {(*key[:-1], Q8H): 0.0 for key in list(sens)}
+    choice, predicted = choose(sens, 32, 1e-3)
+    assert predicted == pytest.approx(1e-4)
+    mode = choice_mode("r", choice, 1, 2)
+    assert mode.head_kinds(0) == ((Q4H, Q8H), (Q8H, Q8H))
+
+
+def test_doctor_reuses_a_plan_and_refuses_another_models(tmp_path, tiny_dir, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"the {w} in a tin" for w in range(300)))
+    cfg = PlanConfig(
+        model=str(tiny_dir), corpus=str(corpus), kld_budget=0.01, ctx=64, calib_chunks=1, heldout_chunks=1,
+        out=str(tmp_path / "r.json"), kv="q8",
+    )  # fmt: skip
+    plan = run_plan(cfg)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    doc = run_doctor(DoctorConfig(model=str(tiny_dir), corpus=str(corpus), kld_budget=0.01, plan=str(path)))
+    assert doc.recipe["layers"] == json.loads((tmp_path / "r.json").read_text())["layers"]
+    n_layer_findings = len({f.layer for f in doc.findings if f.layer is not None})
+    # consequences (2 kinds per flagged layer) and the recipe's check(s): no sensitivity pass repeated
+    assert doc.passes <= 2 * n_layer_findings + plan.rounds
+    # the plan itself reuses them too: no sensitivity pass, only the recipe's check(s)
+    again = run_plan(dataclasses.replace(cfg, reuse=str(path), calib_target=0.5))
+    assert again.sensitivity == plan.sensitivity and again.passes == again.rounds
+    assert again.calib_kld <= 0.5 * 0.01 or again.rounds == 3
+    data = plan.to_json() | {"model": "another"}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="was measured on another"):
+        run_doctor(DoctorConfig(model=str(tiny_dir), corpus=str(corpus), plan=str(path)))
