@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels.cpu_int import BACKEND_QBITS, IntAttn
+from ..kernels.quest import quest_select
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
 from ..kv.cache import BLOCK, HeadSplitStore, KVCache, Rotation, rotations
@@ -102,13 +103,19 @@ def _triton_interpreted() -> bool:
 def select_blocks(
     q: torch.Tensor, cache: KVCache, layer: int, length: int, sparse: SparseConfig
 ) -> torch.Tensor | None:
-    """Sparse decode's block choice for one query ``q [H, d]``: sorted indices [KV, n_sel], or None (dense)."""
+    """Sparse decode's block choice for one query ``q [H, d]``: sorted indices [KV, n_sel], or None (dense).
+
+    quest on CPU runs compiled (:func:`kvlens.kernels.quest.quest_select`); on CUDA, and for probe,
+    the torch functions of :mod:`kvlens.kv.blocks` (the same selection, ties included)."""
     n_select = sparse.budget_blocks(length, BLOCK)
     nb = -(-length // BLOCK)
     if n_select >= nb:
         return None
     if sparse.method == "quest":
-        scores = quest_scores(q, cache.bounds.kmin[layer][:, :nb], cache.bounds.kmax[layer][:, :nb])
+        kmin, kmax = cache.bounds.kmin[layer], cache.bounds.kmax[layer]
+        if q.device.type == "cpu":
+            return quest_select(q, kmin, kmax, nb, n_select)
+        scores = quest_scores(q, kmin[:, :nb], kmax[:, :nb])
     else:
         scores = probe_scores(q, cache.k[layer].read_index(probe_positions(length, BLOCK).to(q.device)))
     return top_blocks(scores, n_select)
