@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-from tiny_models import write_hf
 
 import kvlens
 from kvlens.kv.modes import MODES, KVMode, StoreKind
@@ -19,16 +18,7 @@ from kvlens.lab.plan import PlanConfig, choose, run_plan
 F16, Q8H, Q4H, F32 = StoreKind.F16, StoreKind.Q8H, StoreKind.Q4H, StoreKind.F32
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("recipe") / "hf"
-    write_hf("qwen3", out, seed=3)  # 2 layers, head_dim 32
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return kvlens.load(tiny_dir, kv="f32", attn_backend="torch")
+TINY_QWEN3_SEED = 3  # the conftest fixtures tiny_dir / tiny: a tiny random Qwen3
 
 
 def write(path, layers, **extra):

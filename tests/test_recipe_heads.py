@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from tiny_models import write_hf
 
 import kvlens
 from kvlens.kernels.reference import reference_attention
@@ -22,16 +21,7 @@ F16, F32, Q8, Q8H, Q4, Q4H = (StoreKind(x) for x in ("f16", "f32", "q8", "q8h", 
 HEADS = [[(Q4H, Q8), (Q8, Q4H)], [(Q4H, Q4H), (Q4H, Q4H)]]  # one head rotated, one not
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("heads") / "hf"
-    write_hf("qwen3", out, seed=5)  # 2 layers, 2 KV heads, head_dim 32
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return kvlens.load(tiny_dir, kv="f32", attn_backend="torch")
+TINY_QWEN3_SEED = 5  # the conftest fixtures tiny_dir / tiny: a tiny random Qwen3
 
 
 def write(path, layers):
