@@ -75,3 +75,22 @@ def one_thread():
     yield
     numba.set_num_threads(n)
     torch.set_num_threads(nt)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(request, tmp_path_factory):
+    """A tiny random Qwen3 in HF format (2 layers, 2 KV heads, head_dim 32), seeded by the test
+    module's ``TINY_QWEN3_SEED``; a module that needs another model defines its own ``tiny_dir``."""
+    from tiny_models import write_hf
+
+    out = tmp_path_factory.mktemp(request.module.__name__) / "hf"
+    write_hf("qwen3", out, seed=request.module.TINY_QWEN3_SEED)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """:func:`tiny_dir` loaded with an f32 cache and torch attention (the modes under test are variants)."""
+    import kvlens
+
+    return kvlens.load(tiny_dir, kv="f32", attn_backend="torch")

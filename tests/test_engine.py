@@ -103,11 +103,13 @@ def test_mirror_decode_reads_int8(smol_f32):
 def test_kv_bytes_per_token(smol_f32):
     cfg = smol_f32.config
     rows = cfg.n_layers * cfg.n_kv_heads * 2
-    assert smol_f32.new_cache(32, "q8").bytes_per_token() == rows * (cfg.head_dim + 4)
+    ksum = cfg.n_layers * cfg.n_kv_heads * 2 * (cfg.head_dim // 32)  # int8 K's int16 sums per 32 codes
+    assert smol_f32.new_cache(32, "q8").bytes_per_token() == rows * (cfg.head_dim + 4) + ksum
     assert smol_f32.new_cache(32, "f16").bytes_per_token() == rows * 2 * cfg.head_dim
     assert smol_f32.new_cache(32, "f32").bytes_per_token() == rows * 4 * cfg.head_dim
-    assert smol_f32.new_cache(32, "q8+mirror").bytes_per_token() == rows * (
-        cfg.head_dim + 4 + 4 * cfg.head_dim
+    assert (
+        smol_f32.new_cache(32, "q8+mirror").bytes_per_token()
+        == rows * (cfg.head_dim + 4 + 4 * cfg.head_dim) + ksum
     )
 
 

@@ -109,8 +109,13 @@ def test_every_cache_mode_kernel_equals_torch_at_head_dim_256(tiny_gemma, kv):
     numba_llm = torch_llm.variant(attn_backend="numba")
     a, b = step_logits(torch_llm, IDS, kv), step_logits(numba_llm, IDS, kv)
     tol = f32_forward_tol(torch_llm.config, ref)
-    assert (a.double() - b.double()).abs().max().item() <= 2 * tol
-    err = (a.double() - ref).abs().max().item()
+    # windowed layers decode through the kernel too (over their window's rows): an f32-rounding
+    # difference in one layer's output can then flip a later layer's stored f16/int8 code, so the
+    # whole-model like-with-like check holds for f32 rows; per layer, over the same stored rows,
+    # tests/test_window_decode.py checks every kind against float64
+    if kv == "f32":
+        assert (a.double() - b.double()).abs().max().item() <= 2 * tol
+    err = max((a.double() - ref).abs().max().item(), (b.double() - ref).abs().max().item())
     # a 4-bit kind's step is 1/14 of a block's absmax (8-bit: 1/254), so its bound is 254/14 times the
     # 8-bit one (measured on this random model: 8-bit 0.016-0.027, q4 0.28, q4h 0.44 of max |ref|);
     # the like-with-like kernel check above is the tight one

@@ -291,7 +291,8 @@ def test_engine_end_to_end_every_new_mode(tiny, mode):
             ]
         )
         assert cache.bytes_per_token() == sum(
-            (KVMode.parse(mode).k.row_bytes(32) + KVMode.parse(mode).v.row_bytes(32)) * 2 for _ in range(2)
+            (KVMode.parse(mode).k.row_bytes(32, with_ksum=True) + KVMode.parse(mode).v.row_bytes(32)) * 2
+            for _ in range(2)
         )
     torch.testing.assert_close(
         steps["numba"], steps["torch"], rtol=1e-4, atol=1e-4 * float(steps["torch"].abs().max())

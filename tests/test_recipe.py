@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-from tiny_models import write_hf
 
 import kvlens
 from kvlens.kv.modes import MODES, KVMode, StoreKind
@@ -19,16 +18,7 @@ from kvlens.lab.plan import PlanConfig, choose, run_plan
 F16, Q8H, Q4H, F32 = StoreKind.F16, StoreKind.Q8H, StoreKind.Q4H, StoreKind.F32
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("recipe") / "hf"
-    write_hf("qwen3", out, seed=3)  # 2 layers, head_dim 32
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return kvlens.load(tiny_dir, kv="f32", attn_backend="torch")
+TINY_QWEN3_SEED = 3  # the conftest fixtures tiny_dir / tiny: a tiny random Qwen3
 
 
 def write(path, layers, **extra):
@@ -47,7 +37,10 @@ def test_round_trip_json_engine(tmp_path, tiny):
     cache = llm.new_cache(40)
     assert [(s.kind, t.kind) for s, t in zip(cache.k, cache.v, strict=True)] == list(mode.layers)
     hd, n_kv = 32, 2  # bytes: each layer's own rows, summed
-    expected = n_kv * (Q8H.row_bytes(hd) + Q4H.row_bytes(hd) + F16.row_bytes(hd) + StoreKind.Q8.row_bytes(hd))
+    k_sums = 2 * (hd // 32)  # the q8h K store keeps its int16 code sums per 32 codes
+    expected = n_kv * (
+        Q8H.row_bytes(hd) + k_sums + Q4H.row_bytes(hd) + F16.row_bytes(hd) + StoreKind.Q8.row_bytes(hd)
+    )
     assert cache.bytes_per_token() == expected == back.bytes_per_token(2, n_kv, hd)
 
 

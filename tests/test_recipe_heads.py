@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from tiny_models import write_hf
 
 import kvlens
 from kvlens.kernels.reference import reference_attention
@@ -22,16 +21,7 @@ F16, F32, Q8, Q8H, Q4, Q4H = (StoreKind(x) for x in ("f16", "f32", "q8", "q8h", 
 HEADS = [[(Q4H, Q8), (Q8, Q4H)], [(Q4H, Q4H), (Q4H, Q4H)]]  # one head rotated, one not
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("heads") / "hf"
-    write_hf("qwen3", out, seed=5)  # 2 layers, 2 KV heads, head_dim 32
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return kvlens.load(tiny_dir, kv="f32", attn_backend="torch")
+TINY_QWEN3_SEED = 5  # the conftest fixtures tiny_dir / tiny: a tiny random Qwen3
 
 
 def write(path, layers):
@@ -52,7 +42,7 @@ def test_round_trip_json_engine(tmp_path, tiny):
     got = [[(ks.kind, vs.kind) for ks, vs in zip(cache.k[0].parts, cache.v[0].parts, strict=True)]]
     assert got == [HEADS[0]] and (cache.k[1].kind, cache.v[1].kind) == (Q4H, Q4H)
     hd = 32  # bytes: every head's own rows, summed
-    expected = sum(k.row_bytes(hd) + v.row_bytes(hd) for layer in HEADS for k, v in layer)
+    expected = sum(k.row_bytes(hd, with_ksum=True) + v.row_bytes(hd) for layer in HEADS for k, v in layer)
     assert cache.bytes_per_token() == expected == back.bytes_per_token(2, 2, hd)
 
 

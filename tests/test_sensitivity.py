@@ -8,9 +8,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import write_hf
 
-import kvlens
 from kvlens.kv.modes import StoreKind
 from kvlens.lab.doctor import DoctorConfig, run_doctor
 from kvlens.lab.plan import PlanConfig, choice_mode, choose, run_plan
@@ -20,16 +18,7 @@ from kvlens.lab.sensitivity import Sensitivity, kld_rows, probe_mode
 Q4H, Q8H = StoreKind.Q4H, StoreKind.Q8H
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sens") / "hf"
-    write_hf("qwen3", out, seed=7)  # 2 layers, 2 KV heads, head_dim 32
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return kvlens.load(tiny_dir, kv="f32", attn_backend="torch")
+TINY_QWEN3_SEED = 7  # the conftest fixtures tiny_dir / tiny: a tiny random Qwen3
 
 
 @pytest.mark.parametrize("scale", [1e-3, 3e-2, 0.5])

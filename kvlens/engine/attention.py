@@ -21,10 +21,12 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels.cpu_int import BACKEND_QBITS, IntAttn
+from ..kernels.quest import quest_select
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
 from ..kv.cache import BLOCK, HeadSplitStore, KVCache, Rotation, rotations
 from ..kv.pool import PagedKV
+from ..kv.quant import rotate_rows, unrotate_rows
 from ..models.transformer import AttendFn, Profiler, timed
 
 BACKENDS = ("auto", "torch", "numba", "triton", *BACKEND_QBITS)
@@ -101,30 +103,38 @@ def _triton_interpreted() -> bool:
 def select_blocks(
     q: torch.Tensor, cache: KVCache, layer: int, length: int, sparse: SparseConfig
 ) -> torch.Tensor | None:
-    """Sparse decode's block choice for one query ``q [H, d]``: sorted indices [KV, n_sel], or None (dense)."""
+    """Sparse decode's block choice for one query ``q [H, d]``: sorted indices [KV, n_sel], or None (dense).
+
+    quest on CPU runs compiled (:func:`kvlens.kernels.quest.quest_select`); on CUDA, and for probe,
+    the torch functions of :mod:`kvlens.kv.blocks` (the same selection, ties included)."""
     n_select = sparse.budget_blocks(length, BLOCK)
     nb = -(-length // BLOCK)
     if n_select >= nb:
         return None
     if sparse.method == "quest":
-        scores = quest_scores(q, cache.bounds.kmin[layer][:, :nb], cache.bounds.kmax[layer][:, :nb])
+        kmin, kmax = cache.bounds.kmin[layer], cache.bounds.kmax[layer]
+        if q.device.type == "cpu":
+            return quest_select(q, kmin, kmax, nb, n_select)
+        scores = quest_scores(q, kmin[:, :nb], kmax[:, :nb])
     else:
         scores = probe_scores(q, cache.k[layer].read_index(probe_positions(length, BLOCK).to(q.device)))
     return top_blocks(scores, n_select)
 
 
 def turn(x: torch.Tensor, rot: Rotation, back: bool = False) -> torch.Tensor:
-    """Query heads ``x [H, n, d]`` times a layer's rotation (``back``: its transpose); a per-KV-head
+    """Query heads ``x [H, n, d]`` in a layer's stored basis (``back``: out of it); a per-KV-head
     rotation turns each KV head's group of query heads (GQA: query head i reads KV head i // (H/KV))
-    by its own matrix, or leaves the group alone (None)."""
+    or leaves the group alone (None). The turn is the fast Walsh-Hadamard pass (JIT on the CPU: no
+    torch op between the numba kernels), equal to ``x @ R`` (``x @ R.T``) up to float32 rounding."""
     if rot is None:
         return x
+    apply = unrotate_rows if back else rotate_rows
     if isinstance(rot, torch.Tensor):
-        return x.to(torch.float32) @ (rot.T if back else rot)
+        return apply(x)
     g = x.shape[0] // len(rot)
-    groups = [x[h * g : (h + 1) * g].to(torch.float32) for h in range(len(rot))]
+    groups = [x[h * g : (h + 1) * g] for h in range(len(rot))]
     return torch.cat(
-        [xs if r is None else xs @ (r.T if back else r) for xs, r in zip(groups, rot, strict=True)]
+        [xs.to(torch.float32) if r is None else apply(xs) for xs, r in zip(groups, rot, strict=True)]
     )
 
 
@@ -198,6 +208,22 @@ def make_attend(
             ks, vs = cache.k[layer], cache.v[layer]
             run = functools.partial(split_kernel, kernel) if isinstance(ks, HeadSplitStore) else kernel
             return run(q[:, 0], ks, vs, end, blocks=blocks, table=table).unsqueeze(1)
+        split = isinstance(cache.k[layer], HeadSplitStore) or isinstance(cache.v[layer], HeadSplitStore)
+        if (
+            decode
+            and win is not None
+            and blocks is None
+            and not (paged or split or cache.options.keeps_exact)
+        ):
+            # a windowed decode step reads only the rows its window reaches, not all `end` rows: on
+            # the CPU kernels exactly those (a query at end - 1 sees positions end - win ..), on torch
+            # a block more (the mask selects)
+            if use_kernel and cache.k[layer].data.device.type == "cpu":
+                ks, vs = cache.k[layer].span(end - win, end), cache.v[layer].span(end - win, end)
+                return kernel(q[:, 0], ks, vs, win).unsqueeze(1)
+            lo = max(0, end - win - BLOCK)
+            k_win, v_win = cache.k[layer].read(lo, end), cache.v[layer].read(lo, end)
+            return sdpa_attention(q, k_win, v_win, torch.arange(start - lo, end - lo, device=q.device), win)
         k_all, v_all = cache.read(layer, end, prefill=prefill)
         q_pos = torch.arange(start, end, device=q.device)
         kv_mask = None if blocks is None else blocks_to_mask(blocks, end, BLOCK)

@@ -34,26 +34,36 @@ _F16_MAGIC = np.float32(2.0**112)  # (h & 0x7fff) << 13 read as f32, times 2^112
 def _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f):  # pragma: no cover - compiled
     """4-bit rows (llama.cpp's q4_0 layout, :func:`kvlens.kv.quant.pack_q4`): in each block of 32,
     byte i holds element i (low nibble) and i + 16 (high), each as code + 8. The tile's fp16 block
-    scales are converted first (the bit conversion of f16 rows, inline: no array slices per row),
-    then each block is written as two contiguous runs of 16 (vectorized)."""
-    nb = bsc.shape[2]
-    half = Q4B // 2
-    for j in range(nt):
-        for b in range(nb):
-            bs_u[j * nb + b] = (np.uint32(bsc[h, t0 + j, b]) & np.uint32(0x7FFF)) << np.uint32(13)
-    for k in range(nt * nb):
+    scales (contiguous in the store) are converted first, in one flat pass (the f16 rows' bit
+    conversion); then each block is written as two contiguous runs of 16.
+
+    Written for LLVM's loop vectorizer: unsigned indices (a signed index gets numba's negative-index
+    wraparound, which blocks vectorization) and run lengths read from the shapes rather than the
+    constant 16 (a constant trip count is unrolled into scalar code instead). Same values as before,
+    ~2.5x faster (docs/beyond-q8.md)."""
+    nb = np.uint64(bsc.shape[2])
+    half = np.uint64(raw.shape[2]) // nb  # Q4B // 2, as a run-time value (see above)
+    n = np.uint64(nt)
+    flat = bsc[h].reshape(-1)
+    k0 = np.uint64(t0) * nb
+    for k in range(n * nb):
+        bs_u[k] = (np.uint32(flat[k0 + k]) & np.uint32(0x7FFF)) << np.uint32(13)
+    for k in range(n * nb):
         bs_f[k] *= _F16_MAGIC
-    for j in range(nt):
-        for b in range(nb):
-            bs_u[j * nb + b] |= (np.uint32(bsc[h, t0 + j, b]) & np.uint32(0x8000)) << np.uint32(16)
-    for j in range(nt):
+    for k in range(n * nb):
+        bs_u[k] |= (np.uint32(flat[k0 + k]) & np.uint32(0x8000)) << np.uint32(16)
+    row0 = np.uint64(t0)
+    for j in range(n):
         for b in range(nb):
             sb = bs_f[j * nb + b]
-            o, r0 = b * Q4B, b * half
+            o1 = b * half  # the block's first byte
+            lo, hi = o1 + o1, o1 + o1 + half  # its first element, and element 16
             for i in range(half):
-                dst_f[j, o + i] = np.float32(np.int32(raw[h, t0 + j, r0 + i] & np.uint8(15)) - 8) * sb
+                c = np.float32(np.int32(raw[h, row0 + j, o1 + i] & np.uint8(15))) - np.float32(8.0)
+                dst_f[j, lo + i] = c * sb
             for i in range(half):
-                dst_f[j, o + half + i] = np.float32(np.int32(raw[h, t0 + j, r0 + i] >> np.uint8(4)) - 8) * sb
+                c = np.float32(np.int32(raw[h, row0 + j, o1 + i] >> np.uint8(4))) - np.float32(8.0)
+                dst_f[j, hi + i] = c * sb
 
 
 @njit(inline="always")

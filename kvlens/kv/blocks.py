@@ -8,7 +8,9 @@ Selection, for one decode query of one layer:
             the block (Quest); max over the query heads of a GQA group.
     probe   the seed engine's probe: max of q·k over 8 evenly spaced keys of the block.
 The first (sink) block and the most recent block are always kept; the rest of the budget goes to the
-top-scoring blocks. The result is sorted block indices per KV head, what the kernels take.
+top-scoring blocks (equal scores: the lower block index). The result is sorted block indices per KV
+head, what the kernels take. These torch functions are the reference (and the CUDA path); on CPU
+the engine selects with the compiled :mod:`kvlens.kernels.quest`.
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ def probe_scores(q: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
 
 
 def top_blocks(scores: torch.Tensor, n_select: int) -> torch.Tensor | None:
-    """Sorted block indices [KV, n_select]: block 0, the last block, and the best of the rest.
+    """Sorted block indices [KV, n_select]: block 0, the last block, and the best of the rest —
+    equal scores go to the lower block index, a NaN score counts as -inf (the rule the compiled
+    selection, :mod:`kvlens.kernels.quest`, follows too).
 
     None when the budget covers every block (the caller then runs dense attention).
     """
@@ -106,6 +110,8 @@ def top_blocks(scores: torch.Tensor, n_select: int) -> torch.Tensor | None:
     if n_select >= nb:
         return None
     middle = scores[:, 1 : nb - 1]
-    best = torch.topk(middle, n_select - 2, dim=1, sorted=False).indices + 1
+    middle = torch.where(middle.isnan(), float("-inf"), middle)
+    # a stable descending sort keeps equal scores in index order (topk's tie order is unspecified)
+    best = torch.sort(middle, dim=1, descending=True, stable=True).indices[:, : n_select - 2] + 1
     ends = torch.tensor([0, nb - 1], device=scores.device).expand(n_kv, 2)
     return torch.sort(torch.cat([ends, best], dim=1), dim=1).values.to(torch.int32)

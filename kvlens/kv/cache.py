@@ -41,7 +41,16 @@ import torch
 from ..checks import check_int, check_tensor
 from .blocks import BlockBounds
 from .modes import Q4_BLOCK, CacheOptions, KVMode, StoreKind
-from .quant import KSUM_BLOCK, dequantize_q4, dequantize_q8, first_nonfinite, rotation, store_q4, store_q8
+from .quant import (
+    KSUM_BLOCK,
+    dequantize_q4,
+    dequantize_q8,
+    first_nonfinite,
+    rotate_rows,
+    rotation,
+    store_q4,
+    store_q8,
+)
 
 BLOCK = 32
 F32 = StoreKind.F32  # the exact copy's storage
@@ -63,10 +72,9 @@ def check_kv_finite(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) ->
 
 
 def store_basis(kind: StoreKind, rows: torch.Tensor) -> torch.Tensor:
-    """``rows [..., head_dim]`` in the basis a store of ``kind`` keeps them (rotated kinds: ``rows @ R``)."""
-    if not kind.rotated:
-        return rows
-    return rows.to(torch.float32) @ rotation(rows.shape[-1], torch.float32, rows.device)
+    """``rows [..., head_dim]`` in the basis a store of ``kind`` keeps them (rotated kinds: ``rows @ R``,
+    as a fast Walsh–Hadamard transform: :func:`kvlens.kv.quant.rotate_rows`)."""
+    return rotate_rows(rows) if kind.rotated else rows
 
 
 Rotation = torch.Tensor | list[torch.Tensor | None] | None  # per layer, or per KV head (HeadSplitStore)
@@ -136,7 +144,7 @@ class RowStore:
         scale = ksum = None
         if kind.int8:
             scale = torch.ones(n_kv, cap, dtype=torch.float32, device=device)
-            if with_ksum and head_dim % KSUM_BLOCK == 0:
+            if with_ksum and kind.ksum_bytes(head_dim):
                 ksum = torch.zeros(n_kv, cap, head_dim // KSUM_BLOCK, dtype=torch.int16, device=device)
         elif kind.int4:
             scale = torch.ones(n_kv, cap, head_dim // Q4_BLOCK, dtype=torch.float16, device=device)
@@ -167,6 +175,16 @@ class RowStore:
             ksum = self.ksum.new_zeros(n_kv, cap, self.ksum.shape[2])
             ksum[:, :old] = self.ksum
             self.ksum = ksum
+
+    def span(self, start: int, end: int) -> RowStore:
+        """Positions ``[start, end)`` as a store of their own, contiguous (a view when there is one
+        KV head, else a copy of the span): a windowed layer's decode step hands the kernels just its
+        window."""
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:, start:end].contiguous()
+
+        return RowStore(self.kind, self.data[:, start:end], cut(self.scale), cut(self.ksum))
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         """Store ``rows [n_kv, n, head_dim]`` (already in the store's basis) at ``start``."""

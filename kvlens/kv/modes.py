@@ -72,15 +72,22 @@ class StoreKind(str, Enum):
         """Elements of ``dtype`` in one stored row (q4: two codes per byte)."""
         return head_dim // 2 if self.int4 else head_dim
 
-    def row_bytes(self, head_dim: int) -> int:
+    def row_bytes(self, head_dim: int, *, with_ksum: bool = False) -> int:
         """Bytes of one stored (token, head) row, scales included: q8 codes + one fp32 max_abs, q4
-        code pairs + one fp16 scale per block of 32, or head_dim floats."""
+        code pairs + one fp16 scale per block of 32, or head_dim floats; ``with_ksum``: plus the
+        code sums a K store keeps (:meth:`ksum_bytes`)."""
         self.check_head_dim(head_dim)
+        extra = self.ksum_bytes(head_dim) if with_ksum else 0
         if self.int8:
-            return head_dim + 4
+            return head_dim + 4 + extra
         if self.int4:
             return head_dim // 2 + 2 * (head_dim // Q4_BLOCK)
         return head_dim * self.dtype.itemsize
+
+    def ksum_bytes(self, head_dim: int) -> int:
+        """Bytes per row of the int16 code sums per block of KSUM_BLOCK that an int8 K store keeps
+        for the integer attention kernels (kvlens.kv.cache); 0 for other kinds or head_dims."""
+        return 2 * (head_dim // KSUM_BLOCK) if self.int8 and head_dim % KSUM_BLOCK == 0 else 0
 
     def check_head_dim(self, head_dim: int) -> None:
         """ValueError when this kind cannot store rows of ``head_dim`` values."""
@@ -94,6 +101,7 @@ class StoreKind(str, Enum):
 
 
 Q4_BLOCK = 32  # values per fp16 scale of the 4-bit kinds
+KSUM_BLOCK = 32  # codes per int16 sum of an int8 K store (kvlens.kernels.q8store.KSUM_BLOCK)
 _QUANTIZED = frozenset({StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H})
 _DTYPES = {
     StoreKind.F32: torch.float32,
@@ -169,13 +177,14 @@ class KVMode:
             v.check_head_dim(head_dim)
 
     def bytes_per_token(self, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
-        """Stored KV bytes per token position over all layers (scales and the mirror copy included)."""
+        """Stored KV bytes per token position over all layers: what the stores hold (scales, K's code
+        sums and the mirror copy included)."""
         self.check_layout(n_layers, head_dim, n_kv_heads)
         mirror = 2 * StoreKind.F32.row_bytes(head_dim) if self.mirror else 0
         rows = 0
         for i in range(n_layers):
             pairs = self.head_kinds(i) or (self.kinds(i),) * n_kv_heads
-            rows += sum(k.row_bytes(head_dim) + v.row_bytes(head_dim) for k, v in pairs)
+            rows += sum(k.row_bytes(head_dim, with_ksum=True) + v.row_bytes(head_dim) for k, v in pairs)
         return rows + mirror * n_layers * n_kv_heads
 
     @property

@@ -15,11 +15,15 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 
 from ..checks import check_tensor
+from ..kernels.q4store import Q4_BLOCK as JIT_Q4_BLOCK
+from ..kernels.q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
 from ..kernels.q8store import KSUM_BLOCK, NO_KSUM, first_nonfinite_index, store_q8_rows
 from ..models.blockquant import symmetric_blocks
+from .modes import KSUM_BLOCK as MODES_KSUM_BLOCK
 from .modes import Q4_BLOCK
 
 Q8_MAX = 127.0
@@ -104,6 +108,8 @@ def store_q8(
 
 
 # -- the 4-bit rule (q4, q4h) ---------------------------------------------------------------------
+# the JIT stores (kvlens-free leaves) keep their own copies of the block sizes
+assert JIT_Q4_BLOCK == Q4_BLOCK and MODES_KSUM_BLOCK == KSUM_BLOCK
 Q4_MAX = 7.0  # codes -7..7: symmetric, so |error| <= step/2 for every element (kv.schemes explains)
 FP16_MAX = 65504.0
 
@@ -167,10 +173,21 @@ def dequantize_q4(
 
 def store_q4(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start: int) -> None:
     """Quantize ``rows [n_kv, n, d]`` by the q4 rule into ``data[:, start:start+n]`` (packed uint8)
-    and ``scale[:, start:start+n]`` (fp16 per block), in place."""
-    codes, d16 = quantize_q4(rows)
-    data[:, start : start + rows.shape[1]] = pack_q4(codes)
-    scale[:, start : start + rows.shape[1]] = d16
+    and ``scale[:, start:start+n]`` (fp16 per block), in place. On the CPU one JIT pass
+    (:func:`kvlens.kernels.q4store.store_q4_rows`, bit-identical to the torch ops)."""
+    if rows.device.type != "cpu":
+        codes, d16 = quantize_q4(rows)
+        data[:, start : start + rows.shape[1]] = pack_q4(codes)
+        scale[:, start : start + rows.shape[1]] = d16
+        return
+    x = rows.detach().to(torch.float32).contiguous().numpy()
+    if x.shape[-1] % Q4_BLOCK:
+        raise ValueError(f"q4 needs a last dimension divisible by {Q4_BLOCK}, got {x.shape[-1]}")
+    bad = first_fp16_overflow(x.reshape(-1, x.shape[-1]))
+    if bad >= 0:
+        block = x.reshape(-1, Q4_BLOCK)[bad]
+        raise ValueError(f"|x| up to {float(abs(block).max()):.3g} overflows the fp16 scale of a block")
+    store_q4_rows(x, data.numpy(), scale.view(torch.int16).numpy().view(np.uint16), start)
 
 
 # -- the rotation of the h kinds (q8h, q4h) ---------------------------------------------------------
@@ -178,14 +195,20 @@ ROTATION_SEED = 20261130  # fixed: a cache written by one process is read right 
 
 
 @functools.cache
-def _rotation64(head_dim: int) -> torch.Tensor:
+def _signs(head_dim: int) -> torch.Tensor:
+    """The rotation's fixed random signs ``s`` (float32 +-1)."""
     if head_dim < 1 or head_dim & (head_dim - 1):
         raise ValueError(f"a Hadamard rotation needs head_dim a power of two, got {head_dim}")
+    gen = torch.Generator().manual_seed(ROTATION_SEED + head_dim)
+    return torch.randint(0, 2, (head_dim,), generator=gen).to(torch.float32) * 2 - 1
+
+
+@functools.cache
+def _rotation64(head_dim: int) -> torch.Tensor:
+    signs = _signs(head_dim).to(torch.float64)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < head_dim:  # Sylvester: H_2n = [[H, H], [H, -H]]
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    gen = torch.Generator().manual_seed(ROTATION_SEED + head_dim)
-    signs = torch.randint(0, 2, (head_dim,), generator=gen).to(torch.float64) * 2 - 1
     return signs[:, None] * h / math.sqrt(head_dim)
 
 
@@ -199,3 +222,58 @@ def rotation(
     rotated V rows is the rotated output (turned back with ``R.T``). The rotation spreads an outlier
     channel over all channels, which is what makes low-bit codes of such rows accurate."""
     return _rotation64(head_dim).to(dtype=dtype, device=device)
+
+
+def _hadamard_scale(head_dim: int) -> np.float32:
+    return np.float32(1.0 / math.sqrt(head_dim))
+
+
+@functools.cache
+def _ones(head_dim: int) -> torch.Tensor:
+    return torch.ones(head_dim, dtype=torch.float32)
+
+
+def _hadamard(rows: torch.Tensor, pre: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    """``((rows * pre) @ H) / sqrt(d) * post`` in float32 (:func:`kvlens.kernels.q4store.hadamard_rows`
+    on the CPU, the same operations in torch elsewhere: bit-identical)."""
+    d = rows.shape[-1]
+    if rows.device.type == "cpu":
+        x = rows.detach().to(torch.float32).contiguous()
+        out = torch.empty_like(x)
+        hadamard_rows(
+            x.view(-1, d).numpy(), pre.numpy(), post.numpy(), _hadamard_scale(d), out.view(-1, d).numpy()
+        )
+        return out
+    return _hadamard_torch(rows, pre, post)
+
+
+def _hadamard_torch(rows: torch.Tensor, pre: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    d = rows.shape[-1]
+    y = rows.to(torch.float32) * pre.to(rows.device)
+    h = 1
+    while h < d:
+        pairs = y.reshape(*y.shape[:-1], d // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).reshape(y.shape)
+        h *= 2
+    return y * torch.tensor(_hadamard_scale(d), device=rows.device) * post.to(rows.device)
+
+
+def rotate_rows_torch(rows: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate_rows` in torch ops on any device: the reference the JIT pass must equal."""
+    d = rows.shape[-1]
+    return _hadamard_torch(rows, _signs(d), _ones(d))
+
+
+def rotate_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows [..., d]`` (d a power of two) in the rotated kinds' stored basis, ``rows @ R`` up to
+    float32 rounding (:func:`rotation`), as a new float32 tensor: a fast Walsh–Hadamard transform
+    (signs, butterflies of stride 1, 2, 4, ..., then ``1/sqrt(d)``), one JIT pass on the CPU."""
+    d = rows.shape[-1]
+    return _hadamard(rows, _signs(d), _ones(d))
+
+
+def unrotate_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`rotate_rows`: ``rows @ R.T`` (attention's output over rotated V rows)."""
+    d = rows.shape[-1]
+    return _hadamard(rows, _ones(d), _signs(d))

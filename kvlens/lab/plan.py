@@ -81,12 +81,15 @@ def choose(sens: dict[tuple, float], head_dim: int, budget: float) -> tuple[dict
     def cost(item, kind):
         return 0.0 if kind == F16 else sens[(*item, kind)]
 
+    def row_bytes(item, kind):  # what the store holds: an int8 K row keeps its code sums too
+        return kind.row_bytes(head_dim, with_ksum=item[-1] == "k")
+
     total = 0.0
     while True:
         best, best_ratio = None, -1.0
         for item, cur in choice.items():
             for kind in kinds:
-                saved = cur.row_bytes(head_dim) - kind.row_bytes(head_dim)
+                saved = row_bytes(item, cur) - row_bytes(item, kind)
                 added = cost(item, kind) - cost(item, cur)
                 if saved <= 0 or total + added > budget:
                     continue

@@ -1,0 +1,100 @@
+"""The rotated and 4-bit KV rules (:mod:`kvlens.kv.quant`) as JIT passes, for the engine's per-token
+cache writes on the CPU: the randomized Hadamard rotation as a fast Walsh–Hadamard transform, and the
+4-bit symmetric block rule with its fp16 scale and two codes per byte. The torch reference does the
+same float32 operations in the same order (no fastmath: no FMA contraction, no reassociation), so the
+results are bit-identical (tests/test_kv_store_jit.py). Imports nothing from kvlens (a leaf the kv
+layer calls)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+Q4_BLOCK = 32  # kvlens.kv.modes.Q4_BLOCK (this module is a leaf: the kv layer checks they agree)
+Q4_MAX = np.float32(7.0)
+FP16_MAX = np.float32(65504.0)
+FP16_ZERO_MAX = np.float32(2.0**-25)  # an f32 at or below this rounds to an fp16 zero (ties to even)
+
+
+@njit(cache=True)
+def hadamard_rows(x, pre, post, scale, out):  # pragma: no cover - compiled
+    """``out = ((x * pre) @ H) * scale * post`` for rows ``x [m, d]`` (f32, d a power of two), ``H``
+    the Sylvester Hadamard matrix (butterflies ``(a + b, a - b)`` of stride 1, 2, 4, ...), ``pre`` and
+    ``post`` sign vectors: the rotation ``x @ R`` (pre = the signs, post = 1) and its inverse
+    ``y @ R.T`` (pre = 1, post = the signs), ``R = diag(s) H / sqrt(d)``."""
+    m, d = x.shape
+    for r in range(m):
+        for i in range(d):
+            out[r, i] = x[r, i] * pre[i]
+        h = 1
+        while h < d:
+            for i0 in range(0, d, 2 * h):
+                for j in range(i0, i0 + h):
+                    a, b = out[r, j], out[r, j + h]
+                    out[r, j] = a + b
+                    out[r, j + h] = a - b
+            h *= 2
+        for i in range(d):
+            out[r, i] = out[r, i] * scale * post[i]
+
+
+@njit(cache=True)
+def fp16_bits(d):  # pragma: no cover - compiled
+    """The fp16 bit pattern of a finite f32 ``d`` in [0, 65504], rounded to nearest even: one
+    rounding of the exact value in float64 (``m 2^e``, ``m`` in [0.5, 1): 11 significant bits)."""
+    x = np.float64(d)
+    if x < 2.0**-14:  # subnormal fp16: a multiple of 2^-24 (1024 * 2^-24 is the smallest normal)
+        return np.uint16(np.rint(x * 2.0**24))
+    m, e = math.frexp(x)
+    r = np.rint(m * 2048.0)  # 1024..2048; 2048 carries into the exponent field below
+    return np.uint16(((e + 14) << 10) + np.int64(r) - 1024)
+
+
+@njit(cache=True)
+def first_fp16_overflow(x):  # pragma: no cover - compiled
+    """Flat index of the first 32-block of rows ``x [m, d]`` whose scale ``absmax / 7`` exceeds the
+    fp16 range, or -1."""
+    m, d = x.shape
+    for r in range(m):
+        for b in range(d // Q4_BLOCK):
+            amax = np.float32(0.0)
+            for i in range(b * Q4_BLOCK, (b + 1) * Q4_BLOCK):
+                amax = max(amax, abs(x[r, i]))
+            if amax / Q4_MAX > FP16_MAX:
+                return r * (d // Q4_BLOCK) + b
+    return -1
+
+
+@njit(cache=True)
+def store_q4_rows(x, data, bits, start):  # pragma: no cover - compiled
+    """The q4 rule over rows ``x [n_kv, n, d]`` (f32, finite, scales in range: the caller checks with
+    :func:`first_fp16_overflow`) into ``data [n_kv, cap, d/2]`` (uint8 code pairs, llama.cpp's q4_0
+    order: byte i of a block holds elements i and i + 16, each as code + 8) and ``bits [n_kv, cap,
+    d/32]`` (the fp16 scales' bits), at positions ``start ..``. Per block: ``d = absmax / 7``,
+    codes ``roundf(x * (1/d))`` (C roundf: half away from zero) clamped to +-7; a scale that rounds to
+    fp16 zero stores zero codes."""
+    n_kv, n, hd = x.shape
+    half = Q4_BLOCK // 2
+    codes = np.empty(Q4_BLOCK, np.int32)
+    for h in range(n_kv):
+        for j in range(n):
+            for b in range(hd // Q4_BLOCK):
+                o = b * Q4_BLOCK
+                amax = np.float32(0.0)
+                for i in range(Q4_BLOCK):
+                    amax = max(amax, abs(x[h, j, o + i]))
+                d = amax / Q4_MAX
+                inv = np.float32(1.0) / d if d > np.float32(0.0) else np.float32(0.0)
+                zero = d <= FP16_ZERO_MAX
+                for i in range(Q4_BLOCK):
+                    y = x[h, j, o + i] * inv
+                    t = np.float32(np.int32(y))  # trunc; |y| <= 7 (+ an ulp)
+                    if abs(y - t) >= np.float32(0.5):
+                        t += np.float32(1.0) if y > np.float32(0.0) else np.float32(-1.0)
+                    c = min(max(t, -Q4_MAX), Q4_MAX)
+                    codes[i] = 0 if zero else np.int32(c)
+                for i in range(half):
+                    data[h, start + j, b * half + i] = np.uint8((codes[i] + 8) | ((codes[i + half] + 8) << 4))
+                bits[h, start + j, b] = fp16_bits(d)
