@@ -295,7 +295,9 @@ def fused_stores(cache) -> list[tuple] | None:
 def attention_kind(backend: str) -> tuple[int, int] | None:
     """(kind, path index) of a resolved attention backend this module runs, else None."""
     if backend == "numba":
-        return ATTN_FLOAT, 0
+        # the float kind never runs the integer core, but numba still compiles that branch: give it
+        # the portable path, which every CPU (and CI's pinned baseline) can compile
+        return ATTN_FLOAT, intdot.PATHS.index("portable")
     spec = IntAttn.parse(backend)
     if spec is None or spec.qbits != 16 or spec.pv8:
         return None
