@@ -38,6 +38,7 @@ from .cpu import _decode_core
 from .cpu_int import _NO_KSUM, Q16_MAX, IntAttn
 from .cpu_int import _core as _int_core
 from .q8store import NO_KSUM, store_q8_rows
+from .q8store import first_nonfinite_index as _first_nonfinite
 from .qkernels import _mv_bf16, _mv_f32, _mv_int4, _mv_int8
 from .rowops import rms_norm_row, rope_split_row, silu_mul_row
 from .stage import CODE_F16, CODE_F32, CODE_Q8
@@ -112,15 +113,6 @@ def _store_f16(rows, data, pos):  # pragma: no cover - compiled
     for h in range(rows.shape[0]):
         for d in range(rows.shape[2]):
             data[h, pos, d] = f32_to_f16_bits(rows[h, 0, d])
-
-
-@njit(cache=True)
-def _first_nonfinite(a):  # pragma: no cover - compiled
-    flat = a.reshape(-1)
-    for i in range(flat.size):
-        if not np.isfinite(flat[i]):
-            return i
-    return -1
 
 
 # numba's own get/set_num_threads reach the threading layer through ctypes pointers, which numba
