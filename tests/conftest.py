@@ -79,12 +79,13 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny_dir(request, tmp_path_factory):
-    """A tiny random Qwen3 in HF format (2 layers, 2 KV heads, head_dim 32), seeded by the test
-    module's ``TINY_QWEN3_SEED``; a module that needs another model defines its own ``tiny_dir``."""
+    """A tiny random model in HF format: the test module's ``TINY_MODEL = (architecture, seed)``
+    (``tiny_models.write_hf``); a module that needs something else defines its own ``tiny_dir``."""
     from tiny_models import write_hf
 
     out = tmp_path_factory.mktemp(request.module.__name__) / "hf"
-    write_hf("qwen3", out, seed=request.module.TINY_QWEN3_SEED)
+    arch, seed = request.module.TINY_MODEL
+    write_hf(arch, out, seed=seed)
     return out
 
 

@@ -38,11 +38,7 @@ def test_linear_rows_each_row_as_alone_and_near_float64(kind, n, k):
         assert ((rows.double() - ref).abs() <= 2 * k * EPS * mag + 1e-6).all()
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bi") / "hf"
-    write_hf("llama", out, seed=3)
-    return out
+TINY_MODEL = ("llama", 3)  # conftest's tiny_dir
 
 
 @pytest.fixture(scope="module", params=["f32", "q8"])

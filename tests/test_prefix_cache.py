@@ -14,7 +14,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import write_hf
 
 import kvlens
 from kvlens.engine.scheduler import Engine, EngineConfig, Request, run_alone
@@ -26,11 +25,7 @@ from kvlens.kv.prefix import block_hashes
 CHUNK = 2 * BLOCK  # a chunk of two blocks: a hit must round down to whole chunks
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("prefix") / "hf"
-    write_hf("llama", out, seed=5)
-    return out
+TINY_MODEL = ("llama", 5)  # conftest's tiny_dir
 
 
 @pytest.fixture(scope="module", params=["q8", "f16"])

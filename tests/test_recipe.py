@@ -18,7 +18,7 @@ from kvlens.lab.plan import PlanConfig, choose, run_plan
 F16, Q8H, Q4H, F32 = StoreKind.F16, StoreKind.Q8H, StoreKind.Q4H, StoreKind.F32
 
 
-TINY_QWEN3_SEED = 3  # the conftest fixtures tiny_dir / tiny: a tiny random Qwen3
+TINY_MODEL = ("qwen3", 3)  # conftest's tiny_dir / tiny: 2 layers, 2 KV heads, head_dim 32
 
 
 def write(path, layers, **extra):

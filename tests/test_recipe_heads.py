@@ -21,7 +21,7 @@ F16, F32, Q8, Q8H, Q4, Q4H = (StoreKind(x) for x in ("f16", "f32", "q8", "q8h", 
 HEADS = [[(Q4H, Q8), (Q8, Q4H)], [(Q4H, Q4H), (Q4H, Q4H)]]  # one head rotated, one not
 
 
-TINY_QWEN3_SEED = 5  # the conftest fixtures tiny_dir / tiny: a tiny random Qwen3
+TINY_MODEL = ("qwen3", 5)  # conftest's tiny_dir / tiny: 2 layers, 2 KV heads, head_dim 32
 
 
 def write(path, layers):

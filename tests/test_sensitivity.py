@@ -18,7 +18,7 @@ from kvlens.lab.sensitivity import Sensitivity, kld_rows, probe_mode
 Q4H, Q8H = StoreKind.Q4H, StoreKind.Q8H
 
 
-TINY_QWEN3_SEED = 7  # the conftest fixtures tiny_dir / tiny: a tiny random Qwen3
+TINY_MODEL = ("qwen3", 7)  # conftest's tiny_dir / tiny: 2 layers, 2 KV heads, head_dim 32
 
 
 @pytest.mark.parametrize("scale", [1e-3, 3e-2, 0.5])
