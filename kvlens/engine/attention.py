@@ -174,9 +174,11 @@ def make_attend(
     only the selected blocks: the fused kernels read just those blocks, the torch path masks the rest.
     """
     kernel = _fused_kernel(backend)
-    if IntAttn.parse(backend) is not None and cache.k[0].kind != "q8":
+    spec = IntAttn.parse(backend)
+    if spec is not None and not all(spec.scores(ks.kind) for ks in cache.k):
+        four = ", or 4-bit with numba-int (q4, q4h)" if spec.qbits == 8 and not spec.pv8 else ""
         raise BackendError(
-            f"the {backend} backend needs an int8 K cache (kv q8, q8-k, q8+mirror), not {cache.mode.name}"
+            f"the {backend} backend needs an int8 K cache (q8, q8h, q8-k, q8+mirror){four}, not {cache.mode.name}"
         )
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
     use_kernel = kernel is not None and not cache.options.keeps_exact

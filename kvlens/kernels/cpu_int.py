@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from numba import literally, njit, prange
 
-from . import flash, intdot
+from ..kv.modes import StoreKind
+from . import flash, intdot, q4int
 from .cpu import CODE_Q8, _store_arrays, quantize_query_blocks
+from .q4int import lane_offsets, lane_scales, permute_query
 from .q8store import KSUM_BLOCK
-from .stage import _stage
+from .stage import CODE_Q4, _stage
 from .threads import run_serial_if, split_threads
 
 PATH_ENV = "KVLENS_INT_PATH"  # forces the CPU path of the integer kernels (vnni512|vnni256|avx2|portable)
@@ -67,6 +69,11 @@ class IntAttn:
             return None
         return cls(BACKEND_QBITS[name], path or None, pv8)
 
+    def scores(self, k_kind: StoreKind | None) -> bool:
+        """Whether this kernel scores a K store of ``k_kind``: int8, or 4-bit with the 8-bit query
+        (scalar P.V); None (a layer split per KV head into different kinds) is not."""
+        return k_kind is not None and (k_kind.int8 or k_kind.int4 and self.qbits == 8 and not self.pv8)
+
     @property
     def backend(self) -> str:
         name = next(n for n, b in BACKEND_QBITS.items() if b == self.qbits) + PV8_SUFFIX * self.pv8
@@ -84,25 +91,34 @@ class IntAttn:
         return path
 
 
+_D_U8, _D_I8, _D_F1, _D_F2, _D_I16, _D_I32 = (np.zeros(1, np.uint8).reshape(1, 1), np.zeros((1, 1), np.int8),
+                                              np.zeros(1, np.float32), np.zeros((1, 1), np.float32),
+                                              np.zeros((1, 1), np.int16), np.zeros((1, 1), np.int32))  # fmt: skip
+
+
 @dataclass
 class QueryCodes:
     """A quantized query as every path reads it (arrays a path does not use are 1-element dummies)."""
 
     qu: np.ndarray  # [H, hd] u8: q + 128 (VNNI) or |q| (avx2)
     q8: np.ndarray  # [H, hd] i8 signed codes (avx2 sign source, portable)
-    lane_scale: np.ndarray  # [H, hd // 4] f32: block scale / sqrt(hd) of each 4-value lane
+    lane_scale: np.ndarray  # [H, hd // 4] f32: block scale / sqrt(hd) per 4-value lane (4-bit K: hd // 8)
     block_scale: np.ndarray  # [H, hd // 32] f32: the same per block (the ksum correction)
     q16: np.ndarray  # [H, hd] i16
     scale16: np.ndarray  # [H] f32: row scale / sqrt(hd)
+    q4_codes: np.ndarray = field(default_factory=lambda: _D_I8)  # [H, hd] i8: q8 in score4's order (4-bit K)
+    q4_offset: np.ndarray = field(default_factory=lambda: _D_I32)  # [H, hd // 8] i32: q4int.lane_offsets
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The codes as the compiled cores take them (one tuple type for every kind)."""
+        return (self.qu, self.q8, self.lane_scale, self.block_scale, self.q16, self.scale16, self.q4_codes,
+                self.q4_offset)  # fmt: skip
 
 
-_D_U8, _D_I8, _D_F1, _D_F2, _D_I16 = (np.zeros(1, np.uint8).reshape(1, 1), np.zeros((1, 1), np.int8),
-                                      np.zeros(1, np.float32), np.zeros((1, 1), np.float32),
-                                      np.zeros((1, 1), np.int16))  # fmt: skip
-
-
-def quantize_query(q: np.ndarray, qbits: int, path: str) -> QueryCodes:
-    """Quantize ``q [n_heads, hd]`` f32 for ``path``; 1/sqrt(hd) goes into the scales."""
+def quantize_query(q: np.ndarray, qbits: int, path: str, k4: bool = False) -> QueryCodes:
+    """Quantize ``q [n_heads, hd]`` f32 for ``path``; 1/sqrt(hd) goes into the scales. ``k4``: for a
+    4-bit K store (8-bit query only; :mod:`.q4int`)."""
     n_heads, hd = q.shape
     inv_sqrt = np.float32(1.0 / math.sqrt(hd))
     if qbits == 16:
@@ -117,6 +133,10 @@ def quantize_query(q: np.ndarray, qbits: int, path: str) -> QueryCodes:
     q8, q_max = quantize_query_blocks(q)
     block_scale = (q_max * np.float32(1.0 / 127.0) * inv_sqrt).astype(np.float32)
     lane_scale = np.ascontiguousarray(np.repeat(block_scale, KSUM_BLOCK // 4, axis=1))
+    if k4:  # the 4-bit scorer reads its own order of the codes, and no shifted or |q| copy
+        qp = permute_query(q8)
+        qs = lane_scales(block_scale)
+        return QueryCodes(_D_U8, _D_I8, qs, block_scale, _D_I16, _D_F1, qp, lane_offsets(qp))
     if path in ("vnni512", "vnni256"):
         qu = (q8.astype(np.int16) + intdot.SHIFT).astype(np.uint8)
     else:
@@ -128,7 +148,7 @@ def quantize_query(q: np.ndarray, qbits: int, path: str) -> QueryCodes:
 def _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, hq0, group, sc):  # pragma: no cover - compiled
     """Raw scores (f32, 1/sqrt(hd) in) of tile rows t0..t0+nt for query heads hq0..hq0+group-1.
     ``path``, ``qbits``: compile-time constants (one specialization per path: see :func:`_core`)."""
-    qu, q8, ls, bs, q16, s16 = qc
+    qu, q8, ls, bs, q16, s16, _, _ = qc
     hd = k8.shape[2]
     shifted = path <= 1  # vnni512 / vnni256: the query went in as q + 128
     for j in range(nt):
@@ -177,18 +197,21 @@ def _pv8_tile(path, w, v, h, t0, nt, group, vt, p8, acc8, acc):  # pragma: no co
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _core(
-    path, qbits, pv8, qc, k, k_scale, ksum, v, v_code, v_scale, v_bsc, length, tiles, table, n_splits, out
-):  # pragma: no cover
+    path, qbits, pv8, qc, k, k_code, k_scale, k_bsc, ksum, v, v_code, v_scale, v_bsc, length, tiles, table,
+    n_splits, out,
+):  # pragma: no cover  # fmt: skip
     """cpu._decode_core with integer scores (and with ``pv8``, integer P.V); compiled once per
     literal (path, qbits, pv8). ``tiles`` and ``table`` (a paged cache's block table; empty =
-    contiguous) as there."""
+    contiguous) as there. ``k_code``: CODE_Q8, or CODE_Q4 (scores by :func:`.q4int.score_tile_q4`,
+    ``k_bsc`` its fp16 block-scale bits; 8-bit query only)."""
     path, qbits, pv8 = literally(path), literally(qbits), literally(pv8)
     n_heads, hd = out.shape
     k8 = k.view(np.int8)
     group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.split_plan(
         length, tiles, table, n_splits, k.shape[0], n_heads, hd
     )
-    v_q8 = v_code == CODE_Q8
+    k_q8, v_q8 = k_code == CODE_Q8, v_code == CODE_Q8
+    qp, qoff, q4s = qc[6], qc[7], qc[2]
     for item in prange(n_items):
         h, i_lo, i_hi, tile_u, tile, sc, e_u, e_f, bs_u, bs_f = flash.item_setup(
             item, n_splits, split_len, n_tiles, group, hd
@@ -198,9 +221,13 @@ def _core(
         acc8 = np.empty((group, hd), np.int32)
         for ti in range(i_lo, i_hi):
             nt, t0 = flash.tile_rows(ti, h, length, dense, tiles, paged, table)
-            _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, h * group, group, sc)
+            if k_code == CODE_Q4:
+                hq0 = h * group
+                q4int.score_tile_q4(path, qp, qoff, q4s, k, k_bsc, h, t0, nt, hq0, group, sc, bs_u, bs_f)
+            else:
+                _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, h * group, group, sc)
             flash.weigh_tile(
-                sc, nt, group, k_scale, True, item, part_m, part_l, part_acc, v_scale, v_q8, h, t0, e_u, e_f
+                sc, nt, group, k_scale, k_q8, item, part_m, part_l, part_acc, v_scale, v_q8, h, t0, e_u, e_f
             )
             if pv8:
                 _pv8_tile(path, sc, v, h, t0, nt, group, vt, p8, acc8, part_acc[item])
@@ -239,33 +266,35 @@ def decode_attention_int(
     table: np.ndarray | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of an int8 K store (with
-    its ``ksum``) and any V store, integer scores per ``spec``. Same contract as
-    :func:`kvlens.kernels.cpu.decode_attention`; returns a new float32 ``[n_heads, hd]`` tensor."""
+    its ``ksum``) or, with the 8-bit query, a 4-bit one (q4, q4h), and any V store, integer scores per
+    ``spec``. Same contract as :func:`kvlens.kernels.cpu.decode_attention`; returns a new float32
+    ``[n_heads, hd]`` tensor."""
     path = spec.resolved_path()
-    if not k_store.kind.int8:
-        raise ValueError(f"integer attention needs an int8 K store, got {k_store.kind}")
+    k4 = k_store.kind.int4
+    if not spec.scores(k_store.kind):
+        raise ValueError(f"integer attention ({spec.backend}) needs an int8 K store, or 4-bit with an 8-bit "
+                         f"query, got {k_store.kind}")  # fmt: skip
     if spec.pv8 and not v_store.kind.int8:
         raise ValueError(f"integer P.V ({spec.backend}) needs an int8 V store, got {v_store.kind}")
-    shifted = spec.qbits == 8 and path in ("vnni512", "vnni256")
+    shifted = spec.qbits == 8 and path in ("vnni512", "vnni256") and not k4
     if shifted and k_store.ksum is None:
         raise ValueError("integer attention with an 8-bit query on a VNNI path needs the K store's ksum")
-    k, _, ks, _ = _store_arrays(k_store)
+    k, kc, ks, k_bsc = _store_arrays(k_store)
     v, vc, vs, v_bsc = _store_arrays(v_store)
-    n_kv, cap, hd = k.shape
+    n_kv, cap = k.shape[:2]
     qn = q.detach().to(torch.float32).numpy()
-    n_heads = qn.shape[0]
+    n_heads, hd = qn.shape
     if hd % KSUM_BLOCK:
         raise ValueError(f"integer attention needs head_dim divisible by {KSUM_BLOCK}, got {hd}")
-    if qn.shape[1] != hd or n_heads % n_kv or v.shape[:2] != (n_kv, cap):
+    if k.shape[2] != (hd // 2 if k4 else hd) or n_heads % n_kv or v.shape[:2] != (n_kv, cap):
         raise ValueError(f"shape mismatch: q {tuple(qn.shape)}, k {k.shape}, v {v.shape}")
     tiles, table, serial, n_splits = flash.plan_call(  # split_threads: splits independent of the load
         n_kv, cap, length, blocks, table, n_splits, split_threads()
     )
-    qc = quantize_query(qn, spec.qbits, path)
+    qc = quantize_query(qn, spec.qbits, path, k4)
     ksum = k_store.ksum.numpy() if shifted else _NO_KSUM
     out = np.empty((n_heads, hd), np.float32)
-    codes = (qc.qu, qc.q8, qc.lane_scale, qc.block_scale, qc.q16, qc.scale16)
-    args = (intdot.PATHS.index(path), spec.qbits, int(spec.pv8), codes, k, ks, ksum, v, vc, vs, v_bsc, int(length), tiles, table,
-            n_splits, out)  # fmt: skip
+    args = (intdot.PATHS.index(path), spec.qbits, int(spec.pv8), qc.arrays, k, kc, ks, k_bsc, ksum, v, vc, vs, v_bsc,
+            int(length), tiles, table, n_splits, out)  # fmt: skip
     run_serial_if(serial, _compiled_core(args), *args)
     return torch.from_numpy(out)

@@ -181,7 +181,7 @@ def _quantize_q16(q, inv_sqrt, q16, s16):  # pragma: no cover - compiled
 def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
     """Decode attention of ``q [H, d]`` (cpu / cpu_int's cores); ``at``: see :func:`decode_layer`."""
     k_code, v_code, inv_sqrt, length, n_splits, serial, tiles, table = at
-    qs, q16, s16, no_q8, no_sc, no_bsc, no_ksum = buf
+    qs, q16, s16, no_q8, no_sc, no_bsc, no_ksum, no_i32 = buf
     threads = _get_threads()
     if serial and threads > 1:
         _set_threads(1)
@@ -196,8 +196,8 @@ def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
                      length, tiles, table, n_splits, out)  # fmt: skip
     else:
         _quantize_q16(q, inv_sqrt, q16, s16)
-        codes = (no_q8.view(np.uint8), no_q8, no_sc, no_sc, q16, s16)
-        _int_core(path, 16, 0, codes, k_raw, k_scale, no_ksum, v_raw, v_code, v_scale, no_bsc, length, tiles,
+        codes = (no_q8.view(np.uint8), no_q8, no_sc, no_sc, q16, s16, no_q8, no_i32)
+        _int_core(path, 16, 0, codes, k_raw, k_code, k_scale, no_bsc, no_ksum, v_raw, v_code, v_scale, no_bsc, length, tiles,
                   table, n_splits, out)  # fmt: skip
     if serial and threads > 1:
         _set_threads(threads)
@@ -323,7 +323,7 @@ class FusedDecoder:
              np.empty((1, s.ffn), f32)),
             (np.empty((s.n_heads, s.head_dim), f32), np.empty((s.n_heads, s.head_dim), np.int16),
              np.empty(s.n_heads, f32), np.zeros((1, 1), np.int8), np.ones((1, 1), f32),
-             np.ones((1, 1, 1), np.uint16), _NO_KSUM),
+             np.ones((1, 1, 1), np.uint16), _NO_KSUM, np.zeros((1, 1), np.int32)),
         )  # fmt: skip
         self.inv_sqrt = np.float32(1.0 / math.sqrt(shape.head_dim))  # as cpu._run computes it
         self._entry: dict[tuple, object] = {}

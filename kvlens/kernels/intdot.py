@@ -246,3 +246,96 @@ def pv8(typingctx, path_code, acc_addr, p_addr, vt_addr, n4, hd):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# -- 4-bit codes (q4, q4h: llama.cpp's q4_0 nibble order, code + 8 unsigned) x an int8 query ------------
+Q4_CHUNK = 32  # packed bytes per step: 64 values, two 32-value blocks
+
+
+def _q4_lanes(builder, path: str, qa, ka):
+    """8 int32 lanes of one 32-byte chunk of packed codes: lane i sums bytes 4i..4i+3, each byte's
+    low nibble times the query's low half and its high nibble times the high half (the query chunk:
+    32 low-half codes, then 32 high-half codes; :func:`kvlens.kernels.q4int.permute_query`). The
+    codes are unsigned (0..15), the query signed: u8 x i8 as the instructions take them, no shift."""
+    b32 = _vec(_I8, 32)
+    k = _load(builder, ka, b32)
+    lo = builder.and_(k, ir.Constant(b32, [15] * 32))
+    hi = builder.lshr(k, ir.Constant(b32, [4] * 32))
+    i8 = _vec(_I32, 8)
+    if path == "vnni512":  # both halves in one 512-bit vpdpbusd, then the halves' lanes added
+        both = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 64), list(range(64))))
+        q = _load(builder, qa, _vec(_I8, 64))
+        v = _vnni(builder, "vpdpbusd", ir.Constant(_vec(_I32, 16), None), both, q, 512)
+        halves = [builder.shuffle_vector(v, v, ir.Constant(i8, list(range(r, r + 8)))) for r in (0, 8)]
+        return builder.add(*halves)
+    q_lo = _load(builder, qa, b32)
+    q_hi = _load(builder, builder.add(qa, ir.Constant(qa.type, 32)), b32)
+    if path == "vnni256":
+        acc = _vnni(builder, "vpdpbusd", ir.Constant(i8, None), lo, q_lo, 256)
+        return _vnni(builder, "vpdpbusd", acc, hi, q_hi, 256)
+    if path == "avx2":  # pair sums <= 2 * 15 * 127 (and their sum <= 7620): int16 never saturates
+        pairs = builder.add(
+            _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [lo, q_lo]),
+            _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [hi, q_hi]),
+        )
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", i8, [pairs, ir.Constant(_vec(_I16, 16), [1] * 16)])
+    w32 = _vec(_I32, 32)  # portable: generic IR (widen, multiply, add each 4 neighbours)
+    prod = builder.add(
+        builder.mul(builder.zext(lo, w32), builder.sext(q_lo, w32)),
+        builder.mul(builder.zext(hi, w32), builder.sext(q_hi, w32)),
+    )
+    parts = [builder.shuffle_vector(prod, prod, ir.Constant(i8, list(range(r, 32, 4)))) for r in range(4)]
+    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+
+
+@intrinsic
+def score4(typingctx, path_code, q_addr, qoff_addr, qs_addr, k_addr, bs_addr, n_bytes, n_rows, out_addr):
+    """``score4(PATH, q, qoff, qs, k, bs, n_bytes, n_rows, out)``: ``out[j]`` (f32) for the ``n_rows``
+    contiguous packed rows at ``k`` (``n_bytes`` each, a multiple of :data:`Q4_CHUNK`) against one
+    query head: per 32-bit lane ``i`` (:func:`_q4_lanes`; 8 per chunk, 4 per block), ``f32(dot_i -
+    qoff[i]) * qs[i] * bs[j, block of i]``, summed. ``qoff``: int32, 8 x the query codes a lane
+    multiplies (the stored codes' +8); ``qs``: f32, the lane's query block scale; ``bs``: f32, the
+    rows' block scales ``[n_rows, n_bytes // 16]``. The integer part is exact on every path."""
+    path = _literal_path(path_code)
+    u = types.uintp
+    sig = types.void(path_code, u, u, u, u, u, types.intp, types.intp, u)
+
+    def codegen(context, builder, signature, args):
+        _, qa, oa, sa, ka, ba, nb_v, nr_v, out_a = args
+        idx = nb_v.type
+        i8, f8 = _vec(_I32, 8), _vec(_F32, 8)
+        c_chunk, c2 = ir.Constant(idx, Q4_CHUNK), ir.Constant(idx, 2)
+        n_chunks = builder.udiv(nb_v, c_chunk)
+        bcast = ir.Constant(i8, [0, 0, 0, 0, 1, 1, 1, 1])  # the chunk's two block scales over its lanes
+        with cgutils.for_range(builder, nr_v) as row:
+            j = row.index
+            k_row = builder.add(ka, builder.mul(j, nb_v))
+            bs_row = builder.add(
+                ba, builder.mul(builder.mul(j, builder.mul(n_chunks, c2)), ir.Constant(idx, 4))
+            )
+
+            def step(acc, off, k_row=k_row, bs_row=bs_row):  # off: the chunk's first byte
+                c = builder.udiv(off, c_chunk)
+                lanes = _q4_lanes(
+                    builder, path, builder.add(qa, builder.mul(off, c2)), builder.add(k_row, off)
+                )
+                lane_at = builder.mul(c, ir.Constant(idx, 32))  # 8 lanes x 4 bytes
+                lanes = builder.sub(lanes, _load(builder, builder.add(oa, lane_at), i8))
+                b2 = _load(builder, builder.add(bs_row, builder.mul(c, ir.Constant(idx, 8))), _vec(_F32, 2))
+                scale = builder.fmul(_load(builder, builder.add(sa, lane_at), f8),
+                                     builder.shuffle_vector(b2, b2, bcast))  # fmt: skip
+                return builder.fadd(acc, builder.fmul(builder.sitofp(lanes, f8), scale))
+
+            acc = _sum_chunks(builder, nb_v, Q4_CHUNK, f8, step)
+            for half in (4, 2, 1):  # a tree of adds (an ordered reduction would chain eight)
+                hi = builder.shuffle_vector(
+                    acc, acc, ir.Constant(_vec(_I32, half), list(range(half, 2 * half)))
+                )
+                lo = builder.shuffle_vector(acc, acc, ir.Constant(_vec(_I32, half), list(range(half))))
+                acc = builder.fadd(lo, hi)
+            total = builder.extract_element(acc, ir.Constant(_I32, 0))
+            out_at = builder.add(out_a, builder.mul(j, ir.Constant(idx, 4)))
+            builder.store(total, builder.inttoptr(out_at, _F32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen

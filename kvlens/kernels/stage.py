@@ -30,6 +30,21 @@ _FM = {"reassoc", "contract", "nsz"}
 _F16_MAGIC = np.float32(2.0**112)  # (h & 0x7fff) << 13 read as f32, times 2^112, is the f16 value (exact)
 
 
+@njit(inline="always")
+def q4_tile_scales(bsc, h, t0, nt, bs_u, bs_f):  # pragma: no cover - compiled
+    """The fp16 block scales of rows t0..t0+nt of KV head h as f32, ``bs_f[j * nb + b]`` (``bs_u``: the
+    same buffer's bits), in one flat pass (contiguous in the store): the f16 rows' exact conversion."""
+    nb = np.uint64(bsc.shape[2])
+    flat = bsc[h].reshape(-1)
+    k0 = np.uint64(t0) * nb
+    for k in range(np.uint64(nt) * nb):
+        bs_u[k] = (np.uint32(flat[k0 + k]) & np.uint32(0x7FFF)) << np.uint32(13)
+    for k in range(np.uint64(nt) * nb):
+        bs_f[k] *= _F16_MAGIC
+    for k in range(np.uint64(nt) * nb):
+        bs_u[k] |= (np.uint32(flat[k0 + k]) & np.uint32(0x8000)) << np.uint32(16)
+
+
 @njit(fastmath=_FM, cache=True)
 def _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f):  # pragma: no cover - compiled
     """4-bit rows (llama.cpp's q4_0 layout, :func:`kvlens.kv.quant.pack_q4`): in each block of 32,
@@ -44,14 +59,7 @@ def _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f):  # pragma: no cover - com
     nb = np.uint64(bsc.shape[2])
     half = np.uint64(raw.shape[2]) // nb  # Q4B // 2, as a run-time value (see above)
     n = np.uint64(nt)
-    flat = bsc[h].reshape(-1)
-    k0 = np.uint64(t0) * nb
-    for k in range(n * nb):
-        bs_u[k] = (np.uint32(flat[k0 + k]) & np.uint32(0x7FFF)) << np.uint32(13)
-    for k in range(n * nb):
-        bs_f[k] *= _F16_MAGIC
-    for k in range(n * nb):
-        bs_u[k] |= (np.uint32(flat[k0 + k]) & np.uint32(0x8000)) << np.uint32(16)
+    q4_tile_scales(bsc, h, t0, nt, bs_u, bs_f)
     row0 = np.uint64(t0)
     for j in range(n):
         for b in range(nb):
