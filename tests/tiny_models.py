@@ -43,7 +43,8 @@ def write_tokenizer_json(out: Path) -> None:
     )
 
 
-def hf_config(arch: str, sliding_window: int | None = None):
+def hf_config(arch: str, sliding_window: int | None = None, **shape):
+    """A tiny config of ``arch``; ``shape`` overrides its sizes (e.g. hidden_size, num_attention_heads)."""
     import transformers as tf
 
     common = dict(
@@ -58,6 +59,7 @@ def hf_config(arch: str, sliding_window: int | None = None):
         bos_token_id=None,
         eos_token_id=0,
     )
+    common.update(shape)
     if arch == "llama":  # with Llama-3 frequency scaling and an untied head
         return tf.LlamaConfig(
             **common,
@@ -80,13 +82,14 @@ def hf_config(arch: str, sliding_window: int | None = None):
     raise ValueError(arch)
 
 
-def write_hf(arch: str, out: Path, seed: int = 0, sliding_window: int | None = None):
+def write_hf(arch: str, out: Path, seed: int = 0, sliding_window: int | None = None, **shape):
     """Random-weight HF model saved as safetensors (several shards); returns the HF model.
-    ``sliding_window`` (Mistral only): each query attends its last ``sliding_window`` positions."""
+    ``sliding_window`` (Mistral only): each query attends its last ``sliding_window`` positions;
+    ``shape``: :func:`hf_config`'s size overrides."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(hf_config(arch, sliding_window), dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(hf_config(arch, sliding_window, **shape), dtype=torch.float32)
     with torch.no_grad():  # larger-than-init norms and biases so every feature matters
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.decode_step import ATTN_INT16, FusedDecoder, StepShape, attention_kind, fused_stores
-from ..kernels.stage import CODE_Q8
+from ..kernels.decode_step import ATTN_INT8, ATTN_INT16, FusedDecoder, StepShape, attention_kind, fused_stores
+from ..kernels.q4int import Q4_VALUES
+from ..kernels.stage import CODE_Q4, CODE_Q8
 from ..kv.cache import KVCache, check_kv_finite
 from ..kv.pool import PagedKV
+from ..kv.quant import check_q4_range
 from ..models.qlinear import PARALLEL_MIN_WORK
 from ..models.transformer import Transformer, rms_norm, timed
 
@@ -45,15 +47,26 @@ def fused_decoder(model: Transformer) -> FusedDecoder | None:
     return FusedDecoder(layers, shape, PARALLEL_MIN_WORK)
 
 
+def _scores_every_k(kind: int, stores: list[tuple], head_dim: int) -> bool:
+    """Whether the attention kind's kernel reads every layer's K: the 16-bit integer one int8 K only,
+    the 8-bit one 4-bit K only (head_dim a multiple of its 64-value step); the float one all."""
+    if kind == ATTN_INT16:
+        return all(s[2] == CODE_Q8 for s in stores)
+    if kind == ATTN_INT8:
+        return head_dim % Q4_VALUES == 0 and all(s[2] == CODE_Q4 for s in stores)
+    return True
+
+
 def forward_fused(
     model: Transformer, decoder: FusedDecoder, ids: torch.Tensor, cache: KVCache | PagedKV, start: int,
     backend: str, window_free: int,
 ) -> torch.Tensor | None:  # fmt: skip
     """Final-normed hidden state [1, hidden] of one token (``ids [1]``) at ``start``, or None where the
     fused path does not apply: a KV cache (contiguous, or a sequence's paged view holding the
-    blocks) whose layers all store q8, f16 or f32 (no mirror, kept-exact rows or block tracking),
-    the numba or numba-int16 backend, no attention window reached (``window_free``: positions every
-    layer attends whole). A non-finite K/V raises the general path's NonFiniteKVError."""
+    blocks) whose layers all store q8, q8h, q4, q4h, f16 or f32 (no mirror, kept-exact rows or block
+    tracking), the numba backend, or numba-int16 over int8 K / numba-int over 4-bit K, no attention
+    window reached (``window_free``: positions every layer attends whole). A non-finite K/V raises the
+    general path's NonFiniteKVError, a 4-bit block out of fp16 range its ValueError."""
     attn = attention_kind(backend)
     if attn is None or cache.bounds is not None or cache.has_mirror or start + 1 > window_free:
         return None
@@ -63,7 +76,7 @@ def forward_fused(
     if not paged:
         cache.reserve(start + 1)
     stores = fused_stores(cache)
-    if stores is None or (attn[0] == ATTN_INT16 and any(s[2] != CODE_Q8 for s in stores)):
+    if stores is None or not _scores_every_k(attn[0], stores, model.cfg.head_dim):
         return None
     x = model.embed(ids).contiguous()
     cos, sin = model.ropes[0].rows(start, 1)
@@ -71,8 +84,11 @@ def forward_fused(
     table = cache.table if paged else None
     bad = timed(model.profiler, "layers", decoder.run, x.numpy(), start, rope, stores, attn, table)
     if bad >= 0:
-        k, v = decoder.kv_rows
-        check_kv_finite(bad, start, torch.from_numpy(k), torch.from_numpy(v))
-        raise AssertionError(f"the fused step stopped at layer {bad} on finite K/V")
+        k, v = (torch.from_numpy(r) for r in decoder.kv_rows)
+        check_kv_finite(bad, start, k, v)
+        for store, rows in ((cache.k[bad], k), (cache.v[bad], v)):
+            if store.kind.int4:
+                check_q4_range(store.basis(rows).numpy())
+        raise AssertionError(f"the fused step stopped at layer {bad} on finite K/V in range")
     cache.length = max(cache.length, start + 1)
     return rms_norm(x, model.w.norm, model.cfg.rms_eps)

@@ -16,7 +16,8 @@ same kernels run back to back inside one compiled function, on buffers allocated
 * the compiled specialization is looked up once per signature (:class:`LayerCall`): calling the
   dispatcher would re-type ~30 arguments every layer, and a literal (the attention kind) every call.
 
-A non-finite K or V value stops the call before anything is stored; the caller raises.
+A non-finite K or V value (or a 4-bit block whose scale overflows fp16) stops the call before
+anything is stored; the caller raises.
 """
 
 from __future__ import annotations
@@ -33,18 +34,22 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..kv.modes import StoreKind
+from ..kv.quant import rotation_signs
 from . import flash, intdot
 from .cpu import _decode_core
 from .cpu_int import _NO_KSUM, Q16_MAX, IntAttn
 from .cpu_int import _core as _int_core
-from .q8store import NO_KSUM, store_q8_rows
+from .q4store import hadamard_rows
+from .q8store import NO_KSUM
 from .q8store import first_nonfinite_index as _first_nonfinite
 from .qkernels import _mv_bf16, _mv_f32, _mv_int4, _mv_int8
 from .rowops import rms_norm_row, rope_split_row, silu_mul_row
-from .stage import CODE_F16, CODE_F32, CODE_Q8
+from .stage import _KIND_CODE
+from .step_kv import f32_to_f16_bits, quantize_query_q4, store_kv, to_basis  # noqa: F401 - f32_to_f16_bits: API
 from .threads import split_threads
 
-ATTN_FLOAT, ATTN_INT16 = 0, 1  # attention kinds: the float kernel (numba), 16-bit integer scores
+# attention kinds: the float kernel (numba), 16-bit integer scores (int8 K), 8-bit (4-bit K)
+ATTN_FLOAT, ATTN_INT16, ATTN_INT8 = 0, 1, 2
 
 
 def matvec(w, x, out):  # pragma: no cover - replaced by the overload in compiled code
@@ -63,56 +68,6 @@ def _matvec(w, x, out):
     if w[0].dtype == types.uint16:  # bf16 bits
         return lambda w, x, out: _mv_bf16(x, w[0], out)
     return lambda w, x, out: _mv_f32(w[0], x, out)  # f32 [n, k]
-
-
-def store_row(s, rows, pos):  # pragma: no cover - replaced by the overload in compiled code
-    """Store one position's K or V rows ``[n_kv, 1, d]`` (f32) at row ``pos`` of store tuple ``s``."""
-    raise NotImplementedError
-
-
-@overload(store_row)
-def _store_row(s, rows, pos):
-    if len(s) == 3:  # int8 codes, max_abs scale, code sums per 32-block (empty: none)
-        return lambda s, rows, pos: store_q8_rows(rows, s[0], s[1], pos, s[2])
-    if s[0].dtype == types.uint16:  # f16 bits
-        return lambda s, rows, pos: _store_f16(rows, s[0], pos)
-    return lambda s, rows, pos: _store_f32(rows, s[0], pos)
-
-
-@njit(cache=True)
-def _store_f32(rows, data, pos):  # pragma: no cover - compiled
-    for h in range(rows.shape[0]):
-        data[h, pos, :] = rows[h, 0, :]
-
-
-@njit(cache=True)
-def f32_to_f16_bits(x):  # pragma: no cover - compiled
-    """IEEE f32 → f16 bits, round to nearest even (numpy's and torch's conversion) for finite ``x``."""
-    f = np.uint32(np.float32(x).view(np.uint32))
-    sign = np.uint16((f >> np.uint32(16)) & np.uint32(0x8000))
-    f_exp = f & np.uint32(0x7F800000)
-    if f_exp >= np.uint32(0x47800000):  # |x| >= 65536: infinity
-        return np.uint16(sign | np.uint16(0x7C00))
-    if f_exp <= np.uint32(0x38000000):  # an f16 subnormal (or zero)
-        if f_exp < np.uint32(0x33000000):
-            return sign
-        sig = np.uint32(0x00800000) + (f & np.uint32(0x007FFFFF))
-        sig = sig >> (np.uint32(113) - (f_exp >> np.uint32(23)))
-        if (sig & np.uint32(0x3FFF)) != np.uint32(0x1000) or (f & np.uint32(0x7FF)) != 0:
-            sig += np.uint32(0x1000)
-        return np.uint16(sign + np.uint16(sig >> np.uint32(13)))
-    h_exp = np.uint16((f_exp - np.uint32(0x38000000)) >> np.uint32(13))
-    sig = f & np.uint32(0x007FFFFF)
-    if (sig & np.uint32(0x3FFF)) != np.uint32(0x1000):
-        sig += np.uint32(0x1000)
-    return np.uint16(sign + np.uint16(np.uint16(sig >> np.uint32(13)) + h_exp))  # a carry rounds up
-
-
-@njit(cache=True)
-def _store_f16(rows, data, pos):  # pragma: no cover - compiled
-    for h in range(rows.shape[0]):
-        for d in range(rows.shape[2]):
-            data[h, pos, d] = f32_to_f16_bits(rows[h, 0, d])
 
 
 # numba's own get/set_num_threads reach the threading layer through ctypes pointers, which numba
@@ -180,25 +135,32 @@ def _quantize_q16(q, inv_sqrt, q16, s16):  # pragma: no cover - compiled
 @njit(cache=True)
 def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
     """Decode attention of ``q [H, d]`` (cpu / cpu_int's cores); ``at``: see :func:`decode_layer`."""
-    k_code, v_code, inv_sqrt, length, n_splits, serial, tiles, table = at
-    qs, q16, s16, no_q8, no_sc, no_bsc, no_ksum, no_i32 = buf
+    k_code, v_code, inv_sqrt, length, n_splits, serial, tiles, table = at[:8]
+    qs, q16, s16, no_q8, no_sc, no_bsc, no_ksum, no_i32, q8, qp, qoff, q4s = buf
     threads = _get_threads()
     if serial and threads > 1:
         _set_threads(1)
     k_scale = ks[1] if len(ks) == 3 else no_sc
     v_scale = vs[1] if len(vs) == 3 else no_sc
+    k_bsc = ks[1] if len(ks) == 2 else no_bsc  # a 4-bit store's fp16 block-scale bits
+    v_bsc = vs[1] if len(vs) == 2 else no_bsc
     k_raw, v_raw = ks[0].view(np.uint8), vs[0].view(np.uint8)
     if kind == ATTN_FLOAT:
         for hq in range(q.shape[0]):
             for d in range(q.shape[1]):
                 qs[hq, d] = q[hq, d] * inv_sqrt
-        _decode_core(qs, no_q8, no_sc, False, k_raw, k_code, k_scale, no_bsc, v_raw, v_code, v_scale, no_bsc,
+        _decode_core(qs, no_q8, no_sc, False, k_raw, k_code, k_scale, k_bsc, v_raw, v_code, v_scale, v_bsc,
                      length, tiles, table, n_splits, out)  # fmt: skip
+    elif kind == ATTN_INT8:
+        quantize_query_q4(q, inv_sqrt, q8, qp, qoff, q4s)
+        codes = (no_q8.view(np.uint8), no_q8, q4s, no_sc, q16, s16, qp, qoff)
+        _int_core(path, 8, 0, codes, k_raw, k_code, k_scale, k_bsc, no_ksum, v_raw, v_code, v_scale, v_bsc, length,
+                  tiles, table, n_splits, out)  # fmt: skip
     else:
         _quantize_q16(q, inv_sqrt, q16, s16)
         codes = (no_q8.view(np.uint8), no_q8, no_sc, no_sc, q16, s16, no_q8, no_i32)
-        _int_core(path, 16, 0, codes, k_raw, k_code, k_scale, no_bsc, no_ksum, v_raw, v_code, v_scale, no_bsc, length, tiles,
-                  table, n_splits, out)  # fmt: skip
+        _int_core(path, 16, 0, codes, k_raw, k_code, k_scale, k_bsc, no_ksum, v_raw, v_code, v_scale, v_bsc, length,
+                  tiles, table, n_splits, out)  # fmt: skip
     if serial and threads > 1:
         _set_threads(threads)
 
@@ -212,11 +174,14 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
     ``lw``: (attn_norm, ffn_norm, eps, wqkv, bqkv, wo, w_gate_up, w_down), weights as tuples.
     ``ks``/``vs``: the layer's K and V store tuples, written at row ``pos`` (physical, in a paged
     cache). ``rope``: (cos, sin) rows of the token's position.
-    ``at``: (K code, V code, 1/sqrt(d) as f32, length, then flash.plan_call's splits, serial, tiles, table).
-    ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then :func:`_attend`'s."""
+    ``at``: (K code, V code, 1/sqrt(d) as f32, length, then flash.plan_call's splits, serial, tiles, table,
+    then whether K and V are rotated). ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then
+    :func:`_attend`'s, then the rotation's (signs, ones, q, k, v, o in the stored bases).
+    Returns ``step_kv.FP16_OVERFLOW`` where a 4-bit block's scale overflows (nothing stored)."""
     kind, path = literally(kind), literally(path)
     attn_norm, ffn_norm, eps, wqkv, bqkv, wo, wgu, wdown = lw
     h, qkv, q, k, v, o, proj, gu, act = buf[0]
+    signs, ones, q_rot, k_rot, v_rot, o_rot = buf[2]
     rms_norm_row(x[0], attn_norm, eps, h[0])
     _linear(wqkv, bqkv, h, qkv, min_work)
     rope_split_row(qkv[0], rope[0], rope[1], q, k, v)
@@ -227,9 +192,15 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
             return k.size + bad
     else:
         return bad
-    store_row(ks, k.reshape(k.shape[0], 1, k.shape[1]), pos)
-    store_row(vs, v.reshape(v.shape[0], 1, v.shape[1]), pos)
-    _attend(kind, path, q, ks, vs, at, buf[1], o)
+    scale, k_turn, v_turn = at[2], at[8], at[9]  # 1/sqrt(d): the rotation's scale too
+    bad = store_kv(ks, vs, to_basis(k, k_turn, signs, ones, scale, k_rot),
+                   to_basis(v, v_turn, signs, ones, scale, v_rot), pos)  # fmt: skip
+    if bad != -1:
+        return bad
+    _attend(kind, path, to_basis(q, k_turn, signs, ones, scale, q_rot), ks, vs, at, buf[1], o)
+    if v_turn:  # the output back from V's basis (kv.quant.unrotate_rows)
+        hadamard_rows(o, ones, signs, scale, o_rot)
+        o[:] = o_rot
     no_bias = bqkv[:0]
     _linear(wo, no_bias, o.reshape(1, o.size), proj, min_work)
     _add(x, proj)
@@ -242,21 +213,23 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
 
 
 # -- the Python side: arrays and buffers set up once, the compiled entry points looked up once ---------
-_STORE_KIND = {StoreKind.Q8: CODE_Q8, StoreKind.F16: CODE_F16, StoreKind.F32: CODE_F32}  # kinds written here
+_STORE_KINDS = (StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H, StoreKind.F16, StoreKind.F32)
 
 
 def store_tuple(store) -> tuple[np.ndarray, ...] | None:
-    """A RowStore as :func:`store_row` takes it (zero-copy views), or None for a kind not written here
-    (4-bit, bf16, rotated) and for a layer stored per KV head (kv.cache.HeadSplitStore). Memoized on
-    the store while its tensors are the same objects."""
-    if not hasattr(store, "data") or store.kind not in _STORE_KIND:  # a per-head split store too
+    """A RowStore as :func:`step_kv.store_row` takes it (zero-copy views), or None for a kind not
+    written here (bf16) and for a layer stored per KV head (kv.cache.HeadSplitStore). Memoized on the
+    store while its tensors are the same objects."""
+    if not hasattr(store, "data") or store.kind not in _STORE_KINDS:  # a per-head split store too
         return None
     memo = store.__dict__.get("_step_tuple")
     if memo is not None and memo[0] is store.data:
         return memo[1]
-    if store.kind == StoreKind.Q8:
+    if store.kind.int8:
         ksum = NO_KSUM if store.ksum is None else store.ksum.numpy()
         arrays = (store.data.numpy(), store.scale.numpy(), ksum)
+    elif store.kind.int4:
+        arrays = (store.data.numpy(), store.scale.view(torch.int16).numpy().view(np.uint16))
     elif store.kind == StoreKind.F16:
         arrays = (store.data.view(torch.int16).numpy().view(np.uint16),)
     else:
@@ -266,8 +239,8 @@ def store_tuple(store) -> tuple[np.ndarray, ...] | None:
 
 
 def fused_stores(cache) -> list[tuple] | None:
-    """Per layer of a KVCache: (K tuple, V tuple, K code, V code) for :meth:`FusedDecoder.run`, or None
-    if a layer's kind is not written here. Memoized on the cache while its stores keep their tensors
+    """Per layer of a KVCache: (K tuple, V tuple, K code, V code, K rotated, V rotated) for
+    :meth:`FusedDecoder.run`, or None if a layer's kind is not written here. Memoized on the cache while its stores keep their tensors
     (they grow all together: :meth:`kvlens.kv.cache.KVCache.reserve`)."""
     first, last = (getattr(s, "data", s) for s in (cache.k[0], cache.v[-1]))
     memo = cache.__dict__.get("_step_stores")
@@ -279,7 +252,7 @@ def fused_stores(cache) -> list[tuple] | None:
         if kt is None or vt is None:
             stores = None
             break
-        stores.append((kt, vt, _STORE_KIND[ks.kind], _STORE_KIND[vs.kind]))
+        stores.append((kt, vt, _KIND_CODE[ks.kind], _KIND_CODE[vs.kind], ks.kind.rotated, vs.kind.rotated))
     cache.__dict__["_step_stores"] = (first, last, stores)
     return stores
 
@@ -291,9 +264,9 @@ def attention_kind(backend: str) -> tuple[int, int] | None:
         # the portable path, which every CPU (and CI's pinned baseline) can compile
         return ATTN_FLOAT, intdot.PATHS.index("portable")
     spec = IntAttn.parse(backend)
-    if spec is None or spec.qbits != 16 or spec.pv8:
+    if spec is None or spec.pv8:
         return None
-    return ATTN_INT16, intdot.PATHS.index(spec.resolved_path())
+    return ATTN_INT16 if spec.qbits == 16 else ATTN_INT8, intdot.PATHS.index(spec.resolved_path())
 
 
 @dataclass(frozen=True)
@@ -323,30 +296,42 @@ class FusedDecoder:
              np.empty((1, s.ffn), f32)),
             (np.empty((s.n_heads, s.head_dim), f32), np.empty((s.n_heads, s.head_dim), np.int16),
              np.empty(s.n_heads, f32), np.zeros((1, 1), np.int8), np.ones((1, 1), f32),
-             np.ones((1, 1, 1), np.uint16), _NO_KSUM, np.zeros((1, 1), np.int32)),
+             np.ones((1, 1, 1), np.uint16), _NO_KSUM, np.zeros((1, 1), np.int32),
+             np.empty((s.n_heads, s.head_dim), np.int8), np.empty((s.n_heads, s.head_dim), np.int8),
+             np.empty((s.n_heads, s.head_dim // 8), np.int32), np.empty((s.n_heads, s.head_dim // 8), f32)),
+            self._rotation_buffers(),
         )  # fmt: skip
         self.inv_sqrt = np.float32(1.0 / math.sqrt(shape.head_dim))  # as cpu._run computes it
         self._entry: dict[tuple, object] = {}
+
+    def _rotation_buffers(self) -> tuple[np.ndarray, ...]:
+        """(signs, ones, q, k, v, o) of the rotated kinds' turns (kv.quant.rotate_rows, unrotate_rows);
+        dummies where head_dim is no power of two (no rotated kind there)."""
+        s, d = self.shape, self.shape.head_dim
+        signs = rotation_signs(d).numpy() if d & (d - 1) == 0 else np.ones(d, np.float32)
+        f32 = np.float32
+        return (signs, np.ones(d, f32), np.empty((s.n_heads, d), f32), np.empty((s.n_kv, d), f32),
+                np.empty((s.n_kv, d), f32), np.empty((s.n_heads, d), f32))  # fmt: skip
 
     def run(
         self, x: np.ndarray, pos: int, rope: tuple, stores: list[tuple], attn: tuple[int, int], table=None
     ) -> int:
         """Every layer at position ``pos`` over ``stores`` (per layer: K tuple, V tuple, K code, V code),
         ``x [1, hidden]`` in place; ``table``: a paged cache's block table (int32), else None. Returns
-        -1, or the layer whose K or V (:attr:`kv_rows`) holds a non-finite value (stopped there:
-        nothing of it stored)."""
+        -1, or the layer whose K or V (:attr:`kv_rows`) holds a non-finite value or, for a 4-bit store, a
+        block whose scale overflows fp16 (stopped there: nothing of it stored)."""
         length, cap = pos + 1, stores[0][0][0].shape[1]
         # split_threads: the splits, hence the sums, never vary with the load (as cpu.decode_attention)
         tiles, table, serial, n_splits = flash.plan_call(
             self.shape.n_kv, cap, length, None, table, None, split_threads()
         )
         row = pos if table.shape[0] == 0 else int(table[pos // flash.TILE]) * flash.TILE + pos % flash.TILE
-        for i, (lw, (ks, vs, k_code, v_code)) in enumerate(zip(self.layers, stores, strict=True)):
-            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, tiles, table)
+        for i, (lw, layer) in enumerate(zip(self.layers, stores, strict=True)):
+            ks, vs, k_code, v_code, k_rot, v_rot = layer
+            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, tiles, table, k_rot, v_rot)
             args = (*attn, x, lw, ks, vs, row, rope, at, self.buf, self.min_work)
             entry = self._entry.get((i, *attn, k_code, v_code)) or self._compile(i, args)
-            bad = entry(*args)
-            if bad >= 0:
+            if entry(*args) != -1:
                 return i
         return -1
 

@@ -171,6 +171,16 @@ def dequantize_q4(
     return blocks.reshape(codes.shape).to(dtype)
 
 
+def check_q4_range(x: np.ndarray) -> None:
+    """ValueError unless every 32-block of the f32 rows ``x [..., d]`` has an fp16 scale (absmax / 7)."""
+    if x.shape[-1] % Q4_BLOCK:
+        raise ValueError(f"q4 needs a last dimension divisible by {Q4_BLOCK}, got {x.shape[-1]}")
+    bad = first_fp16_overflow(x.reshape(-1, x.shape[-1]))
+    if bad >= 0:
+        block = x.reshape(-1, Q4_BLOCK)[bad]
+        raise ValueError(f"|x| up to {float(abs(block).max()):.3g} overflows the fp16 scale of a block")
+
+
 def store_q4(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start: int) -> None:
     """Quantize ``rows [n_kv, n, d]`` by the q4 rule into ``data[:, start:start+n]`` (packed uint8)
     and ``scale[:, start:start+n]`` (fp16 per block), in place. On the CPU one JIT pass
@@ -181,12 +191,7 @@ def store_q4(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start:
         scale[:, start : start + rows.shape[1]] = d16
         return
     x = rows.detach().to(torch.float32).contiguous().numpy()
-    if x.shape[-1] % Q4_BLOCK:
-        raise ValueError(f"q4 needs a last dimension divisible by {Q4_BLOCK}, got {x.shape[-1]}")
-    bad = first_fp16_overflow(x.reshape(-1, x.shape[-1]))
-    if bad >= 0:
-        block = x.reshape(-1, Q4_BLOCK)[bad]
-        raise ValueError(f"|x| up to {float(abs(block).max()):.3g} overflows the fp16 scale of a block")
+    check_q4_range(x)
     store_q4_rows(x, data.numpy(), scale.view(torch.int16).numpy().view(np.uint16), start)
 
 
@@ -201,6 +206,11 @@ def _signs(head_dim: int) -> torch.Tensor:
         raise ValueError(f"a Hadamard rotation needs head_dim a power of two, got {head_dim}")
     gen = torch.Generator().manual_seed(ROTATION_SEED + head_dim)
     return torch.randint(0, 2, (head_dim,), generator=gen).to(torch.float32) * 2 - 1
+
+
+def rotation_signs(head_dim: int) -> torch.Tensor:
+    """The rotation's fixed random signs (float32 +-1; the fused decode step's turns read them)."""
+    return _signs(head_dim)
 
 
 @functools.cache

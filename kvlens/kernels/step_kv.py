@@ -1,0 +1,130 @@
+"""The KV write of the fused decode step (:mod:`.decode_step`) and the query codes its 4-bit integer
+attention reads: each the same float32 operations, in the same order, as the general path's
+(``kv.quant`` / ``kernels.q4store`` / ``kernels.cpu_int``; no fastmath), so the stored rows and the
+logits are bit-identical to it (tests/test_decode_step.py).
+
+Store tuples (zero-copy numpy views of a RowStore; :func:`kvlens.kernels.decode_step.store_tuple`):
+int8 (codes, max_abs, code sums), 4-bit (packed codes, fp16 scale bits), f16 (bits,), f32 (rows,).
+A rotated kind (q8h, q4h) is stored like its plain one after the rows' rotation (:func:`to_basis`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from .q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
+from .q8store import store_q8_rows
+
+Q_BLOCK = 32  # the 8-bit query's block (cpu_int's 8-bit rule: kernels.cpu.QBLOCK)
+TINY_MAX_ABS = np.float32(1e-6)  # kv.quant.TINY_MAX_ABS, as torch compares an f32 tensor with it
+FP16_OVERFLOW = -2  # store_kv's answer when a 4-bit block's scale would overflow fp16
+
+
+def store_row(s, rows, pos):  # pragma: no cover - replaced by the overload in compiled code
+    """Store one position's K or V rows ``[n_kv, 1, d]`` (f32) at row ``pos`` of store tuple ``s``."""
+    raise NotImplementedError
+
+
+@overload(store_row)
+def _store_row(s, rows, pos):
+    if len(s) == 3:  # int8 codes, max_abs scale, code sums per 32-block (empty: none)
+        return lambda s, rows, pos: store_q8_rows(rows, s[0], s[1], pos, s[2])
+    if len(s) == 2:  # 4-bit: packed code pairs, fp16 block-scale bits (range checked: store_kv)
+        return lambda s, rows, pos: store_q4_rows(rows, s[0], s[1], pos)
+    if s[0].dtype == types.uint16:  # f16 bits
+        return lambda s, rows, pos: _store_f16(rows, s[0], pos)
+    return lambda s, rows, pos: _store_f32(rows, s[0], pos)
+
+
+@njit(cache=True)
+def _store_f32(rows, data, pos):  # pragma: no cover - compiled
+    for h in range(rows.shape[0]):
+        data[h, pos, :] = rows[h, 0, :]
+
+
+@njit(cache=True)
+def f32_to_f16_bits(x):  # pragma: no cover - compiled
+    """IEEE f32 → f16 bits, round to nearest even (numpy's and torch's conversion) for finite ``x``."""
+    f = np.uint32(np.float32(x).view(np.uint32))
+    sign = np.uint16((f >> np.uint32(16)) & np.uint32(0x8000))
+    f_exp = f & np.uint32(0x7F800000)
+    if f_exp >= np.uint32(0x47800000):  # |x| >= 65536: infinity
+        return np.uint16(sign | np.uint16(0x7C00))
+    if f_exp <= np.uint32(0x38000000):  # an f16 subnormal (or zero)
+        if f_exp < np.uint32(0x33000000):
+            return sign
+        sig = np.uint32(0x00800000) + (f & np.uint32(0x007FFFFF))
+        sig = sig >> (np.uint32(113) - (f_exp >> np.uint32(23)))
+        if (sig & np.uint32(0x3FFF)) != np.uint32(0x1000) or (f & np.uint32(0x7FF)) != 0:
+            sig += np.uint32(0x1000)
+        return np.uint16(sign + np.uint16(sig >> np.uint32(13)))
+    h_exp = np.uint16((f_exp - np.uint32(0x38000000)) >> np.uint32(13))
+    sig = f & np.uint32(0x007FFFFF)
+    if (sig & np.uint32(0x3FFF)) != np.uint32(0x1000):
+        sig += np.uint32(0x1000)
+    return np.uint16(sign + np.uint16(np.uint16(sig >> np.uint32(13)) + h_exp))  # a carry rounds up
+
+
+@njit(cache=True)
+def _store_f16(rows, data, pos):  # pragma: no cover - compiled
+    for h in range(rows.shape[0]):
+        for d in range(rows.shape[2]):
+            data[h, pos, d] = f32_to_f16_bits(rows[h, 0, d])
+
+
+@njit(cache=True)
+def to_basis(rows, rotated, signs, ones, scale, out):  # pragma: no cover - compiled
+    """``rows [n, d]`` in a store's basis: ``out`` = the rotation (kv.quant.rotate_rows: the same
+    JIT pass on the same values) where ``rotated``, else ``rows`` itself."""
+    if not rotated:
+        return rows
+    hadamard_rows(rows, signs, ones, scale, out)
+    return out
+
+
+@njit(cache=True)
+def store_kv(ks, vs, k, v, pos):  # pragma: no cover - compiled
+    """Store one position's K and V rows ``[n_kv, d]`` (finite, in the stores' bases) at row ``pos``;
+    returns -1, or :data:`FP16_OVERFLOW` (nothing stored) where a 4-bit store's block scale would
+    overflow fp16 (``kv.quant.store_q4`` raises then; the caller does)."""
+    if len(ks) == 2 and first_fp16_overflow(k) >= 0 or len(vs) == 2 and first_fp16_overflow(v) >= 0:
+        return FP16_OVERFLOW
+    store_row(ks, k.reshape(k.shape[0], 1, k.shape[1]), pos)
+    store_row(vs, v.reshape(v.shape[0], 1, v.shape[1]), pos)
+    return -1
+
+
+@njit(cache=True)
+def quantize_query_q4(q, inv_sqrt, q8, qp, qoff, qs):  # pragma: no cover - compiled
+    """``cpu_int.quantize_query(q, 8, path, k4=True)``: int8 codes per 32-block by the q8 rule
+    (``kv.quant.quantize_q8``: f32 ``127 / max_abs``, ``floor(x * inv + 0.5)``), permuted for
+    ``intdot.score4`` (``qp``), its lane offsets (``qoff``) and lane scales (``qs``, ``max_abs *
+    (1/127) * inv_sqrt``)."""
+    n_heads, hd = q.shape
+    for hq in range(n_heads):
+        for b in range(hd // Q_BLOCK):
+            m = np.float32(0.0)
+            for i in range(b * Q_BLOCK, (b + 1) * Q_BLOCK):
+                m = max(m, abs(q[hq, i]))
+            if m < TINY_MAX_ABS:
+                m = np.float32(1.0)
+            inv = np.float32(127.0) / m
+            for i in range(b * Q_BLOCK, (b + 1) * Q_BLOCK):
+                c = np.floor(q[hq, i] * inv + np.float32(0.5))
+                q8[hq, i] = np.int8(min(max(c, np.float32(-127.0)), np.float32(127.0)))
+            s = m * np.float32(1.0 / 127.0) * inv_sqrt
+            for lane in range(4 * b, 4 * b + 4):
+                qs[hq, lane] = s
+        for c in range(hd // 64):  # per 64 values: the low halves of both blocks, then the high halves
+            for half in range(2):
+                for blk in range(2):
+                    for i in range(16):
+                        qp[hq, 64 * c + 32 * half + 16 * blk + i] = q8[hq, 64 * c + 32 * blk + 16 * half + i]
+        for lane in range(hd // 8):
+            c, r = lane // 8, lane % 8
+            t = np.int32(0)
+            for i in range(4):
+                t += np.int32(qp[hq, 64 * c + 4 * r + i]) + np.int32(qp[hq, 64 * c + 32 + 4 * r + i])
+            qoff[hq, lane] = np.int32(8) * t

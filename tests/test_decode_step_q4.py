@@ -1,0 +1,82 @@
+"""The fused decode step (kernels/decode_step.py) over the rotated and 4-bit kinds (q8h, q4, q4h, mixed
+K/V), through the float kernel and the 8-bit integer one (numba-int over 4-bit K): logits and cache
+contents bit-identical to the general path, step after step (as test_decode_step.py for q8/f16/f32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decode_step import Spy, assert_same_steps, decode_steps
+from tiny_models import write_hf
+
+import kvlens
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    """A Llama with head_dim 64 (the 4-bit integer scores' step), two query heads on one KV head."""
+    out = tmp_path_factory.mktemp("llama64")
+    write_hf("llama", out, seed=7, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    return out
+
+
+CASES = [("numba", kv) for kv in ("q8h", "q4", "q4h", "k=q8h,v=q4h", "k=q4h,v=f16", "k=f32,v=q4h")] + [
+    ("numba-int", kv) for kv in ("q4", "q4h", "k=q4h,v=q8h", "k=q4,v=f16")
+]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("backend,kv", CASES)
+@pytest.mark.parametrize("weights", ["f32", "int4"])
+def test_fused_step_new_kinds_bit_identical(tiny64, backend, kv, weights):
+    llm = kvlens.load(tiny64, kv=kv, weights=weights, attn_backend=backend)
+    assert_same_steps(llm, list(range(3, 40)), kv)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_q4_block_out_of_fp16_range_is_refused_like_the_general_path(tiny64):
+    """A layer whose K blocks outgrow the fp16 scale stops the step with store_q4's error, storing
+    none of that layer's rows."""
+    llm = kvlens.load(tiny64, kv="q4h", attn_backend="numba-int")
+    ids = list(range(3, 20))
+    errors = []
+    for fused in (True, False):
+        cache = llm.new_cache(len(ids) + 1, "q4h")
+        llm.prefill(ids, cache)
+        before = [s.data.clone() for s in cache.k + cache.v]
+        norm = llm.model.w.layers[1].attn_norm
+        saved = norm.clone()
+        norm.mul_(1e7)  # layer 1's K and V: finite, far past 7 x 65504
+        llm.fused_step = fused
+        try:
+            with pytest.raises(ValueError, match="overflows the fp16 scale of a block") as e:
+                llm.forward([5], cache, len(ids), prefill=False)
+        finally:
+            norm.copy_(saved)
+            llm.fused_step = True
+        errors.append(str(e.value))
+        assert torch.equal(cache.k[1].data, before[1])
+    assert errors[0] == errors[1]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_numba_int_over_int8_k_runs_the_general_path(tiny64):
+    """numba-int (8-bit query) over an int8 K: the fused step has no such kind and steps aside."""
+    llm = kvlens.load(tiny64, kv="q8", attn_backend="numba-int")
+    spy = Spy(llm)
+    fused, _ = decode_steps(llm, list(range(3, 30)), "q8", 2, True)
+    plain, _ = decode_steps(llm, list(range(3, 30)), "q8", 2, False)
+    assert spy.calls == 0 and all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,kv", [("numba-int", "q4h"), ("numba", "k=q8h,v=q4h")])
+def test_smollm2_fused_step_new_kinds_bit_identical(smol_loaded, backend, kv):
+    """The real model (hd 64, 9 query heads on 3 KV heads), two threads, past the attention's serial
+    threshold (Flash-Decoding splits), the rotated 4-bit cache through both kernels."""
+    llm = kvlens.LLM(smol_loaded, kv=kv, attn_backend=backend)
+    text = "The history of the printing press begins in the fifteenth century. " * 60
+    ids = llm.tokenizer.encode(text)[:700]
+    assert len(ids) == 700
+    assert_same_steps(llm, ids, kv, steps=2)
