@@ -48,7 +48,9 @@ def bench_decode(
     kv: str = Option("f32,f16,q8", help="Cache modes to compare (comma list)."),
     weights: str = Option("auto", help="Comma list of auto, f32, bf16, int8, int4."),
     steps: int = Option(12, min=3, help="Timed decode steps per round (5 rounds)."),
-    attn_backend: str = Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
+    attn_backend: str = Option(
+        "auto", help=f"Attention backends (comma list: every KV mode each runs): {', '.join(BACKENDS)}."
+    ),
     hf: bool = Option(True, help="Also time HF generate (f32 weights, ctx ≤ --hf-max-ctx)."),
     hf_max_ctx: int = Option(2048, min=0, help="Largest context at which to run HF transformers."),
     vs_llama_cpp: str = Option(None, metavar="BIN", help="Also run this llama-bench binary."),
@@ -59,7 +61,12 @@ def bench_decode(
     transformers (and llama.cpp's llama-bench with --vs-llama-cpp) beside it."""
     from .bench import decode
 
-    lists = {"ctx": parse_sizes(ctx), "kv": names(kv), "weights": names(weights)}
+    lists = {
+        "ctx": parse_sizes(ctx),
+        "kv": names(kv),
+        "weights": names(weights),
+        "attn_backend": names(attn_backend),
+    }
     decode.main(config_from(decode.DecodeBenchConfig, locals(), **lists), json_out)
 
 

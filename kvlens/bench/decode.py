@@ -22,6 +22,7 @@ import psutil
 import torch
 
 from ..engine.llm import LLM
+from ..kernels.cpu_int import IntAttn
 from ..kv.cache import KVCache
 from ..kv.modes import KVMode
 from .bandwidth import ReadProbe
@@ -180,7 +181,13 @@ def run_decode_bench(
         caches = {m: fill_cache(first, source, m, ctx - 1, ctx) for m in modes}
         del source
         gc.collect()
-        runs = [(step_variant(llm, k), m, k) for llm in llms for k in step_kinds for m in modes]
+        runs = [
+            (step_variant(llm, k), m, k)
+            for llm in llms
+            for k in step_kinds
+            for m in modes
+            if runs_mode(llm, m)
+        ]
         rows += timed_rows(runs, caches, ctx, steps, rounds, backend, probe)
         del caches
         gc.collect()
@@ -197,6 +204,14 @@ def run_decode_bench(
         if progress:
             progress(ctx)
     return rows
+
+
+def runs_mode(llm: LLM, mode: str) -> bool:
+    """Whether ``llm``'s attention backend decodes over a ``mode`` cache (an integer backend needs
+    K kinds it can score: :meth:`kvlens.kernels.cpu_int.IntAttn.scores`)."""
+    spec = IntAttn.parse(llm.attn_backend)
+    m = KVMode.parse(mode)
+    return spec is None or all(spec.scores(m.kinds(i)[0]) for i in range(llm.config.n_layers))
 
 
 def step_variant(llm: LLM, kind: str) -> LLM:
@@ -271,7 +286,7 @@ class DecodeBenchConfig:
     kv: list[str] = field(default_factory=lambda: ["f32", "f16", "q8"])
     weights: list[str] = field(default_factory=lambda: ["auto"])
     steps: int = 12
-    attn_backend: str = "auto"
+    attn_backend: list[str] = field(default_factory=lambda: ["auto"])  # several: every mode under each
     hf: bool = True
     hf_max_ctx: int = 2048
     vs_llama_cpp: str | None = None
@@ -298,8 +313,13 @@ def main(cfg: DecodeBenchConfig, json_out: bool = False) -> None:
 
     from ..report import dump_json, print_table
 
+    loaded = [
+        kvlens.load(cfg.model, kv=cfg.kv[0], attn_backend=cfg.attn_backend[0], weights=w) for w in cfg.weights
+    ]
     llms = [
-        kvlens.load(cfg.model, kv=cfg.kv[0], attn_backend=cfg.attn_backend, weights=w) for w in cfg.weights
+        llm.variant(attn_backend=b) if b != cfg.attn_backend[0] else llm
+        for llm in loaded
+        for b in cfg.attn_backend
     ]
     if cfg.vs_llama_cpp and llms[0].source.suffix != ".gguf":
         raise ValueError("--vs-llama-cpp needs a GGUF model")

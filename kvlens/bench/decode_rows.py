@@ -61,7 +61,11 @@ TABLE_HEADERS = (
 def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
     """Printable rows: ``× base KV`` = tok/s over the ``base_mode`` row with the same engine, weights,
     step kind and context; ``× llama.cpp`` = over llama-bench's row with the same KV mode and context."""
-    base = {(r.engine, r.weights, r.step, r.ctx): r.tok_per_s for r in rows if r.mode == base_mode}
+    base: dict[tuple, float] = {}
+    for r in rows:  # several backends: the first one's base row
+        if r.mode == base_mode:
+            base.setdefault((r.engine, r.weights, r.step, r.ctx), r.tok_per_s)
+    backends = {r.backend for r in rows if r.engine == "kvlens"}
     lcpp = {(r.mode, r.ctx): r.tok_per_s for r in rows if r.engine == "llama.cpp"}
 
     def ms(x: float | None) -> str:
@@ -74,7 +78,7 @@ def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
             [
                 r.engine,
                 r.weights,
-                r.mode,
+                f"{r.mode} ({r.backend})" if len(backends) > 1 and r.engine == "kvlens" else r.mode,
                 r.step,
                 str(r.ctx),
                 f"{r.tok_per_s:.1f}",
