@@ -339,3 +339,33 @@ def score4(typingctx, path_code, q_addr, qoff_addr, qs_addr, k_addr, bs_addr, n_
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def stage4(typingctx, k_addr, bs_addr, n_bytes, out_addr):
+    """``stage4(k, bs, n_bytes, out)``: the packed 4-bit rows at ``k`` (``n_bytes``, a multiple of
+    :data:`Q4_CHUNK`, contiguous rows) as f32 values ``(u - 8) * s_b`` at ``out`` in element order,
+    ``bs`` the f32 block scales (one per 16 bytes). Generic IR only (no x86 intrinsic: every CPU);
+    the same values as ``stage._stage_q4``'s loops (``u - 8`` is exact in f32, then one product)."""
+    sig = types.void(types.uintp, types.uintp, types.intp, types.uintp)
+
+    def codegen(context, builder, signature, args):
+        ka, ba, nb_v, oa = args
+        idx = nb_v.type
+        b32, b64, f64 = _vec(_I8, 32), _vec(_I8, 64), _vec(_F32, 64)
+        order = list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
+        with cgutils.for_range(builder, builder.udiv(nb_v, ir.Constant(idx, Q4_CHUNK))) as loop:
+            c = loop.index
+            k = _load(builder, builder.add(ka, builder.mul(c, ir.Constant(idx, Q4_CHUNK))), b32)
+            lo = builder.and_(k, ir.Constant(b32, [15] * 32))
+            hi = builder.lshr(k, ir.Constant(b32, [4] * 32))
+            codes = builder.sub(builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 64), order)),
+                                ir.Constant(b64, [8] * 64))  # fmt: skip
+            b2 = _load(builder, builder.add(ba, builder.mul(c, ir.Constant(idx, 8))), _vec(_F32, 2))
+            scale = builder.shuffle_vector(b2, b2, ir.Constant(_vec(_I32, 64), [0] * 32 + [1] * 32))
+            vals = builder.fmul(builder.sitofp(codes, f64), scale)
+            out_at = builder.add(oa, builder.mul(c, ir.Constant(idx, 4 * 2 * Q4_CHUNK)))
+            builder.store(vals, builder.inttoptr(out_at, f64.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen

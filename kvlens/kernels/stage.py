@@ -10,6 +10,7 @@ from numba import njit
 
 from ..kv.modes import Q4_BLOCK, StoreKind
 from .bits import bf16_bits, int8_f32, same_bits
+from .intdot import Q4_CHUNK, stage4
 
 CODE_Q8, CODE_F16, CODE_BF16, CODE_F32, CODE_Q4 = 0, 1, 2, 3, 4
 # the one place a StoreKind becomes the int code the compiled core branches on (rotation is the
@@ -49,29 +50,22 @@ def q4_tile_scales(bsc, h, t0, nt, bs_u, bs_f):  # pragma: no cover - compiled
 def _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f):  # pragma: no cover - compiled
     """4-bit rows (llama.cpp's q4_0 layout, :func:`kvlens.kv.quant.pack_q4`): in each block of 32,
     byte i holds element i (low nibble) and i + 16 (high), each as code + 8. The tile's fp16 block
-    scales (contiguous in the store) are converted first, in one flat pass (the f16 rows' bit
-    conversion); then each block is written as two contiguous runs of 16.
-
-    Written for LLVM's loop vectorizer: unsigned indices (a signed index gets numba's negative-index
-    wraparound, which blocks vectorization) and run lengths read from the shapes rather than the
-    constant 16 (a constant trip count is unrolled into scalar code instead). Same values as before,
-    ~2.5x faster (docs/beyond-q8.md)."""
-    nb = np.uint64(bsc.shape[2])
-    half = np.uint64(raw.shape[2]) // nb  # Q4B // 2, as a run-time value (see above)
-    n = np.uint64(nt)
+    scales (contiguous in the store) are converted first (:func:`q4_tile_scales`); then the tile's
+    packed bytes (contiguous: a tile never crosses a block of a paged cache) go through
+    :func:`intdot.stage4` 32 bytes at a time (generic vector IR: ~2x the numba loops it replaced,
+    which ran 16 values per loop; docs/beyond-q8.md), a last odd block (head_dim 32) by the loop."""
     q4_tile_scales(bsc, h, t0, nt, bs_u, bs_f)
-    row0 = np.uint64(t0)
-    for j in range(n):
-        for b in range(nb):
-            sb = bs_f[j * nb + b]
-            o1 = b * half  # the block's first byte
-            lo, hi = o1 + o1, o1 + o1 + half  # its first element, and element 16
-            for i in range(half):
-                c = np.float32(np.int32(raw[h, row0 + j, o1 + i] & np.uint8(15))) - np.float32(8.0)
-                dst_f[j, lo + i] = c * sb
-            for i in range(half):
-                c = np.float32(np.int32(raw[h, row0 + j, o1 + i] >> np.uint8(4))) - np.float32(8.0)
-                dst_f[j, hi + i] = c * sb
+    row_bytes = raw.shape[2]
+    total = nt * row_bytes
+    whole = total - total % Q4_CHUNK
+    stage4(raw[h, t0].ctypes.data, bs_f.ctypes.data, whole, dst_f.ctypes.data)
+    if whole < total:  # one block of 16 bytes left: the last row's last block
+        j, o1 = nt - 1, row_bytes - Q4B // 2
+        sb = bs_f[whole // (Q4B // 2)]
+        for i in range(Q4B // 2):
+            u = raw[h, t0 + j, o1 + i]
+            dst_f[j, 2 * o1 + i] = (np.float32(np.int32(u & np.uint8(15))) - np.float32(8.0)) * sb
+            dst_f[j, 2 * o1 + Q4B // 2 + i] = (np.float32(np.int32(u >> np.uint8(4))) - np.float32(8.0)) * sb
 
 
 @njit(inline="always")
