@@ -75,6 +75,13 @@ def test_doctor_reuses_a_plan_and_refuses_another_models(tmp_path, tiny_dir, cap
     again = run_plan(dataclasses.replace(cfg, reuse=str(path), calib_target=0.5))
     assert again.sensitivity == plan.sensitivity and again.passes == again.rounds
     assert again.calib_kld <= 0.5 * 0.01 or again.rounds == 3
+    # --no-verify: the same choice, its bytes, no held-out pass
+    quick = run_plan(dataclasses.replace(cfg, reuse=str(path), verify=False))
+    assert quick.rows == [] and quick.passes == quick.rounds and "verify" not in quick.seconds
+    assert quick.recipe.layers == plan.recipe.layers and quick.recipe.heads == plan.recipe.heads
+    assert quick.bytes_per_token == plan.rows[0]["bytes_per_token"]
+    q8 = 2 * 2 * ((32 + 4 + 2) + (32 + 4))  # 2 layers x 2 KV heads: K codes, scale, one int16 sum; V
+    assert quick.vs_q8 == pytest.approx(quick.bytes_per_token / q8)
     data = plan.to_json() | {"model": "another"}
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="was measured on another"):
