@@ -12,7 +12,10 @@ import pytest
 
 import kvlens
 from kvlens.bench import llama_cpp
+from kvlens.bench.bandwidth import MiB, ReadProbe
 from kvlens.bench.decode import TABLE_HEADERS, run_decode_bench, table_rows
+from kvlens.bench.decode_rows import machine_caption
+from kvlens.bench.spread import spread
 
 FAKE = """#!{python}
 import json, sys
@@ -43,9 +46,10 @@ def int8_llm():
 
 def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
     exe, log = fake_llama_bench(tmp_path)
+    probe = ReadProbe(n_bytes=8 * MiB, reps=1)
     rows = run_decode_bench(
         [smol_f32, int8_llm], [64], ["f16", "q8", "q8-k"], steps=3, with_hf=False, llama_bench=str(exe),
-        rounds=3, step_kinds=("fused", "general"),
+        rounds=3, step_kinds=("fused", "general"), probe=probe,
     )  # fmt: skip
     ours = [r for r in rows if r.engine == "kvlens"]
     assert {(r.weights, r.mode, r.step) for r in ours} == {
@@ -62,6 +66,9 @@ def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
             assert r.weights_ms + r.attn_ms + r.other_ms == pytest.approx(r.ms_per_tok)  # one step's parts
         assert r.rounds == 3 and r.tok_per_s_min <= r.tok_per_s <= r.tok_per_s_max  # the median round
         assert r.as_dict()["spread"] == pytest.approx(r.tok_per_s_max / r.tok_per_s_min - 1)
+        # the machine's read bandwidth, sampled once after each round, the same for every row
+        assert len(probe.samples) == 3 and r.machine_spread == spread(probe.samples)
+    assert "ctx 64" in machine_caption(rows) and "not sampled" in machine_caption([])
     by = {(r.weights, r.mode): r for r in ours}
     assert by["int8", "q8"].kv_bytes < by["int8", "f16"].kv_bytes  # 68 vs 128 bytes per row
     # llama.cpp: one run per KV mode with a twin (q8-k has none), same depth and threads

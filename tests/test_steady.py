@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import deque
 
 import numba
 import pytest
@@ -48,6 +49,8 @@ def test_warning_without_other_load_points_inside():
     line = spread_warning("f16 tok/s", Spread(36.0, 47.4, 60.3), IDLE)
     assert "67%" in line and "no other load seen" in line and "other load on the machine" not in line
     assert "not measured" in spread_warning("f16 tok/s", Spread(36.0, 47.4, 60.3), None)
+    moved = spread_warning("f16 tok/s", Spread(36.0, 47.4, 60.3), IDLE, machine=Spread(22.0, 25.0, 27.5))
+    assert moved.startswith(line) and "memory read bandwidth moved 25%" in moved and "22.0–27.5 GB/s" in moved
 
 
 def test_env_defaults_keep_user_values():
@@ -98,6 +101,10 @@ def test_run_serial_if_one_thread_then_restores():
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
 
 
+def _loadavg(running: int) -> str:
+    return f"1.9 1.9 1.9 {running}/380 4242"
+
+
 def test_others_running_subtracts_own_threads():
     calls = []
 
@@ -105,9 +112,31 @@ def test_others_running_subtracts_own_threads():
         calls.append(1)
         return 3
 
-    assert threads.others_running("0.61 0.82 0.47 1/213 4242", own) == 0 and not calls  # only us: not asked
-    assert threads.others_running("11.2 8.1 4.0 7/380 4242", own) == 4 and calls
-    assert threads.others_running("1.9 1.9 1.9 2/380 4242", lambda: 2) == 0  # our two threads only
+    assert threads.others_running(lambda: _loadavg(1), own) == 0 and not calls  # only us: not asked
+    assert threads.others_running(lambda: _loadavg(7), own) == 4 and calls
+    assert threads.others_running(lambda: _loadavg(2), lambda: 2) == 0  # our two threads only
+
+
+def test_others_running_does_not_count_our_threads_that_fall_asleep():
+    """Between two parallel regions our worker threads only fall asleep: one that still spun when the
+    load was first read and sleeps by the time we count our own must not pass for another process
+    (it did: a quiet box ran a few percent of its decode steps on one thread)."""
+    awake = {"workers": 1}  # the main thread runs throughout; one worker still spins
+
+    def read() -> str:
+        text = _loadavg(1 + awake["workers"])
+        awake["workers"] = 0  # and falls asleep right after the first read
+        return text
+
+    assert threads.others_running(read, lambda: 1 + awake["workers"]) == 0
+
+
+def test_steady_others_ignores_a_one_step_blip_but_not_a_neighbour():
+    recent = deque([0, 0], maxlen=threads.RECENT_STEPS)
+    assert [threads.steady_others(o, recent) for o in (1, 0, 0)] == [0, 0, 0]  # a task ran for a moment
+    held = [threads.steady_others(o, recent) for o in (1, 1, 1, 0, 1, 0, 1, 0, 0)]
+    # a neighbour holding a core: from its second reading on, while it is caught in two of three steps
+    assert held == [0, 1, 1, 1, 1, 0, 1, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -122,7 +151,8 @@ def test_step_threads(threads_, cpus, others, want):
 def test_decode_threads_keeps_a_count_the_user_fixed(monkeypatch):
     """A thread count the user set (env, ``--threads``) holds on a busy machine too; otherwise a step
     runs on the CPUs left free (here: /proc/loadavg says 40 tasks run, i.e. the machine is busy)."""
-    monkeypatch.setattr(threads, "others_running", lambda text, own: 40)
+    monkeypatch.setattr(threads, "others_running", lambda read, own: 40)
+    monkeypatch.setattr(threads, "_recent_others", deque([40, 40], maxlen=threads.RECENT_STEPS))
     numba.set_num_threads(2)
     try:
         monkeypatch.setattr(threads, "_user_count", True)
@@ -162,7 +192,8 @@ def test_busy_step_gives_the_same_attention_bits(monkeypatch):
     try:
         quiet = decode_attention_q8(q, k, ks, v, vs, ctx, np.zeros_like(q))
         monkeypatch.setattr(threads, "_user_count", False)
-        monkeypatch.setattr(threads, "others_running", lambda text, own: 40)
+        monkeypatch.setattr(threads, "others_running", lambda read, own: 40)
+        monkeypatch.setattr(threads, "_recent_others", deque([40, 40], maxlen=threads.RECENT_STEPS))
         with threads.decode_threads() as n:
             assert n == 1 and threads.split_threads() == 2
             busy = decode_attention_q8(q, k, ks, v, vs, ctx, np.zeros_like(q))

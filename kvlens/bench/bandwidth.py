@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numba
+import numpy as np
 import torch
 
 from ..kernels.cpu_int import IntAttn
@@ -62,6 +63,28 @@ def measure_bandwidth(n_bytes: int = 512 * MiB, reps: int = 5, device: str = "cp
     copy = 2 * src.numel() * 4 / min(t_copy) / 1e9
     read = src.numel() * 4 / min(t_read) / 1e9 if t_read else copy / 2  # GPU: no read-only probe
     return Bandwidth(copy, read, device)
+
+
+class ReadProbe:
+    """The machine's memory read bandwidth, sampled between a benchmark's rounds (best of ``reps``
+    parallel sums over a buffer well beyond the LLC): a speed that moves with it from round to round or
+    run to run moved with the machine (another VM's memory traffic, the host's clocks), not the code."""
+
+    def __init__(self, n_bytes: int = 256 * MiB, reps: int = 3) -> None:
+        self.buf = np.ones(n_bytes // 4, np.float32)  # pages faulted in here, not in the first sample
+        self.reps = reps
+        self.samples: list[float] = []
+
+    def sample(self) -> float:
+        """Read GB/s now (also appended to :attr:`samples`)."""
+        best = float("inf")
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            parallel_sum(self.buf, numba.get_num_threads())
+            best = min(best, time.perf_counter() - t0)
+        gb_per_s = self.buf.nbytes / best / 1e9
+        self.samples.append(gb_per_s)
+        return gb_per_s
 
 
 def _layer() -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -24,45 +24,13 @@ import torch
 from ..engine.llm import LLM
 from ..kv.cache import KVCache
 from ..kv.modes import KVMode
+from .bandwidth import ReadProbe
+from .decode_rows import TABLE_HEADERS, DecodeRow, machine_caption, table_rows
 from .llama_cpp import find_binary
-from .spread import LoadMeter, Spread, spread, spread_warning
+from .spread import LoadMeter, spread, spread_warning
 
 ROUNDS = 5  # timed rounds per (weights, mode, context) in ``kvlens bench decode``
 STEP_KINDS = ("fused", "general")
-
-
-@dataclass
-class DecodeRow:
-    engine: str
-    weights: str
-    mode: str
-    ctx: int
-    tok_per_s: float
-    ms_per_tok: float
-    kv_bytes: int
-    rss_bytes: int
-    backend: str
-    step: str = ""  # kvlens rows: "fused" (one call per layer where it applies) or "general"
-    # the step's time split (kvlens rows), ms per step over all layers:
-    attn_ms: float | None = None  # inside attend: KV write + attention
-    kv_write_ms: float | None = None  # the KV-write part of attn_ms (finite check, quantize, store)
-    weights_ms: float | None = None  # inside the weight matmuls (QKV, O, gate/up, down, LM head)
-    other_ms: float | None = None  # everything else: norms, RoPE, residuals, Python
-    layers_ms: float | None = None  # fused step: inside the per-layer compiled calls (all of the above)
-    # tok/s over the rounds (kvlens rows; tok_per_s is their median): how steady the figure is
-    tok_per_s_min: float | None = None
-    tok_per_s_max: float | None = None
-    rounds: int | None = None
-
-    @property
-    def spread(self) -> Spread | None:
-        if self.tok_per_s_min is None or self.tok_per_s_max is None:
-            return None
-        return Spread(self.tok_per_s_min, self.tok_per_s, self.tok_per_s_max)
-
-    def as_dict(self) -> dict:
-        s = self.spread
-        return asdict(self) | {"spread": None if s is None else s.rel}
 
 
 def corpus_ids(llm: LLM, n: int) -> list[int]:
@@ -192,11 +160,13 @@ def run_decode_bench(
     progress=None,
     rounds: int = 5,
     step_kinds: tuple[str, ...] = ("fused",),
+    probe: ReadProbe | None = None,
 ) -> list[DecodeRow]:
     """Rows for every (weights, KV mode, step kind) at every context: ``llms`` are the weight modes
     (one loaded model each); at one context all of them run interleaved, ``rounds`` times ``steps``
     timed steps each (the row's tok/s is the median round, its min and max show the spread), then HF
-    and llama-bench if asked. ``step_kinds``: ``fused`` and/or ``general`` (module docstring)."""
+    and llama-bench if asked. ``step_kinds``: ``fused`` and/or ``general`` (module docstring).
+    ``probe``: samples the machine's memory read bandwidth after every round (the rows then carry it)."""
     rows: list[DecodeRow] = []
     first = llms[0]
     for ctx in contexts:
@@ -211,7 +181,7 @@ def run_decode_bench(
         del source
         gc.collect()
         runs = [(step_variant(llm, k), m, k) for llm in llms for k in step_kinds for m in modes]
-        rows += timed_rows(runs, caches, ctx, steps, rounds, backend)
+        rows += timed_rows(runs, caches, ctx, steps, rounds, backend, probe)
         del caches
         gc.collect()
         if with_hf and (t := hf_decode_time(first, ids, steps)) is not None:
@@ -238,13 +208,17 @@ def step_variant(llm: LLM, kind: str) -> LLM:
 
 def timed_rows(
     runs: list[tuple[LLM, str, str]], caches: dict[str, KVCache], ctx: int, steps: int, rounds: int,
-    backend: str | None,
+    backend: str | None, probe: ReadProbe | None = None,
 ) -> list[DecodeRow]:  # fmt: skip
     """kvlens rows of every (llm, mode, step kind) run, timed interleaved at one context."""
     per_run: list[list[tuple[float, ...]]] = [[] for _ in runs]
+    machine = []
     for _ in range(rounds):  # interleave every run so drift hits them alike
         for i, (llm, m, _k) in enumerate(runs):
             per_run[i].append(time_decode(llm, caches[m], ctx - 1, steps, backend or llm.attn_backend))
+        if probe is not None:
+            machine.append(probe.sample())
+    mem = spread(machine) if machine else None
     rss = psutil.Process().memory_info().rss
     rows = []
     for (llm, m, kind), timed in zip(runs, per_run, strict=True):
@@ -256,6 +230,7 @@ def timed_rows(
                 "kvlens", llm.weights_mode, m, ctx, 1 / t, 1e3 * t, caches[m].bytes_per_token() * ctx, rss,
                 backend or llm.attn_backend, kind, *split, 1e3 * lin, 1e3 * (t - attn - lin - layers),
                 1e3 * layers if layers else None, s.low, s.high, len(timed),
+                *((mem.median, mem.low, mem.high) if mem else ()),
             )
         )  # fmt: skip
     return rows
@@ -283,49 +258,6 @@ def llama_cpp_rows(llm: LLM, binary: str, modes: list[str], ctx: int, steps: int
                     f"{r.kv_type} fa",
                 )
             )
-    return out
-
-
-TABLE_HEADERS = (
-    "engine", "weights", "KV", "step", "ctx", "tok/s", "min–max", "spread", "ms/tok", "× base KV",
-    "× llama.cpp", "layers ms", "weights ms", "attn ms", "(KV write)", "other ms", "KV MiB", "RSS MiB",
-)  # fmt: skip
-
-
-def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
-    """Printable rows: ``× base KV`` = tok/s over the ``base_mode`` row with the same engine, weights,
-    step kind and context; ``× llama.cpp`` = over llama-bench's row with the same KV mode and context."""
-    base = {(r.engine, r.weights, r.step, r.ctx): r.tok_per_s for r in rows if r.mode == base_mode}
-    lcpp = {(r.mode, r.ctx): r.tok_per_s for r in rows if r.engine == "llama.cpp"}
-
-    def ms(x: float | None) -> str:
-        return "" if x is None else f"{x:.2f}"
-
-    out = []
-    for r in rows:
-        b, ref = base.get((r.engine, r.weights, r.step, r.ctx)), lcpp.get((r.mode, r.ctx))
-        out.append(
-            [
-                r.engine,
-                r.weights,
-                r.mode,
-                r.step,
-                str(r.ctx),
-                f"{r.tok_per_s:.1f}",
-                "" if r.spread is None else f"{r.spread.low:.1f}–{r.spread.high:.1f}",
-                "" if r.spread is None else f"{r.spread.rel:.0%}",
-                f"{r.ms_per_tok:.2f}",
-                f"{r.tok_per_s / b:.2f}" if b else "",
-                f"{r.tok_per_s / ref:.2f}" if ref else "",
-                ms(r.layers_ms),
-                ms(r.weights_ms),
-                ms(r.attn_ms),
-                ms(r.kv_write_ms),
-                ms(r.other_ms),
-                f"{r.kv_bytes / 2**20:.1f}",
-                f"{r.rss_bytes / 2**20:.0f}" if r.rss_bytes else "",
-            ]  # fmt: skip
-        )
     return out
 
 
@@ -372,13 +304,13 @@ def main(cfg: DecodeBenchConfig, json_out: bool = False) -> None:
     if cfg.vs_llama_cpp and llms[0].source.suffix != ".gguf":
         raise ValueError("--vs-llama-cpp needs a GGUF model")
     rows: list[DecodeRow] = []
-    meter = LoadMeter()
+    meter, probe = LoadMeter(), ReadProbe()
     for c in cfg.ctx:
         rows += run_decode_bench(
             llms, [c], cfg.kv, cfg.steps, rounds=ROUNDS, with_hf=cfg.hf and c <= cfg.hf_max_ctx,
             llama_bench=cfg.vs_llama_cpp,
             progress=None if json_out else lambda c: print(f"  ctx {c} done", file=sys.stderr),
-            step_kinds=STEP_KINDS if cfg.step == "both" else (cfg.step,),
+            step_kinds=STEP_KINDS if cfg.step == "both" else (cfg.step,), probe=probe,
         )  # fmt: skip
     load = meter.read()
     if json_out:
@@ -390,8 +322,10 @@ def main(cfg: DecodeBenchConfig, json_out: bool = False) -> None:
             f"tok/s = median of {ROUNDS} rounds of {cfg.steps} steps, min–max over the rounds"
         )
         print_table(title, TABLE_HEADERS, table_rows(rows, cfg.kv[0]), width=190)
+        print(machine_caption(rows))
     for r in rows:
         if r.spread is not None:
-            line = spread_warning(f"{r.engine} {r.weights} {r.mode} ctx {r.ctx} tok/s", r.spread, load)
+            what = f"{r.engine} {r.weights} {r.mode} ctx {r.ctx} tok/s"
+            line = spread_warning(what, r.spread, load, machine=r.machine_spread)
             if line:
                 print(line, file=sys.stderr)

@@ -81,9 +81,14 @@ class LoadMeter:
 
 
 def spread_warning(
-    what: str, s: Spread, load: OtherLoad | None, threshold: float = WIDE_SPREAD
+    what: str,
+    s: Spread,
+    load: OtherLoad | None,
+    threshold: float = WIDE_SPREAD,
+    machine: Spread | None = None,
 ) -> str | None:
-    """A one-line warning when ``s`` is wider than ``threshold``, naming the likely cause; else None."""
+    """A one-line warning when ``s`` is wider than ``threshold``, naming the likely cause; else None.
+    ``machine``: the machine's memory read bandwidth (GB/s) over the same rounds, when it was sampled."""
     if s.rel <= threshold:
         return None
     line = f"warning: {what} varies {s.rel:.0%} between rounds (max/min - 1 > {threshold:.0%}); "
@@ -93,6 +98,10 @@ def spread_warning(
     top = ", ".join(f"{n} {c:.1f}" for n, c in load.top if c >= 0.05)
     if load.other_cpus >= BUSY_FRACTION * load.cpus:
         return line + f"likely cause: other load on the machine ({busy}{': ' + top if top else ''})"
-    return (
-        line + f"no other load seen ({busy}): the cause is in this process or the machine (frequency, memory)"
-    )
+    line += f"no other load seen ({busy}): the cause is in this process or the machine (frequency, memory)"
+    if machine is not None:
+        line += (
+            f"; the machine's memory read bandwidth moved {machine.rel:.0%} over the same rounds "
+            f"({machine.low:.1f}–{machine.high:.1f} GB/s)"
+        )
+    return line

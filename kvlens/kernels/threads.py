@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import TypeVar
@@ -23,6 +24,8 @@ T = TypeVar("T")
 ENV_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
 THREADS_ENV = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS")  # a thread count the user set
 _user_count = any(name in os.environ for name in THREADS_ENV)
+RECENT_STEPS = 3  # decode steps whose load readings decide one step's threads (their median)
+_recent_others: deque[int] = deque([0] * (RECENT_STEPS - 1), maxlen=RECENT_STEPS)
 _step = threading.local()  # .threads: the count a decode step divides work for, while it runs on fewer
 
 
@@ -68,17 +71,43 @@ def run_serial_if(small: bool, fn: Callable[..., T], *args) -> T:
 # processes hold CPUs, a step runs on the CPUs left (measured: docs/decode.md, "Steady speed").
 
 
-def others_running(loadavg: str, own_running: Callable[[], int]) -> int:
-    """Runnable tasks of other processes: the machine's ("3/210" in ``/proc/loadavg`` text) less this
-    process's ``own_running()`` (asked only when more than the caller's one thread is running)."""
-    running = int(loadavg.split()[3].split("/")[0])
-    return 0 if running <= 1 else max(0, running - own_running())
+def others_running(read_loadavg: Callable[[], str], own_running: Callable[[], int]) -> int:
+    """Runnable tasks of other processes: the machine's ("3/210" in ``/proc/loadavg`` text, as
+    ``read_loadavg()`` returns it) less this process's ``own_running()``, asked only when more than
+    the caller's one thread runs. The load is read a second time *after* our own threads are counted:
+    between two parallel regions our threads can only go to sleep, never wake, so counting them
+    first can only undercount the others; counted last, a worker that fell asleep in between was
+    taken for another process and a quiet step ran on one thread (12 of 281 steps of a quiet
+    ``bench decode``, docs/decode.md)."""
+    if _running(read_loadavg()) <= 1:
+        return 0
+    own = own_running()
+    return max(0, _running(read_loadavg()) - own)
+
+
+def _running(loadavg: str) -> int:
+    return int(loadavg.split()[3].split("/")[0])
 
 
 def step_threads(threads: int, cpus: int, others: int) -> int:
     """Threads for one decode step: ``threads``, less one for every CPU that other runnable tasks
     hold, never below one."""
     return max(1, min(threads, cpus - others))
+
+
+def steady_others(others: int, recent: deque[int] | None = None) -> int:
+    """The median of the last :data:`RECENT_STEPS` readings of :func:`others_running`, this one
+    included: a task that runs for a moment (a shell command, a kernel worker) does not cost a step
+    its second thread, while a neighbour that holds a core, even one that is caught only every
+    other step, does (on a quiet box, 4-8 of ~280 steps of ``bench decode`` read one other task)."""
+    recent = _recent_others if recent is None else recent
+    recent.append(others)
+    return sorted(recent)[len(recent) // 2]
+
+
+def _read_loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return f.read()
 
 
 def _own_running() -> int:
@@ -115,9 +144,9 @@ def decode_threads() -> Iterator[int]:
     if _user_count or threads == 1 or not os.path.exists("/proc/loadavg"):
         yield threads
         return
-    with open("/proc/loadavg") as f:
-        others = others_running(f.read(), _own_running)
-    n = step_threads(threads, len(os.sched_getaffinity(0)), others)
+    n = step_threads(
+        threads, len(os.sched_getaffinity(0)), steady_others(others_running(_read_loadavg, _own_running))
+    )
     if n == threads:
         yield n
         return

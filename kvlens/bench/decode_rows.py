@@ -1,0 +1,106 @@
+"""The rows of ``kvlens bench decode`` and their printed table."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .spread import Spread
+
+
+@dataclass
+class DecodeRow:
+    engine: str
+    weights: str
+    mode: str
+    ctx: int
+    tok_per_s: float
+    ms_per_tok: float
+    kv_bytes: int
+    rss_bytes: int
+    backend: str
+    step: str = ""  # kvlens rows: "fused" (one call per layer where it applies) or "general"
+    # the step's time split (kvlens rows), ms per step over all layers:
+    attn_ms: float | None = None  # inside attend: KV write + attention
+    kv_write_ms: float | None = None  # the KV-write part of attn_ms (finite check, quantize, store)
+    weights_ms: float | None = None  # inside the weight matmuls (QKV, O, gate/up, down, LM head)
+    other_ms: float | None = None  # everything else: norms, RoPE, residuals, Python
+    layers_ms: float | None = None  # fused step: inside the per-layer compiled calls (all of the above)
+    # tok/s over the rounds (kvlens rows; tok_per_s is their median): how steady the figure is
+    tok_per_s_min: float | None = None
+    tok_per_s_max: float | None = None
+    rounds: int | None = None
+    # the machine's memory read bandwidth, GB/s, sampled between the same rounds (bandwidth.ReadProbe):
+    # median, min, max; a tok/s that moves with it moved with the machine
+    mem_read_gb_s: float | None = None
+    mem_read_min: float | None = None
+    mem_read_max: float | None = None
+
+    @property
+    def spread(self) -> Spread | None:
+        if self.tok_per_s_min is None or self.tok_per_s_max is None:
+            return None
+        return Spread(self.tok_per_s_min, self.tok_per_s, self.tok_per_s_max)
+
+    @property
+    def machine_spread(self) -> Spread | None:
+        if self.mem_read_gb_s is None or self.mem_read_min is None or self.mem_read_max is None:
+            return None
+        return Spread(self.mem_read_min, self.mem_read_gb_s, self.mem_read_max)
+
+    def as_dict(self) -> dict:
+        s = self.spread
+        return asdict(self) | {"spread": None if s is None else s.rel}
+
+
+TABLE_HEADERS = (
+    "engine", "weights", "KV", "step", "ctx", "tok/s", "min–max", "spread", "ms/tok", "× base KV",
+    "× llama.cpp", "layers ms", "weights ms", "attn ms", "(KV write)", "other ms", "KV MiB", "RSS MiB",
+)  # fmt: skip
+
+
+def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
+    """Printable rows: ``× base KV`` = tok/s over the ``base_mode`` row with the same engine, weights,
+    step kind and context; ``× llama.cpp`` = over llama-bench's row with the same KV mode and context."""
+    base = {(r.engine, r.weights, r.step, r.ctx): r.tok_per_s for r in rows if r.mode == base_mode}
+    lcpp = {(r.mode, r.ctx): r.tok_per_s for r in rows if r.engine == "llama.cpp"}
+
+    def ms(x: float | None) -> str:
+        return "" if x is None else f"{x:.2f}"
+
+    out = []
+    for r in rows:
+        b, ref = base.get((r.engine, r.weights, r.step, r.ctx)), lcpp.get((r.mode, r.ctx))
+        out.append(
+            [
+                r.engine,
+                r.weights,
+                r.mode,
+                r.step,
+                str(r.ctx),
+                f"{r.tok_per_s:.1f}",
+                "" if r.spread is None else f"{r.spread.low:.1f}–{r.spread.high:.1f}",
+                "" if r.spread is None else f"{r.spread.rel:.0%}",
+                f"{r.ms_per_tok:.2f}",
+                f"{r.tok_per_s / b:.2f}" if b else "",
+                f"{r.tok_per_s / ref:.2f}" if ref else "",
+                ms(r.layers_ms),
+                ms(r.weights_ms),
+                ms(r.attn_ms),
+                ms(r.kv_write_ms),
+                ms(r.other_ms),
+                f"{r.kv_bytes / 2**20:.1f}",
+                f"{r.rss_bytes / 2**20:.0f}" if r.rss_bytes else "",
+            ]  # fmt: skip
+        )
+    return out
+
+
+def machine_caption(rows: list[DecodeRow]) -> str:
+    """One line under the table: the machine's memory read bandwidth over each context's rounds."""
+    per_ctx = {r.ctx: r.machine_spread for r in rows if r.machine_spread is not None}
+    parts = [
+        f"ctx {c} {m.median:.1f} GB/s ({m.low:.1f}–{m.high:.1f}, {m.rel:.0%})" for c, m in per_ctx.items()
+    ]
+    return "machine: memory read between the rounds (median, min–max, spread): " + (
+        "; ".join(parts) or "not sampled"
+    )
