@@ -41,7 +41,9 @@ def generate(
     top_p: float = Option(1.0, callback=cb.finite_option(above=0.0, maximum=1.0)),
     seed: int | None = Option(None),
     prefill_chunk: int = Option(512, min=1, help="Prompt tokens per prefill chunk."),
-    attn_backend: str = Option("auto", help=f"Attention backend: {', '.join(BACKENDS)}."),
+    attn_backend: str = Option(
+        "auto", help=f"Attention backend: {', '.join(BACKENDS)}.", callback=cb.backend_option
+    ),
     mirror_prefill: str = Option("exact", help="q8+mirror: prefill reads the 'exact' copy or 'q8' rows."),
     device: str | None = Option(None, help="cpu or cuda (default: cuda if any).", callback=cb.device_option),
     weights: str = Option("auto", help="f32, bf16, int8, int4 (kept quantized); auto: the file's own."),

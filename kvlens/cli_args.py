@@ -83,6 +83,13 @@ def finite_option(minimum: float | None = None, maximum: float | None = None, ab
     return _option(lambda v: check_float(v, "value", minimum, maximum, above))
 
 
+def backend_option(value: str | None) -> str | None:
+    """An attention backend name, checked when the command line is parsed (before any model loads)."""
+    from .engine.attention import check_backend_name
+
+    return _option(check_backend_name)(value)
+
+
 def sizes_option(minimum: int = 1, maximum: int = MAX_SIZE, suffix: bool = True):
     """A comma list of sizes, checked by :func:`parse_sizes`."""
     return _option(lambda v: parse_sizes(v, minimum, maximum, suffix))

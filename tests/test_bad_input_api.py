@@ -182,3 +182,24 @@ def test_sparse_config(kwargs, error, match):
 
     with pytest.raises(error, match=match):
         SparseConfig(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["doctor.DoctorConfig", "plan.PlanConfig"])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kld_budget": 0.0}, "--kld-budget must be > 0, got 0.0"),
+        ({"kld_budget": -1e-3}, "--kld-budget must be > 0, got -0.001"),
+        ({"kld_budget": math.nan}, "--kld-budget must be > 0, got nan"),
+        ({"kv": "q9"}, "unknown KV cache mode 'q9'"),  # the lab config's own checks still run first
+        ({"kv": "q9", "kld_budget": 0.0}, "unknown KV cache mode 'q9'"),
+    ],
+)
+def test_recipe_configs_check_budget_and_lab_fields(name, kwargs, match):
+    import importlib
+
+    module, cls = name.split(".")
+    config = getattr(importlib.import_module(f"kvlens.lab.{module}"), cls)
+    with pytest.raises(ValueError, match=match):
+        config(**kwargs)
+    config(kld_budget=1e-9)  # any positive budget is taken

@@ -61,6 +61,8 @@ BAD_OPTIONS = [
     (["lab", "needle", "--depth", "1.5"], "--depth"),
     (["lab", "needle", "--sparse-budget", "0.25,-1"], "--sparse-budget"),
     (["bench", "attention", "--mem-gib", "inf"], "--mem-gib"),
+    (["generate", "--attn-backend", "cuda-magic", "hi"], "--attn-backend"),
+    (["generate", "--attn-backend", "numba-int:avx3", "hi"], "--attn-backend"),
     (["bench", "attention", "--sparse", "quest", "--sparse-budget", "1k,0"], "--sparse-budget"),
     *[
         (["bench", "decode", "--ctx", bad], "--ctx")

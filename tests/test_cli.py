@@ -53,10 +53,6 @@ def test_lab_unknown_weights_mode(command):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_unknown_backend():
-    assert_clean_error(kvlens("generate", "--attn-backend", "cuda-magic", "hi"), "unknown attention backend")
-
-
 @pytest.mark.slow
 def test_prompt_longer_than_context(smol_path):
     long_prompt = "word " * 9000

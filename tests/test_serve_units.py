@@ -114,7 +114,12 @@ def test_serve_bad_option_is_one_error_line(args, line):
         ({"model": "m", "prompt": "x", "n": 3}, "n=1"),
         ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"model": "m", "prompt": "x", "frequency_penalty": -0.5}, "frequency_penalty"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"1": 2.0}}, "logit_bias"),
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "x", "best_of": 2}, "best_of=1"),
+        ({"model": "m", "prompt": "x", "suffix": "end"}, "suffix"),
+        ({"model": "m", "prompt": "x", "n": 2, "suffix": "end"}, "n=1"),  # the shared rules come first
         ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
         ({"model": "m", "prompt": "x", "tools": []}, "tools"),
         ({"model": "m", "prompt": "x", "temperature": 2.5}, "temperature"),
@@ -123,6 +128,14 @@ def test_serve_bad_option_is_one_error_line(args, line):
 def test_completion_request_refuses_what_it_cannot_honour(body, needle):
     with pytest.raises(ValueError, match=needle):
         CompletionRequest.model_validate(body)
+
+
+def test_chat_request_refuses_top_logprobs_without_logprobs():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
+    with pytest.raises(ValueError, match="top_logprobs requires logprobs"):
+        ChatRequest.model_validate(chat)
+    with pytest.raises(ValueError, match="only n=1"):  # the shared rules apply to chat too
+        ChatRequest.model_validate(chat | {"n": 2})
 
 
 def test_chat_content_parts_are_joined():

@@ -60,7 +60,21 @@ def decode_kernel(backend: str, device: torch.device = torch.device("cpu")):
     return kernel
 
 
+def check_backend_name(backend: str) -> str:
+    """``backend`` if it names a backend (an integer one may name its CPU path); else a BackendError.
+    Whether it can run here is :func:`resolve_backend`'s question, once the device is known."""
+    try:
+        if IntAttn.parse(backend) is not None:
+            return backend
+    except ValueError as e:
+        raise BackendError(str(e)) from None
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown attention backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    return backend
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
+    check_backend_name(backend)
     try:
         spec = IntAttn.parse(backend)
         if spec is not None:
@@ -71,8 +85,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if device.type != "cpu":
             raise BackendError(f"the {backend} backend runs on CPU tensors only")
         return backend
-    if backend not in BACKENDS:
-        raise BackendError(f"unknown attention backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
     if backend == "auto":
         if device.type == "cuda":
             try:

@@ -116,6 +116,17 @@ def layer_stores(
     return k, v
 
 
+def cache_stores(
+    mode: KVMode, n_layers: int, n_kv: int, cap: int, head_dim: int, device: torch.device, exact: bool
+) -> tuple[list[RowStore | HeadSplitStore], ...]:
+    """``(k, v, k_exact, v_exact)``: the K and V stores of every layer in ``mode`` (:func:`layer_stores`)
+    and, with ``exact``, their f32 copies (the mirror mode's, or the kept-exact rows'); else empty."""
+    k, v = layer_stores(mode, n_layers, n_kv, cap, head_dim, device)
+    f32 = KVMode("f32", F32, F32)
+    k_exact, v_exact = layer_stores(f32, n_layers, n_kv, cap, head_dim, device) if exact else ([], [])
+    return k, v, k_exact, v_exact
+
+
 def round_up(n: int, multiple: int = BLOCK) -> int:
     return -(-n // multiple) * multiple
 
@@ -280,12 +291,8 @@ class KVCache:
         cap = round_up(max(capacity, 1))
 
         mode.check_layout(n_layers, head_dim, n_kv_heads)
-        self.k, self.v = layer_stores(mode, n_layers, n_kv_heads, cap, head_dim, self.device)
-        exact = KVMode("f32", F32, F32)
-        self.k_exact, self.v_exact = (
-            layer_stores(exact, n_layers, n_kv_heads, cap, head_dim, self.device)
-            if self.has_mirror
-            else ([], [])
+        self.k, self.v, self.k_exact, self.v_exact = cache_stores(
+            mode, n_layers, n_kv_heads, cap, head_dim, self.device, exact=self.has_mirror
         )
         self.length = 0  # positions written in every layer
         # per-block key min/max for sparse decode's block selection (kv.blocks)

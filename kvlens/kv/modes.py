@@ -18,17 +18,17 @@ the CLI), into a :class:`KVMode`; everything inside takes the parsed value.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
 MIRROR_PREFILL = ("exact", "q8")
 
 
-class StoreKind(str, Enum):
+class StoreKind(StrEnum):
     """How one of K or V is stored: a float type; int8 codes plus one fp32 max_abs per row (q8, q8h);
     or packed 4-bit codes plus one fp16 scale per block of 32 values (q4, q4h). ``h``: the row is
-    rotated (randomized Hadamard) before it is quantized."""
+    rotated (randomized Hadamard) before it is quantized. Printed and formatted as its value."""
 
     F32 = "f32"
     F16 = "f16"
@@ -37,12 +37,6 @@ class StoreKind(str, Enum):
     Q8H = "q8h"
     Q4 = "q4"
     Q4H = "q4h"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
     @property
     def quantized(self) -> bool:

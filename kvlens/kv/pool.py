@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .cache import BLOCK, F32, HeadSplitStore, RowStore, check_kv_finite, layer_stores
+from .cache import BLOCK, HeadSplitStore, RowStore, cache_stores, check_kv_finite
 from .modes import MIRROR_PREFILL, CacheOptions, KVMode
 from .prefix import PrefixIndex
 
@@ -66,10 +66,8 @@ class BlockPool:
             )
         cap = self.n_blocks * BLOCK
 
-        self.k, self.v = layer_stores(mode, n_layers, n_kv_heads, cap, head_dim, self.device)
-        exact = KVMode("f32", F32, F32)
-        self.k_exact, self.v_exact = (
-            layer_stores(exact, n_layers, n_kv_heads, cap, head_dim, self.device) if mode.mirror else ([], [])
+        self.k, self.v, self.k_exact, self.v_exact = cache_stores(
+            mode, n_layers, n_kv_heads, cap, head_dim, self.device, exact=mode.mirror
         )
         self.refcount = np.zeros(self.n_blocks, np.int32)
         self._free: deque[int] = deque(range(self.n_blocks))

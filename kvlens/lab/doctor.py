@@ -35,7 +35,7 @@ from ..kv.modes import StoreKind
 from ..kv.recipe import mix, recipe_json, recipe_mode
 from ..report import md_table, print_table, write_markdown
 from .common import LabConfig, load_lab, model_name
-from .plan import PlanConfig, choose_verified, load_measurements, plan_chunks
+from .plan import KldBudget, PlanConfig, choose_verified, load_measurements, plan_chunks
 from .sensitivity import Sensitivity
 
 OUTLIER_RATIO = 6.0
@@ -45,18 +45,12 @@ F32 = StoreKind.F32
 
 
 @dataclass
-class DoctorConfig(LabConfig):
+class DoctorConfig(KldBudget, LabConfig):
     """``plan``: a ``lab plan --json`` output of the same model and corpus whose per-layer (or per-head)
     sensitivities the doctor reuses (with its ctx and calibration chunks) instead of measuring them."""
 
     ctx: int = 512
-    kld_budget: float = 0.002
     plan: str | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.kld_budget > 0:
-            raise ValueError(f"--kld-budget must be > 0, got {self.kld_budget}")
 
 
 @dataclass

@@ -38,11 +38,23 @@ SHRINK_ROUNDS = 3
 
 
 @dataclass
-class PlanConfig(CompareConfig):
+class KldBudget:
+    """The ``--kld-budget`` of a command that chooses a recipe (plan, doctor): the mean KLD (vs an f32
+    cache) it may cost. A mixin before a :class:`~.common.LabConfig` in the bases."""
+
+    kld_budget: float = 0.002
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the LabConfig after this mixin in the MRO
+        if not self.kld_budget > 0:
+            raise ValueError(f"--kld-budget must be > 0, got {self.kld_budget}")
+
+
+@dataclass
+class PlanConfig(KldBudget, CompareConfig):
     """``kvlens lab plan``: the budget, the chunks (calibration, then held-out), the candidate kinds
     and the recipe file; ``kv``: the modes the verification sets beside the recipe."""
 
-    kld_budget: float = 0.002
     ctx: int = 512
     calib_chunks: int = 2
     heldout_chunks: int = 4
@@ -55,8 +67,6 @@ class PlanConfig(CompareConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.kld_budget > 0:
-            raise ValueError(f"--kld-budget must be > 0, got {self.kld_budget}")
         if isinstance(self.candidates, str):
             self.candidates = [_kind(c) for c in self.candidates.split(",") if c.strip()]
         if not self.candidates:

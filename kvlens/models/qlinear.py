@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 import torch
@@ -136,6 +137,11 @@ class QLinear:
         self._t = [_block(a) for a in per_row]  # torch-owned storage
         self._np = [a.numpy() for a in self._t] if self.device.type == "cpu" else None
 
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> Self:
+        """The layer of a float weight ``[n, k]``: its codes in the layer's ``kind`` (int8, int4)."""
+        return cls(QCodes.quantize(w, cls.kind))
+
     @property
     def kernel_arrays(self) -> tuple[np.ndarray, ...] | None:
         """The arrays the layer's JIT kernel reads (CPU), in its argument order; None elsewhere."""
@@ -217,10 +223,6 @@ class Int8Linear(QLinear):
     def __init__(self, c: QCodes) -> None:
         super().__init__(*c.shape, [c.codes, c.scales])
 
-    @classmethod
-    def from_float(cls, w: torch.Tensor) -> Int8Linear:
-        return cls(QCodes.quantize(w, "int8"))
-
     def _unpack(self, per_row):
         return QCodes("int8", *per_row).dequantize()
 
@@ -233,10 +235,6 @@ class Int4Linear(QLinear):
         n, k = c.shape
         q = F.pad(c.codes, (0, k % 2))  # pair the last input with a zero code
         super().__init__(n, k, [q[:, 0::2] | (q[:, 1::2] << 4), c.scales, c.mins])
-
-    @classmethod
-    def from_float(cls, w: torch.Tensor) -> Int4Linear:
-        return cls(QCodes.quantize(w, "int4"))
 
     def _unpack(self, per_row):
         packed, s, mn = per_row

@@ -82,31 +82,43 @@ class _EngineCollector(Collector):
         )
 
 
+# The metrics the HTTP layer observes per request: attribute -> (name, doc, histogram buckets).
+_LATENCIES = {
+    "ttft": (
+        "kvlens_time_to_first_token_seconds",
+        "request arrival to its first generated token",
+        TTFT_BUCKETS,
+    ),
+    "itl": (
+        "kvlens_inter_token_latency_seconds",
+        "time between consecutive tokens of a request",
+        ITL_BUCKETS,
+    ),
+}
+# attribute -> (name, doc, label names)
+_REQUEST_COUNTERS = {
+    "requests": (
+        "kvlens_requests",
+        "requests answered, by endpoint and finish reason",
+        ("endpoint", "finish_reason"),
+    ),
+    "errors": ("kvlens_request_errors", "requests refused, by HTTP status", ("status",)),
+}
+
+
 class ServeMetrics:
+    ttft: Histogram
+    itl: Histogram
+    requests: Counter
+    errors: Counter
+
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
-        self.ttft = Histogram(
-            "kvlens_time_to_first_token_seconds",
-            "request arrival to its first generated token",
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
-        )
-        self.itl = Histogram(
-            "kvlens_inter_token_latency_seconds",
-            "time between consecutive tokens of a request",
-            buckets=ITL_BUCKETS,
-            registry=self.registry,
-        )
-        self.requests = Counter(
-            "kvlens_requests",
-            "requests answered, by endpoint and finish reason",
-            ["endpoint", "finish_reason"],
-            registry=self.registry,
-        )
-        self.errors = Counter(
-            "kvlens_request_errors", "requests refused, by HTTP status", ["status"], registry=self.registry
-        )
+        for attr, (name, doc, buckets) in _LATENCIES.items():
+            setattr(self, attr, Histogram(name, doc, buckets=buckets, registry=self.registry))
+        for attr, (name, doc, labels) in _REQUEST_COUNTERS.items():
+            setattr(self, attr, Counter(name, doc, labels, registry=self.registry))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -82,16 +82,27 @@ class _Common(BaseModel):
             raise ValueError("a stop sequence must not be empty")
         return stops
 
+    def _refusals(self) -> list[tuple[bool, str]]:
+        """(refused, message) for each request form kvlens refuses, in the order they are checked;
+        an endpoint's model appends its own to these."""
+        return [
+            (self.n != 1, "only n=1 is supported"),
+            (
+                bool(self.presence_penalty or self.frequency_penalty),
+                "presence_penalty and frequency_penalty are not supported (use 0)",
+            ),
+            (bool(self.logit_bias), "logit_bias is not supported"),
+            (
+                self.stream_options is not None and not self.stream,
+                "stream_options is only allowed when stream is true",
+            ),
+        ]
+
     @model_validator(mode="after")
-    def _neutral_only(self) -> _Common:
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+    def _refuse(self) -> _Common:
+        for refused, message in self._refusals():
+            if refused:
+                raise ValueError(message)
         return self
 
     @property
@@ -111,15 +122,12 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
+    def _refusals(self) -> list[tuple[bool, str]]:
+        return super()._refusals() + [
+            (self.echo, "echo is not supported"),
+            (self.best_of not in (None, 1), "only best_of=1 is supported"),
+            (bool(self.suffix), "suffix is not supported"),
+        ]
 
 
 class TextPart(BaseModel):
@@ -145,11 +153,13 @@ class ChatRequest(_Common):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
 
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> ChatRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
+    def _refusals(self) -> list[tuple[bool, str]]:
+        return super()._refusals() + [
+            (
+                self.top_logprobs is not None and not self.logprobs,
+                "top_logprobs requires logprobs to be true",
+            ),
+        ]
 
     @property
     def token_limit(self) -> int | None:
