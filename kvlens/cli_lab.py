@@ -115,6 +115,7 @@ def lab_plan(
     calib_target: float = Option(1.0, help="Share of the budget the recipe may cost on calibration text."),
     reuse: str | None = Option(None, help="A `lab plan --json` output whose sensitivities to reuse."),
     kv: str = Option("q8,f16", help="Modes verified beside the recipe."),
+    verify: bool = Option(True, "--verify/--no-verify", help="Verify the recipe on the held-out chunks."),
     prefill_chunk: int = opt.PREFILL,
     json_out: bool = opt.JSON,
 ) -> None:

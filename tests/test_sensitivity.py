@@ -75,7 +75,36 @@ def test_doctor_reuses_a_plan_and_refuses_another_models(tmp_path, tiny_dir, cap
     again = run_plan(dataclasses.replace(cfg, reuse=str(path), calib_target=0.5))
     assert again.sensitivity == plan.sensitivity and again.passes == again.rounds
     assert again.calib_kld <= 0.5 * 0.01 or again.rounds == 3
+    # --no-verify: the same choice, its bytes, no held-out pass
+    quick = run_plan(dataclasses.replace(cfg, reuse=str(path), verify=False))
+    assert quick.rows == [] and quick.passes == quick.rounds and "verify" not in quick.seconds
+    assert quick.recipe.layers == plan.recipe.layers and quick.recipe.heads == plan.recipe.heads
+    assert quick.bytes_per_token == plan.rows[0]["bytes_per_token"]
+    q8 = 2 * 2 * ((32 + 4 + 2) + (32 + 4))  # 2 layers x 2 KV heads: K codes, scale, one int16 sum; V
+    assert quick.vs_q8 == pytest.approx(quick.bytes_per_token / q8)
     data = plan.to_json() | {"model": "another"}
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="was measured on another"):
         run_doctor(DoctorConfig(model=str(tiny_dir), corpus=str(corpus), plan=str(path)))
+
+
+def test_plan_cli_no_verify_chooses_without_held_out_passes(tmp_path, tiny_dir):
+    from typer.testing import CliRunner
+
+    from kvlens.cli import app
+    from kvlens.kv.recipe import load_recipe
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"the {w} in a tin" for w in range(300)))
+    out = tmp_path / "r.json"
+    args = ["lab", "plan", "--model", str(tiny_dir), "--corpus", str(corpus), "--kld-budget", "0.01"]
+    args += ["--ctx", "64", "--calib-chunks", "1", "--heldout-chunks", "1", "--per-layer"]
+    args += ["--out", str(out), "--no-verify"]
+    res = CliRunner().invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    assert got["rows"] == [] and got["heldout_chunks"] == 0
+    assert set(got["seconds"]) == {"sensitivity", "choice"}
+    assert got["bytes_per_token"] == load_recipe(out).bytes_per_token(2, 2, 32)
+    text = CliRunner().invoke(app, args)
+    assert text.exit_code == 0 and "held-out verification not run" in text.stdout, text.output

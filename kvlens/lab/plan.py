@@ -13,7 +13,9 @@ on held-out text.
    KLD that keeps the sum within the working budget. The recipe is then measured on the calibration
    chunks; while it exceeds the budget, the working budget shrinks by the excess (3 rounds at most).
 3. Verification (held-out chunks, never seen by 1-2): the recipe and the comparison modes against
-   f32, KLD mean ± its standard error, bytes per token against f16 and q8.
+   f32, KLD mean ± its standard error, bytes per token against f16 and q8. ``verify=False`` skips
+   it: with ``reuse`` a choice then costs only the calibration checks, so a bytes-vs-budget curve
+   takes one run per budget and only the chosen point needs the held-out passes.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class PlanConfig(KldBudget, CompareConfig):
     per_head: bool = True
     calib_target: float = 1.0  # the share of the budget the recipe may cost on the calibration chunks
     reuse: str | None = None  # a earlier ``lab plan --json`` output: its sensitivities, not measured again
+    verify: bool = True  # run the held-out verification (False: choose and check on calibration text only)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -154,6 +157,8 @@ class PlanResult:
     calib_kld: float
     rounds: int
     n_kv_heads: int
+    bytes_per_token: int  # the recipe's, as stored
+    vs_q8: float  # bytes_per_token / q8's
     rows: list[dict[str, Any]] = field(default_factory=list)  # held-out verification, recipe first
     sensitivity: dict[str, float] = field(default_factory=dict)  # "layer[.head].role.kind" -> KLD
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of each stage
@@ -217,9 +222,7 @@ def verify(llm: LLM, chunks: list[list[int]], cfg: PlanConfig, recipe: KVMode) -
     run = _PplRun(llm, ppl_cfg, None, None)
     for chunk in chunks:
         run.score(chunk)
-    cfg_ = llm.config
-    f16 = MODES["f16"].bytes_per_token(cfg_.n_layers, cfg_.n_kv_heads, cfg_.head_dim)
-    q8 = MODES["q8"].bytes_per_token(cfg_.n_layers, cfg_.n_kv_heads, cfg_.head_dim)
+    f16, q8 = (_bytes(MODES[name], llm) for name in ("f16", "q8"))
     rows = []
     for r in run.mode_results(len(chunks) * cfg.ctx):
         s = r.stats
@@ -239,8 +242,13 @@ def verify(llm: LLM, chunks: list[list[int]], cfg: PlanConfig, recipe: KVMode) -
     return rows
 
 
+def _bytes(mode: KVMode, llm: LLM) -> int:
+    c = llm.config
+    return mode.bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim)
+
+
 def run_plan(cfg: PlanConfig) -> PlanResult:
-    """Measure, choose, write ``cfg.out``, verify on held-out chunks."""
+    """Measure, choose, write ``cfg.out``, verify on held-out chunks (unless ``cfg.verify`` is off)."""
     llm, _, text, label = load_compare(cfg)
     c = llm.config
     calib, held = plan_chunks(llm, text, cfg)
@@ -260,12 +268,16 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     meta = {"model": model_name(llm), "kld_budget": cfg.kld_budget, "calibration_kld": measured}
     save_recipe(recipe, c.n_layers, cfg.out, **meta)
     t2 = time.perf_counter()
+    bpt = _bytes(recipe, llm)
     result = PlanResult(
-        model_name(llm), label, cfg.kld_budget, cfg.ctx, len(calib), len(held), recipe, predicted, measured,
-        rounds, c.n_kv_heads, sensitivity={".".join(map(str, key)): v for key, v in table.items()}, passes=sens.passes,
+        model_name(llm), label, cfg.kld_budget, cfg.ctx, len(calib), len(held) if cfg.verify else 0, recipe,
+        predicted, measured, rounds, c.n_kv_heads, bpt, bpt / _bytes(MODES["q8"], llm),
+        sensitivity={".".join(map(str, key)): v for key, v in table.items()}, passes=sens.passes,
     )  # fmt: skip
-    result.rows = verify(llm, held, cfg, recipe)
-    result.seconds = {"sensitivity": t1 - t0, "choice": t2 - t1, "verify": time.perf_counter() - t2}
+    result.seconds = {"sensitivity": t1 - t0, "choice": t2 - t1}
+    if cfg.verify:
+        result.rows = verify(llm, held, cfg, recipe)
+        result.seconds["verify"] = time.perf_counter() - t2
     return result
 
 
@@ -275,12 +287,16 @@ def print_plan(r: PlanResult) -> None:
         f"recipe {r.recipe.name} for {r.model} ({r.n_kv_heads} KV heads per layer, {split} layers split per "
         f"head); per (layer, KV head): {mix(r.recipe, len(r.recipe.layers), r.n_kv_heads)}"
     )
+    print(f"recipe bytes/token {r.bytes_per_token} ({r.vs_q8:.3f}x q8's)")
     print(
         f"budget {r.budget:g}: predicted (sum of items) {r.predicted_kld:.3g}, calibration "
         f"{r.calib_kld:.3g} ({r.calib_chunks} chunks, {r.rounds} round(s), {r.passes} passes); held-out: "
         f"{r.heldout_chunks} chunks of {r.ctx} on {r.corpus}; seconds: "
         + ", ".join(f"{k} {v:.0f}" for k, v in r.seconds.items())
     )
+    if not r.rows:
+        print("held-out verification not run (--no-verify)")
+        return
     headers = ["KV", "bytes/token", "x f16", "x q8", "KLD mean ± err", "PPL ratio", "same top", "<= budget"]
     rows = [
         [
