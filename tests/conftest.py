@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+# kvlens before torch and numba: its OpenMP defaults and numba's cache folder (named by the kernels'
+# sources: numba's own per-file check misses edits to helpers other kernel files inline) are read
+# when those load
+import kvlens
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without a GPU the Triton kernels run under Triton's interpreter. The variable must be set before
 # anything imports triton (transformers and torch may import it during other tests), so it is set here.
@@ -47,8 +52,6 @@ def smol_loaded(smol_path):
 
 @pytest.fixture(scope="session")
 def smol_f32(smol_loaded):
-    import kvlens
-
     return kvlens.LLM(smol_loaded, kv="f32", attn_backend="torch")
 
 
@@ -92,6 +95,4 @@ def tiny_dir(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
     """:func:`tiny_dir` loaded with an f32 cache and torch attention (the modes under test are variants)."""
-    import kvlens
-
     return kvlens.load(tiny_dir, kv="f32", attn_backend="torch")
