@@ -87,6 +87,25 @@ def test_device_cuda_without_cuda(monkeypatch, capsys):
     assert code == 2 and out == "" and "not available" in err and "Traceback" not in err
 
 
+WEIGHTS_ERROR = "unknown weights mode 'int3'; expected auto, f32, bf16, int8, int4"
+BAD_CONFIGS = [
+    (["lab", "ppl", "--weights", "int3"], WEIGHTS_ERROR),
+    (["lab", "greedy", "--weights", "int3"], WEIGHTS_ERROR),
+    (["bench", "decode", "--no-hf", "--weights", "f32,int3"], "unknown weights mode 'int3'"),
+    (["bench", "decode", "--no-hf", "--kv", "f16,q7"], "unknown KV cache mode 'q7'"),
+    (["bench", "decode", "--no-hf", "--vs-llama-cpp", "/nonexistent/llama-bench"], "llama-bench not found"),
+]
+
+
+@pytest.mark.parametrize(("args", "needle"), BAD_CONFIGS, ids=[" ".join(a) for a, _ in BAD_CONFIGS])
+def test_bad_config_is_one_error_line_before_a_model_loads(monkeypatch, capsys, args, needle):
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the command's config was checked")
+
+    monkeypatch.setattr("kvlens.load", load)
+    assert_one_error_line(*run_main(monkeypatch, capsys, *args), needle)
+
+
 @pytest.mark.parametrize(
     ("raised", "exit_code", "needle"),
     [

@@ -46,13 +46,6 @@ def test_unknown_kv_mode():
     assert_clean_error(kvlens("generate", "--kv", "q3", "hi"), "unknown KV cache mode 'q3'")
 
 
-@pytest.mark.parametrize("command", ["ppl", "greedy"])
-def test_lab_unknown_weights_mode(command):
-    r = kvlens("lab", command, "--weights", "int3")
-    assert_clean_error(r, "unknown weights mode 'int3'; expected auto, f32, bf16, int8, int4")
-    assert len(r.stderr.strip().splitlines()) == 1
-
-
 @pytest.mark.slow
 def test_prompt_longer_than_context(smol_path):
     long_prompt = "word " * 9000
@@ -75,15 +68,3 @@ def test_generate_chat_streams_an_answer(smol_path):
     r = kvlens("generate", "--kv", "q8", "--chat", "--max-tokens", "24", "What is the capital of France?")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
-
-
-@pytest.mark.parametrize(
-    "args,needle",
-    [
-        (["--weights", "f32,int3"], "unknown weights mode 'int3'"),
-        (["--kv", "f16,q7"], "unknown KV cache mode 'q7'"),
-        (["--vs-llama-cpp", "/nonexistent/llama-bench"], "llama-bench not found"),
-    ],
-)
-def test_bench_decode_bad_input(args, needle):
-    assert_clean_error(kvlens("bench", "decode", "--no-hf", *args), needle)
