@@ -97,31 +97,46 @@ def test_smollm2_fused_step_is_bit_identical(smol_loaded, backend):
     assert_same_steps(llm, ids, "q8", steps=2)
 
 
+def refusals_of_both_paths(llm, kv: str, ids: list[int], spoil, error: type, match: str) -> list[tuple]:
+    """One decode step after ``ids`` with layer 1's ``attn_norm`` spoiled by ``spoil(norm)``, on the
+    fused and then the general path: each must raise ``error`` matching ``match``. Returns, per path,
+    (the message, the cache, its stores' tensors before the step)."""
+    out = []
+    for fused in (True, False):
+        cache = llm.new_cache(len(ids) + 1, kv)
+        llm.prefill(ids, cache)
+        before = [s.data.clone() for s in cache.k + cache.v]
+        norm = llm.model.w.layers[1].attn_norm
+        saved = norm.clone()
+        spoil(norm)
+        llm.fused_step = fused
+        try:
+            with pytest.raises(error, match=match) as e:
+                llm.forward([5], cache, len(ids), prefill=False)
+        finally:
+            norm.copy_(saved)
+            llm.fused_step = True
+        out.append((str(e.value), cache, before))
+    return out
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_non_finite_kv_is_refused_like_the_general_path(tiny_dirs):
     """A layer whose K turns NaN stops the step with the general path's error, storing none of it."""
     llm = kvlens.load(tiny_dirs["llama"], kv="q8", attn_backend="numba")
     ids = list(range(3, 20))
-    errors = []
-    for fused in (True, False):
-        cache = llm.new_cache(len(ids) + 1, "q8")
-        llm.prefill(ids, cache)
-        before = [s.data.clone() for s in cache.k + cache.v]
-        norm = llm.model.w.layers[1].attn_norm
-        saved = norm.clone()
+
+    def spoil(norm: torch.Tensor) -> None:
         norm[0] = float("inf")  # layer 1's normed input, hence its Q, K and V, turn non-finite
-        llm.fused_step = fused
-        try:
-            with pytest.raises(NonFiniteKVError, match="non-finite K value at layer 1, position 17") as e:
-                llm.forward([5], cache, len(ids), prefill=False)
-        finally:
-            norm.copy_(saved)
-            llm.fused_step = True
-        errors.append(str(e.value))
+
+    runs = refusals_of_both_paths(
+        llm, "q8", ids, spoil, NonFiniteKVError, "non-finite K value at layer 1, position 17"
+    )
+    for _, cache, before in runs:
         after = [s.data for s in cache.k + cache.v]
         assert torch.equal(after[1], before[1]) and torch.equal(after[3], before[3])  # layer 1's K, V
         assert cache.length == len(ids)
-    assert errors[0] == errors[1]
+    assert runs[0][0] == runs[1][0]
 
 
 def test_thread_count_is_restored(tiny_dirs):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode_step import Spy, assert_same_steps, decode_steps
+from test_decode_step import Spy, assert_same_steps, decode_steps, refusals_of_both_paths
 from tiny_models import write_hf
 
 import kvlens
@@ -47,24 +47,14 @@ def test_q4_block_out_of_fp16_range_is_refused_like_the_general_path(tiny64):
     none of that layer's rows."""
     llm = kvlens.load(tiny64, kv="q4h", attn_backend="numba-int")
     ids = list(range(3, 20))
-    errors = []
-    for fused in (True, False):
-        cache = llm.new_cache(len(ids) + 1, "q4h")
-        llm.prefill(ids, cache)
-        before = [s.data.clone() for s in cache.k + cache.v]
-        norm = llm.model.w.layers[1].attn_norm
-        saved = norm.clone()
+
+    def spoil(norm: torch.Tensor) -> None:
         norm.mul_(1e7)  # layer 1's K and V: finite, far past 7 x 65504
-        llm.fused_step = fused
-        try:
-            with pytest.raises(ValueError, match="overflows the fp16 scale of a block") as e:
-                llm.forward([5], cache, len(ids), prefill=False)
-        finally:
-            norm.copy_(saved)
-            llm.fused_step = True
-        errors.append(str(e.value))
+
+    runs = refusals_of_both_paths(llm, "q4h", ids, spoil, ValueError, "overflows the fp16 scale of a block")
+    for _, cache, before in runs:
         assert torch.equal(cache.k[1].data, before[1])
-    assert errors[0] == errors[1]
+    assert runs[0][0] == runs[1][0]
 
 
 @pytest.mark.usefixtures("one_thread")
