@@ -8,6 +8,15 @@ from numba import njit
 
 
 @njit(inline="always")
+def absmax(x):  # pragma: no cover - compiled
+    """max |x| over a 1-D f32 slice (0 for an empty one): what every row or block quantizer starts from."""
+    m = np.float32(0.0)
+    for i in range(x.size):
+        m = max(m, abs(x[i]))
+    return m
+
+
+@njit(inline="always")
 def int8_f32(code):  # pragma: no cover - compiled
     """An int8 code as f32 (exact)."""
     return np.float32(code)

@@ -36,6 +36,7 @@ from numba.extending import intrinsic, overload
 from ..kv.modes import StoreKind
 from ..kv.quant import rotation_signs
 from . import flash, intdot
+from .bits import absmax
 from .cpu import _decode_core
 from .cpu_int import _NO_KSUM, Q16_MAX, IntAttn
 from .cpu_int import _core as _int_core
@@ -120,9 +121,7 @@ def _add(x, y):  # pragma: no cover - compiled
 def _quantize_q16(q, inv_sqrt, q16, s16):  # pragma: no cover - compiled
     """cpu_int.quantize_query's 16-bit rule, the same f32 operations (no fastmath: no FMA)."""
     for hq in range(q.shape[0]):
-        m = np.float32(0.0)
-        for d in range(q.shape[1]):
-            m = max(m, abs(q[hq, d]))
+        m = absmax(q[hq])
         if m < np.float32(1e-30):
             m = np.float32(1.0)
         r = np.float32(Q16_MAX) / m

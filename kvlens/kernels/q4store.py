@@ -12,6 +12,8 @@ import math
 import numpy as np
 from numba import njit
 
+from .bits import absmax
+
 Q4_BLOCK = 32  # kvlens.kv.modes.Q4_BLOCK (this module is a leaf: the kv layer checks they agree)
 Q4_MAX = np.float32(7.0)
 FP16_MAX = np.float32(65504.0)
@@ -59,10 +61,7 @@ def first_fp16_overflow(x):  # pragma: no cover - compiled
     m, d = x.shape
     for r in range(m):
         for b in range(d // Q4_BLOCK):
-            amax = np.float32(0.0)
-            for i in range(b * Q4_BLOCK, (b + 1) * Q4_BLOCK):
-                amax = max(amax, abs(x[r, i]))
-            if amax / Q4_MAX > FP16_MAX:
+            if absmax(x[r, b * Q4_BLOCK : (b + 1) * Q4_BLOCK]) / Q4_MAX > FP16_MAX:
                 return r * (d // Q4_BLOCK) + b
     return -1
 
@@ -82,10 +81,7 @@ def store_q4_rows(x, data, bits, start):  # pragma: no cover - compiled
         for j in range(n):
             for b in range(hd // Q4_BLOCK):
                 o = b * Q4_BLOCK
-                amax = np.float32(0.0)
-                for i in range(Q4_BLOCK):
-                    amax = max(amax, abs(x[h, j, o + i]))
-                d = amax / Q4_MAX
+                d = absmax(x[h, j, o : o + Q4_BLOCK]) / Q4_MAX
                 inv = np.float32(1.0) / d if d > np.float32(0.0) else np.float32(0.0)
                 zero = d <= FP16_ZERO_MAX
                 for i in range(Q4_BLOCK):

@@ -1,10 +1,12 @@
 """The seed's int8 KV rule (:mod:`kvlens.kv.quant`) as one JIT pass, for the engine's per-token cache
-writes on the CPU, and a one-pass finite check. Imports nothing from kvlens (a leaf the kv layer calls)."""
+writes on the CPU, and a one-pass finite check. Imports only kernels.bits (a leaf the kv layer calls)."""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from .bits import absmax
 
 # the integer attention kernels (kernels.cpu_int) correct a +128-shifted query with the sum of each
 # 32-value block of key codes; |sum| <= 32 * 127 fits int16
@@ -29,9 +31,7 @@ def store_q8_rows(x, data, scale, start, ksum):  # pragma: no cover - compiled
     n_kv, n, hd = x.shape
     for h in range(n_kv):
         for j in range(n):
-            m = np.float32(0.0)
-            for d in range(hd):
-                m = max(m, abs(x[h, j, d]))
+            m = absmax(x[h, j])
             if m < np.float32(1e-6):
                 m = np.float32(1.0)
             inv = np.float32(127.0) / m

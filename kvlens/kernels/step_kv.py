@@ -14,6 +14,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from .bits import absmax
 from .q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
 from .q8store import store_q8_rows
 
@@ -105,9 +106,7 @@ def quantize_query_q4(q, inv_sqrt, q8, qp, qoff, qs):  # pragma: no cover - comp
     n_heads, hd = q.shape
     for hq in range(n_heads):
         for b in range(hd // Q_BLOCK):
-            m = np.float32(0.0)
-            for i in range(b * Q_BLOCK, (b + 1) * Q_BLOCK):
-                m = max(m, abs(q[hq, i]))
+            m = absmax(q[hq, b * Q_BLOCK : (b + 1) * Q_BLOCK])
             if m < TINY_MAX_ABS:
                 m = np.float32(1.0)
             inv = np.float32(127.0) / m
