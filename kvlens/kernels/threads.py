@@ -77,8 +77,7 @@ def others_running(read_loadavg: Callable[[], str], own_running: Callable[[], in
     the caller's one thread runs. The load is read a second time *after* our own threads are counted:
     between two parallel regions our threads can only go to sleep, never wake, so counting them
     first can only undercount the others; counted last, a worker that fell asleep in between was
-    taken for another process and a quiet step ran on one thread (12 of 281 steps of a quiet
-    ``bench decode``, docs/decode.md)."""
+    taken for another process and a quiet step ran on one thread (docs/decode.md, "Third pass")."""
     if _running(read_loadavg()) <= 1:
         return 0
     own = own_running()
@@ -98,8 +97,8 @@ def step_threads(threads: int, cpus: int, others: int) -> int:
 def steady_others(others: int, recent: deque[int] | None = None) -> int:
     """The median of the last :data:`RECENT_STEPS` readings of :func:`others_running`, this one
     included: a task that runs for a moment (a shell command, a kernel worker) does not cost a step
-    its second thread, while a neighbour that holds a core, even one that is caught only every
-    other step, does (on a quiet box, 4-8 of ~280 steps of ``bench decode`` read one other task)."""
+    its second thread, while a neighbour that holds a core, seen in two of the last three steps, does
+    (docs/decode.md, "Third pass")."""
     recent = _recent_others if recent is None else recent
     recent.append(others)
     return sorted(recent)[len(recent) // 2]
