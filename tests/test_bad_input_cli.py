@@ -94,6 +94,7 @@ BAD_CONFIGS = [
     (["bench", "decode", "--no-hf", "--weights", "f32,int3"], "unknown weights mode 'int3'"),
     (["bench", "decode", "--no-hf", "--kv", "f16,q7"], "unknown KV cache mode 'q7'"),
     (["bench", "decode", "--no-hf", "--vs-llama-cpp", "/nonexistent/llama-bench"], "llama-bench not found"),
+    (["bench", "decode", "--no-hf", "--attn-backend", "numba,bogus"], "unknown attention backend 'bogus'"),
 ]
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from ..engine.attention import check_backend_name
 from ..engine.llm import LLM
 from ..kernels.cpu_int import IntAttn
 from ..kv.cache import KVCache
@@ -301,6 +302,8 @@ class DecodeBenchConfig:
             KVMode.parse(m)
         for w in self.weights:
             check_weights_mode(w)
+        for b in self.attn_backend:
+            check_backend_name(b)
         if self.vs_llama_cpp:
             find_binary(self.vs_llama_cpp)  # fail before the long run
 
