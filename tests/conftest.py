@@ -8,10 +8,36 @@ from pathlib import Path
 
 import pytest
 
+
+def _own_numba_cache_per_xdist_worker() -> None:
+    """Under pytest-xdist (``-n 2``), each worker compiles into its own numba cache folder.
+
+    numba's cache is not safe for two processes saving one function at once: each reads the index,
+    picks the first free data-file number and writes both without a lock, so a worker's entry can
+    be lost or, worse, point at the data file of another signature (numba issue 10128). One folder
+    per worker, set in the environment before numba loads, also covers the subprocesses a test
+    starts (CLI runs). The folder sits inside kvlens' own, named by the kernels' sources
+    (``kernels/jitcache.py``, loaded from its file: importing ``kvlens`` would load numba first)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    if "NUMBA_CACHE_DIR" in os.environ:
+        base = Path(os.environ["NUMBA_CACHE_DIR"])
+    else:
+        package = Path(importlib.util.find_spec("kvlens").origin).parent  # finds, does not import
+        spec = importlib.util.spec_from_file_location("_kvlens_jitcache", package / "kernels" / "jitcache.py")
+        jitcache = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(jitcache)
+        base = jitcache.cache_dir()
+    os.environ["NUMBA_CACHE_DIR"] = str(base / f"xdist-{worker}")
+
+
+_own_numba_cache_per_xdist_worker()
+
 # kvlens before torch and numba: its OpenMP defaults and numba's cache folder (named by the kernels'
 # sources: numba's own per-file check misses edits to helpers other kernel files inline) are read
 # when those load
-import kvlens
+import kvlens  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without a GPU the Triton kernels run under Triton's interpreter. The variable must be set before
