@@ -46,12 +46,6 @@ def test_unknown_kv_mode():
     assert_clean_error(kvlens("generate", "--kv", "q3", "hi"), "unknown KV cache mode 'q3'")
 
 
-@pytest.mark.slow
-def test_prompt_longer_than_context(smol_path):
-    long_prompt = "word " * 9000
-    assert_clean_error(kvlens("generate", "--kv", "q8", long_prompt), "context of 8192 tokens")
-
-
 def test_default_model_missing_says_how_to_install(monkeypatch):
     import importlib.util
 
