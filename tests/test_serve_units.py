@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlens import cli
 from kvlens.models.tokenizer import Tokenizer
 from kvlens.serve.cli import parse_size
 from kvlens.serve.output import OutputText
@@ -97,15 +97,20 @@ def test_parse_size_refuses(text):
         ),
     ],
 )
-def test_serve_bad_option_is_one_error_line(args, line):
-    r = subprocess.run(
-        [sys.executable, "-m", "kvlens.cli", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [line]
+def test_serve_bad_option_is_one_error_line(monkeypatch, capsys, args, line):
+    """The real entry point in this process (a subprocess per case cost ~10 s of imports): exit 2 and
+    one error line, before any model loads (the process boundary: test_bad_input_cli's process tests)."""
+
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded before serve's options were checked")
+
+    monkeypatch.setattr("kvlens.load", load)
+    monkeypatch.setattr(sys, "argv", ["kvlens", "serve", *args])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert err.strip().splitlines() == [line]
 
 
 @pytest.mark.parametrize(
