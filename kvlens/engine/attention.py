@@ -60,31 +60,40 @@ def decode_kernel(backend: str, device: torch.device = torch.device("cpu")):
     return kernel
 
 
+def _int_spec(backend: str) -> IntAttn | None:
+    """The integer backend ``backend`` names (None for a float one); a BackendError if malformed."""
+    try:
+        return IntAttn.parse(backend)
+    except ValueError as e:
+        raise BackendError(str(e)) from None
+
+
+def _check_float_name(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown attention backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+
+
 def check_backend_name(backend: str) -> str:
     """``backend`` if it names a backend (an integer one may name its CPU path); else a BackendError.
     Whether it can run here is :func:`resolve_backend`'s question, once the device is known."""
-    try:
-        if IntAttn.parse(backend) is not None:
-            return backend
-    except ValueError as e:
-        raise BackendError(str(e)) from None
-    if backend not in BACKENDS:
-        raise BackendError(f"unknown attention backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if _int_spec(backend) is None:
+        _check_float_name(backend)
     return backend
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    check_backend_name(backend)
-    try:
-        spec = IntAttn.parse(backend)
-        if spec is not None:
-            spec.resolved_path()  # refuses a path the CPU cannot run
-    except ValueError as e:
-        raise BackendError(str(e)) from None
+    """The backend that runs for ``backend`` on ``device`` (``auto`` resolved); a BackendError when
+    it is unknown or cannot run there."""
+    spec = _int_spec(backend)
     if spec is not None:
+        try:
+            spec.resolved_path()  # refuses a path the CPU cannot run
+        except ValueError as e:
+            raise BackendError(str(e)) from None
         if device.type != "cpu":
             raise BackendError(f"the {backend} backend runs on CPU tensors only")
         return backend
+    _check_float_name(backend)
     if backend == "auto":
         if device.type == "cuda":
             try:
