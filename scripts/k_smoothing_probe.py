@@ -55,9 +55,11 @@ def variants(rot: torch.Tensor) -> dict:
 
     return {
         "q4 (absmax/7)": lambda k, c: q4_dequant(k, False),
+        "q4 (absmax/7), smoothed": lambda k, c: q4_dequant(k - c, False) + c,
         "q4h (absmax/7)": lambda k, c: rotated(k, False),
         "q4h (absmax/7), smoothed": lambda k, c: rotated(k - c, False) + c,
         "q4 (q4_0)": lambda k, c: q4_dequant(k, True),
+        "q4 (q4_0), smoothed": lambda k, c: q4_dequant(k - c, True) + c,
         "q4h (q4_0)": lambda k, c: rotated(k, True),
         "q4h (q4_0), smoothed": lambda k, c: rotated(k - c, True) + c,
     }

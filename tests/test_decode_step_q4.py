@@ -49,7 +49,7 @@ def test_q4_block_out_of_fp16_range_is_refused_like_the_general_path(tiny64):
     ids = list(range(3, 20))
 
     def spoil(norm: torch.Tensor) -> None:
-        norm.mul_(1e7)  # layer 1's K and V: finite, far past 7 x 65504
+        norm.mul_(1e7)  # layer 1's K and V: finite, far past 8 x 65504
 
     runs = refusals_of_both_paths(llm, "q4h", ids, spoil, ValueError, "overflows the fp16 scale of a block")
     for _, cache, before in runs:

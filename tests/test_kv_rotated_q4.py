@@ -99,35 +99,81 @@ def test_pack_unpack_is_exact_for_every_code_pair():
         pack_q4(torch.full((1, 32), 8, dtype=torch.int8))
 
 
-def q4_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The q4 rule in numpy float32: d = absmax/7 per 32 values, codes = C roundf(x * (1/d))."""
-    xb = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
-    d = np.abs(xb).max(-1) / np.float32(7.0)
-    inv = np.where(d > 0, np.float32(1.0) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    y = xb * inv[..., None]
-    t = np.trunc(y)
-    codes = t + np.where(np.abs(y - t) >= 0.5, np.sign(y), 0)
-    d16 = d.astype(np.float16)
-    codes = np.where(d16[..., None] == 0, 0, np.clip(codes, -7, 7))
-    return codes.reshape(x.shape).astype(np.int8), d16
+def q4_0_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's ``quantize_row_q4_0_ref`` transcribed from C, per block of 32, in numpy float32
+    scalars: the stored codes (0..15, value ``(code - 8) * d``) and the fp16 scale bits."""
+    blocks = np.asarray(x, np.float32).reshape(-1, 32)
+    codes = np.empty(blocks.shape, np.int64)
+    bits = np.empty(len(blocks), np.uint16)
+    for i, blk in enumerate(blocks):
+        amax = np.float32(0.0)
+        vmax = np.float32(0.0)
+        for v in blk:  # if (amax < fabsf(v)) { amax = fabsf(v); max = v; }
+            if amax < abs(v):
+                amax, vmax = abs(v), v
+        d = np.float32(vmax / np.float32(-8.0))
+        inv = np.float32(np.float32(1.0) / d) if d != 0 else np.float32(0.0)
+        for j, v in enumerate(blk):
+            y = np.float32(np.float32(v * inv) + np.float32(8.5))
+            codes[i, j] = min(15, math.trunc(float(y)))  # (int8_t): truncation; MIN(15, ...)
+        bits[i] = np.float16(d).view(np.uint16)
+    return codes.reshape(np.shape(x)), bits.reshape(*np.shape(x)[:-1], -1)
 
 
-def test_q4_rule_matches_an_independent_reference_and_the_lab_scheme():
+def edge_blocks() -> torch.Tensor:
+    """One row of 32-blocks, each an edge of the q4_0 rule."""
+    blocks = torch.zeros(7, 32)
+    blocks[0, :6] = torch.tensor([-3.0, 1.0, 3.0, -2.0, 0.75, -1.5])  # |max| tie, negative first: d = +3/8
+    blocks[1, :6] = torch.tensor([3.0, 1.0, -3.0, -2.0, 0.75, -1.5])  # positive first: d = -3/8
+    blocks[2, :5] = torch.tensor([8.0, -8.0, -7.5, 0.5, -0.5])  # d = -1: -8 clips to 15, x*id + 8.5 integers
+    blocks[3, :4] = torch.tensor([-8.0, 8.0, 7.5, -0.5])  # d = +1: the mirror image
+    # block 4 all zero; block 5 a scale that rounds to fp16 zero; block 6 random
+    blocks[5, :3] = torch.tensor([1e-9, -2e-9, 5e-10])
+    blocks[6] = torch.randn(32, generator=torch.Generator().manual_seed(5)) * 3
+    return blocks.reshape(1, -1)
+
+
+def test_q4_0_reference_by_hand():
+    """The transcription itself, on values worked out from the C rule by hand."""
+    codes, bits = q4_0_reference(edge_blocks().numpy())
+    d = bits.view(np.float16).astype(np.float64).reshape(-1)
+    assert d[:4].tolist() == [0.375, -0.375, -1.0, 1.0] and bits[0, 4] == 0x8000  # 0.0f / -8 = -0.0
+    blk = codes.reshape(7, 32)
+    # id = f32(8/3): -3 -> -8 + 8.5 -> 0; 1 -> 11.17 -> 11; 3 -> 16.5 clips to 15; 0.75 -> 10.5 -> 10
+    assert blk[0, :6].tolist() == [0, 11, 15, 3, 10, 4]
+    assert blk[1, :6].tolist() == [0, 5, 15, 13, 6, 12]  # the same block, max +3: d = -3/8
+    assert blk[2, :5].tolist() == [0, 15, 15, 8, 9]  # 8 -> 0; -8 -> 16.5 clips to 15; 0.5 -> 8; -0.5 -> 9
+    assert blk[3, :4].tolist() == [0, 15, 15, 8]  # -8 -> 0; 8 clips; 7.5 -> 16.0 clips; -0.5 -> 8
+    assert (blk[4] == 8).all()  # an all-zero block: id = 0, every code 8 (value 0)
+
+
+def test_q4_rule_is_llama_cpp_q4_0():
+    """Codes and scale bits of kvlens' 4-bit rule (torch, the JIT store, the lab scheme) against the
+    independent transcription; the one documented difference: a block whose fp16 scale is zero
+    stores code 8 (C's codes there are multiplied by that zero; the values agree)."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(3, 20, 128, generator=gen) * torch.rand(3, 20, 1, generator=gen) * 5
-    x[0, 0, :32] = 0.0  # an all-zero block
+    x[0, 0] = edge_blocks()[0, :128]
+    x[0, 1] = edge_blocks()[0, 96:]  # blocks 3-6: all zero (4), a scale that rounds to fp16 zero (5)
+    ref_codes, ref_bits = q4_0_reference(x.numpy())
+    zero_scale = ref_bits.view(np.float16) == 0
+    ref_codes = np.where(np.repeat(zero_scale, 32, -1), 8, ref_codes)
+    assert zero_scale.sum() >= 2 and not zero_scale.all()
     codes, d16 = quantize_q4(x)
-    ref_codes, ref_d16 = q4_reference(x.numpy())
-    assert np.array_equal(codes.numpy(), ref_codes)
-    assert np.array_equal(d16.numpy(), ref_d16)
-    # the cache's store and the lab's q4 scheme are one rule: identical values
+    assert np.array_equal(codes.numpy().astype(np.int64) + 8, ref_codes)
+    assert np.array_equal(d16.view(torch.int16).numpy().view(np.uint16), ref_bits)
     store = RowStore.empty(StoreKind.Q4, 3, 32, 128, CPU)
-    store.write(0, x)
+    store.write(0, x)  # the CPU store: the JIT pass (kernels/q4store.py)
+    raw = store.data[:, :20].numpy().astype(np.int64).reshape(3, 20, 4, 16)
+    stored = np.concatenate((raw & 15, raw >> 4), axis=-1).reshape(3, 20, 128)
+    assert np.array_equal(stored, ref_codes)
+    assert np.array_equal(store.scale[:, :20].view(torch.int16).numpy().view(np.uint16), ref_bits)
+    # the lab's q4 scheme is the same rule: identical values
     torch.testing.assert_close(store.read(0, 20), SCHEMES["q4"].fake_quant(x), rtol=0, atol=0)
-    # |error| <= half a step (+ the fp16 rounding of the scale times |code|)
-    step = torch.from_numpy(ref_d16.astype(np.float32)).repeat_interleave(32, -1)
-    d32 = (x.reshape(3, 20, 4, 32).abs().amax(-1) / 7).repeat_interleave(32, -1)
-    bound = step / 2 + 7 * (step - d32).abs() + 1e-7
+    # |error| <= half a step, or up to a step where +8 clipped to +7; + the fp16 scale's rounding
+    step = torch.from_numpy(np.abs(ref_bits.view(np.float16).astype(np.float32))).repeat_interleave(32, -1)
+    d32 = (x.reshape(3, 20, 4, 32).abs().amax(-1) / 8).repeat_interleave(32, -1)
+    bound = torch.maximum(step / 2, x.abs() - 7 * step) + 8 * (step - d32).abs() + 1e-7
     assert ((store.read(0, 20) - x).abs() <= bound).all()
 
 
@@ -173,6 +219,9 @@ def make_store(kind: str, n_kv: int, cap: int, hd: int, length: int, gen: torch.
     rows = torch.randn(n_kv, length, hd, generator=gen) * torch.rand(n_kv, length, 1, generator=gen) * 4
     rows[..., 5] *= 8
     store.write(0, rows)
+    if store.kind.int4:  # q4_0: every block's max is code -8 (nibble 0), so every kernel reads it
+        raw = store.data[:, :length].numpy().reshape(n_kv, length, hd // 32, 16)
+        assert (((raw & 15) == 0) | ((raw >> 4) == 0)).any(-1).all()
     if cap > length:  # would dominate (or overflow) the softmax if read
         store.data[:, length:] = 0xFF if store.kind.int4 else 127
         if store.scale is not None:
@@ -257,13 +306,13 @@ def test_rotated_cache_error_is_the_quantization_step(mode):
     for x, got, kind in ((k, k_read, m.k), (v, v_read, m.v)):
         xr = x.double() @ r
         amax = xr.abs().amax(-1, keepdim=True)
-        step = (
-            amax / 127
-            if kind.int8
-            else (xr.reshape(2, 50, -1, 32).abs().amax(-1) / 7).repeat_interleave(32, -1)
-        )
+        if kind.int8:
+            elem = (amax / 127 / 2).expand_as(xr)
+        else:  # q4_0: half a step, or up to a step where +8 clipped to +7 (step |max| / 8)
+            step = (xr.reshape(2, 50, -1, 32).abs().amax(-1) / 8).repeat_interleave(32, -1)
+            elem = torch.maximum(step / 2, xr.abs() - 7 * step)
         err = ((got.double() @ r.T) - x.double()).norm(dim=-1)
-        bound = (step / 2 * 1.01 + 1e-6).expand_as(xr).norm(dim=-1)
+        bound = (elem * 1.01 + 1e-6).norm(dim=-1)
         assert (err <= bound).all()
 
 
@@ -300,8 +349,8 @@ def test_engine_end_to_end_every_new_mode(tiny, mode):
     f32 = tiny.variant(kv="f32")
     ref = f32.logits(ids)[-4:]
     rel = float((steps["torch"] - ref).norm() / ref.norm())
-    # the relative step is 1/254 of a row's absmax at 8 bits, 1/14 of a block's at 4: the logits move
-    # by about that (measured 0.005 for q8h, 0.07-0.10 with a 4-bit kind); a query or output left
+    # the relative step is 1/254 of a row's absmax at 8 bits, 1/16 of a block's at 4: the logits move
+    # by about that (measured 0.005 for q8h, 0.07-0.10 with a 4-bit kind, absmax/7 rule); a query or output left
     # unrotated, or a wrong layout, gives 0.7-0.9
     m = KVMode.parse(mode)
     assert rel < (0.25 if m.k.int4 or m.v.int4 else 0.02), rel

@@ -1,7 +1,8 @@
 """The JIT cache writes of the rotated and 4-bit kinds (kernels/q4store.py) against the torch
 references they replace: bit-identical rotation (fast Walsh–Hadamard), bit-identical 4-bit codes and
-fp16 scales (kv.quant.quantize_q4 / pack_q4, themselves checked against numpy in
-test_kv_rotated_q4.py), near-tie values, all-zero rows and fp16-subnormal scales included."""
+fp16 scales (kv.quant.quantize_q4 / pack_q4, themselves checked against a numpy transcription of
+llama.cpp's q4_0 in test_kv_rotated_q4.py), near-tie values, all-zero rows, fp16-subnormal and
+zero scales included."""
 
 from __future__ import annotations
 
@@ -32,17 +33,21 @@ def awkward_rows(n_kv: int, n: int, hd: int, seed: int) -> torch.Tensor:
     x[0, 0] = 0.0  # an all-zero row
     x[0, 1, :32] = 1e-9  # a block whose scale rounds to fp16 zero
     x[0, 2] *= 1e-5  # fp16-subnormal scales
-    # exact ties: absmax 7 -> d = 1, codes from x * 1 at k + 0.5 (half away from zero)
-    ties = torch.tensor([7.0, -7.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 3.5, -3.5, 6.5, -6.5])
+    x[0, 4, :32] = -2e-38  # a block whose 1/d overflows f32 (d = 2.5e-39)
+    # exact ties of x * id + 8.5 (q4_0): the block's max -8 -> d = 1, so x * id = x exactly
+    ties = torch.tensor([-8.0, 8.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 6.5, -6.5, 7.5, -7.5])
     x[0, 3, : ties.numel()] = ties
     x[0, 3, ties.numel() : 32] = 0.25
-    # one ulp either side of a tie, at a scale where 1/d is inexact
+    x[0, 5, :32] = -x[0, 3, :32]  # the mirror block: max +8, d = -1
+    # one ulp either side of a tie, at a scale where 1/d is inexact: each block's max is -8 d, so
+    # d is the block's scale and x * id lands next to k + 0.5
     d = torch.rand(n_kv, 8, hd // 32, 1, generator=gen) * 3 + 0.1
-    k = torch.randint(-6, 6, (n_kv, 8, hd // 32, 32), generator=gen).float() + 0.5
+    k = torch.randint(-8, 7, (n_kv, 8, hd // 32, 32), generator=gen).float() + 0.5
+    k[..., 0] = -8.0
     y = (k * d).reshape(n_kv, 8, hd)
-    y[..., ::3] = torch.nextafter(y[..., ::3], torch.tensor(np.inf))
-    y[..., 1::3] = torch.nextafter(y[..., 1::3], torch.tensor(-np.inf))
-    x[:, 4:12] = y
+    y[..., 1::3] = torch.nextafter(y[..., 1::3], torch.tensor(np.inf))
+    y[..., 2::3] = torch.nextafter(y[..., 2::3], torch.tensor(-np.inf))
+    x[:, 6:14] = y
     return x
 
 
@@ -77,6 +82,7 @@ def test_fp16_bits_round_to_nearest_even_like_numpy():
         )
     )
     vals = vals[vals <= 65504]
+    vals = np.concatenate((vals, -vals, [np.float32(-0.0)]))  # q4_0's scale is signed (d = max / -8)
     got = np.array([fp16_bits(v) for v in vals], np.uint16)
     assert np.array_equal(got, vals.astype(np.float16).view(np.uint16))
 
@@ -95,9 +101,15 @@ def test_jit_q4_store_is_bit_identical_to_the_reference_quantizer(hd):
 
 
 def test_jit_q4_store_refuses_a_scale_beyond_fp16():
+    """d = |max| / 8: 8 x 65504 is the largest |x| stored (d = -65504 exactly); the next f32 up is refused."""
     rows = torch.zeros(1, 2, 64)
-    rows[0, 1, 40] = 7 * 65504 * 1.01
+    rows[0, 1, 40] = 8 * 65504
     data, scale = torch.zeros(1, 4, 32, dtype=torch.uint8), torch.ones(1, 4, 2, dtype=torch.float16)
+    store_q4(rows, data, scale, 0)
+    assert float(scale[0, 1, 1]) == -65504.0 and int(data[0, 1, 16 + 8]) == 0x80  # element 40: code 0, 56: 8
+    assert torch.equal(quantize_q4(rows)[1], scale[:, :2])
+    rows[0, 1, 40] = torch.nextafter(torch.tensor(8 * 65504.0), torch.tensor(np.inf))
+    data.zero_()
     with pytest.raises(ValueError, match="overflows the fp16 scale"):
         store_q4(rows, data, scale, 0)
     with pytest.raises(ValueError, match="overflows the fp16 scale"):

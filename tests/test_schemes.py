@@ -35,10 +35,14 @@ def kv_tensors(min_abs: float = 0.0, max_abs: float = 1e4):
 
 
 def error_bound(name: str, x: torch.Tensor, role: str) -> torch.Tensor:
-    """step/2, plus llama.cpp's fp16-scale term qmax·|d - fp16(d)|, plus float rounding."""
+    """step/2 (q4, llama.cpp's q4_0: up to a step where the side opposite the block's max clips at +7,
+    max(step/2, |x| - 7 step)), plus llama.cpp's fp16-scale term qmax·|d - fp16(d)|, plus float
+    rounding."""
     s = get_scheme(name)
     step = s.step(x, role)
-    bound = step / 2 + 8 * EPS * x.abs().amax()
+    bound = (
+        torch.maximum(step / 2, x.abs() - 7 * step) if name == "q4" else step / 2
+    ) + 8 * EPS * x.abs().amax()
     if s.fp16_scale:
         axis = s.axis(role)
         d = _to_groups(x, axis, s.group).abs().amax(-1, keepdim=True) / s.qmax
@@ -140,6 +144,18 @@ def test_q8_0_matches_llama_cpp_arithmetic():
     assert torch.allclose(SCHEMES["q8_0"].fake_quant(y), torch.full_like(y, 127 * d16), rtol=0, atol=0)
 
 
+def test_q4_is_llama_cpp_q4_0_by_hand():
+    # max +8 (first of the |8| tie) -> d = -1: 8 -> code -8; -8 -> 16.5 clips to +7 (value -7: a whole
+    # step off); 0.5 -> 8.0 -> 0; -0.5 -> 9.0 -> +1 (value -1); 3.25 -> 5.25 -> 5 - 8 = -3 (value 3)
+    x = torch.zeros(1, 1, 32)
+    x[0, 0, :5] = torch.tensor([8.0, -8.0, 0.5, -0.5, 3.25])
+    qt = SCHEMES["q4"].quantize(x)
+    assert qt.codes.flatten()[:5].tolist() == [-8, 7, 0, 1, -3]
+    assert qt.scale.dtype == torch.float16 and float(qt.scale.flatten()[0]) == -1.0
+    assert SCHEMES["q4"].fake_quant(x).flatten()[:5].tolist() == [8.0, -7.0, 0.0, -1.0, 3.0]
+    assert float(SCHEMES["q4"].step(x).min()) == 1.0  # the step is |d|
+
+
 def test_block_schemes_use_blocks_of_32_along_head_dim():
     x = torch.ones(1, 2, 64)
     x[0, 0, 40] = 100.0  # only the second block of row 0 gets the big scale
@@ -181,4 +197,4 @@ def test_bits_per_value_and_registry():
         get_scheme("q3")
     with pytest.raises(ValueError, match="role"):
         SCHEMES["q8"].fake_quant(torch.ones(1, 2, 4), "q")
-    assert math.isclose(SCHEMES["q4"].qmax, 7.0)
+    assert math.isclose(SCHEMES["q4"].qmax, 8.0)

@@ -17,6 +17,19 @@ def absmax(x):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
+def signed_absmax(x):  # pragma: no cover - compiled
+    """The element of largest |x| of a 1-D f32 slice with its sign, the first on ties (+0 for an empty
+    or all-zero one): llama.cpp's q4_0 block max (``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }``)."""
+    a = np.float32(0.0)
+    m = np.float32(0.0)
+    for i in range(x.size):
+        if a < abs(x[i]):
+            a = abs(x[i])
+            m = x[i]
+    return m
+
+
+@njit(inline="always")
 def int8_f32(code):  # pragma: no cover - compiled
     """An int8 code as f32 (exact)."""
     return np.float32(code)

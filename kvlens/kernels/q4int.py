@@ -1,7 +1,7 @@
 """Integer Q·K scores over 4-bit K rows (q4, q4h) for the integer-score kernel (:mod:`.cpu_int`).
 
 A 4-bit row stores, per block ``b`` of 32 values, an fp16 scale ``s_b`` and the codes ``c + 8``
-(``c`` in -7..7) two per byte (llama.cpp's q4_0 order: byte ``i`` holds value ``i`` in its low nibble
+(``c`` in -8..7, llama.cpp's q4_0 rule) two per byte (llama.cpp's q4_0 order: byte ``i`` holds value ``i`` in its low nibble
 and value ``i + 16`` in its high one). With the query quantized to int8 per 32-block (``q ≈ s_q,b ·
 q8``, the 8-bit rule of :func:`kvlens.kernels.cpu_int.quantize_query`), a score is
 

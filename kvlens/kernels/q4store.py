@@ -1,6 +1,6 @@
 """The rotated and 4-bit KV rules (:mod:`kvlens.kv.quant`) as JIT passes, for the engine's per-token
 cache writes on the CPU: the randomized Hadamard rotation as a fast Walsh–Hadamard transform, and the
-4-bit symmetric block rule with its fp16 scale and two codes per byte. The torch reference does the
+4-bit block rule (llama.cpp's q4_0) with its fp16 scale and two codes per byte. The torch reference does the
 same float32 operations in the same order (no fastmath: no FMA contraction, no reassociation), so the
 results are bit-identical (tests/test_kv_store_jit.py). Imports nothing from kvlens (a leaf the kv
 layer calls)."""
@@ -12,10 +12,10 @@ import math
 import numpy as np
 from numba import njit
 
-from .bits import absmax
+from .bits import absmax, signed_absmax
 
 Q4_BLOCK = 32  # kvlens.kv.modes.Q4_BLOCK (this module is a leaf: the kv layer checks they agree)
-Q4_MAX = np.float32(7.0)
+Q4_LOW = np.float32(8.0)  # q4_0: d = (signed max) / -8, stored codes 0..15 (value (code - 8) * d)
 FP16_MAX = np.float32(65504.0)
 FP16_ZERO_MAX = np.float32(2.0**-25)  # an f32 at or below this rounds to an fp16 zero (ties to even)
 
@@ -44,24 +44,26 @@ def hadamard_rows(x, pre, post, scale, out):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def fp16_bits(d):  # pragma: no cover - compiled
-    """The fp16 bit pattern of a finite f32 ``d`` in [0, 65504], rounded to nearest even: one
-    rounding of the exact value in float64 (``m 2^e``, ``m`` in [0.5, 1): 11 significant bits)."""
-    x = np.float64(d)
+    """The fp16 bit pattern of a finite f32 ``d`` with |d| <= 65504, rounded to nearest even (the
+    sign kept, -0 included): one rounding of the exact |d| in float64 (``m 2^e``, ``m`` in [0.5, 1):
+    11 significant bits)."""
+    sign = np.uint16(0x8000) if np.signbit(d) else np.uint16(0)
+    x = abs(np.float64(d))
     if x < 2.0**-14:  # subnormal fp16: a multiple of 2^-24 (1024 * 2^-24 is the smallest normal)
-        return np.uint16(np.rint(x * 2.0**24))
+        return sign | np.uint16(np.rint(x * 2.0**24))
     m, e = math.frexp(x)
     r = np.rint(m * 2048.0)  # 1024..2048; 2048 carries into the exponent field below
-    return np.uint16(((e + 14) << 10) + np.int64(r) - 1024)
+    return sign | np.uint16(((e + 14) << 10) + np.int64(r) - 1024)
 
 
 @njit(cache=True)
 def first_fp16_overflow(x):  # pragma: no cover - compiled
-    """Flat index of the first 32-block of rows ``x [m, d]`` whose scale ``absmax / 7`` exceeds the
+    """Flat index of the first 32-block of rows ``x [m, d]`` whose scale ``|max| / 8`` exceeds the
     fp16 range, or -1."""
     m, d = x.shape
     for r in range(m):
         for b in range(d // Q4_BLOCK):
-            if absmax(x[r, b * Q4_BLOCK : (b + 1) * Q4_BLOCK]) / Q4_MAX > FP16_MAX:
+            if absmax(x[r, b * Q4_BLOCK : (b + 1) * Q4_BLOCK]) / Q4_LOW > FP16_MAX:
                 return r * (d // Q4_BLOCK) + b
     return -1
 
@@ -70,10 +72,11 @@ def first_fp16_overflow(x):  # pragma: no cover - compiled
 def store_q4_rows(x, data, bits, start):  # pragma: no cover - compiled
     """The q4 rule over rows ``x [n_kv, n, d]`` (f32, finite, scales in range: the caller checks with
     :func:`first_fp16_overflow`) into ``data [n_kv, cap, d/2]`` (uint8 code pairs, llama.cpp's q4_0
-    order: byte i of a block holds elements i and i + 16, each as code + 8) and ``bits [n_kv, cap,
-    d/32]`` (the fp16 scales' bits), at positions ``start ..``. Per block: ``d = absmax / 7``,
-    codes ``roundf(x * (1/d))`` (C roundf: half away from zero) clamped to +-7; a scale that rounds to
-    fp16 zero stores zero codes."""
+    order: byte i of a block holds elements i and i + 16) and ``bits [n_kv, cap, d/32]`` (the fp16
+    scales' bits), at positions ``start ..``. Per block, llama.cpp's ``quantize_row_q4_0_ref``:
+    ``max`` the first element of largest |x| with its sign, ``d = max / -8``, ``id = d ? 1/d : 0``,
+    stored code ``min(15, (int)(x * id + 8.5f))``; a scale that rounds to fp16 zero stores code 8
+    (value 0; :func:`kvlens.kv.quant.quantize_q4_0_blocks` is the torch rule, bit-identical)."""
     n_kv, n, hd = x.shape
     half = Q4_BLOCK // 2
     codes = np.empty(Q4_BLOCK, np.int32)
@@ -81,16 +84,16 @@ def store_q4_rows(x, data, bits, start):  # pragma: no cover - compiled
         for j in range(n):
             for b in range(hd // Q4_BLOCK):
                 o = b * Q4_BLOCK
-                d = absmax(x[h, j, o : o + Q4_BLOCK]) / Q4_MAX
-                inv = np.float32(1.0) / d if d > np.float32(0.0) else np.float32(0.0)
-                zero = d <= FP16_ZERO_MAX
+                d = signed_absmax(x[h, j, o : o + Q4_BLOCK]) / -Q4_LOW
+                inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+                zero = abs(d) <= FP16_ZERO_MAX
                 for i in range(Q4_BLOCK):
+                    if zero:  # (1/d may even overflow: no cast of inf or NaN)
+                        codes[i] = 8
+                        continue
                     y = x[h, j, o + i] * inv
-                    t = np.float32(np.int32(y))  # trunc; |y| <= 7 (+ an ulp)
-                    if abs(y - t) >= np.float32(0.5):
-                        t += np.float32(1.0) if y > np.float32(0.0) else np.float32(-1.0)
-                    c = min(max(t, -Q4_MAX), Q4_MAX)
-                    codes[i] = 0 if zero else np.int32(c)
+                    # y + 8.5 >= 0.5 (|y| <= 8 + an ulp): C's cast truncates, = floor here
+                    codes[i] = min(np.int32(y + np.float32(8.5)), 15)
                 for i in range(half):
-                    data[h, start + j, b * half + i] = np.uint8((codes[i] + 8) | ((codes[i + half] + 8) << 4))
+                    data[h, start + j, b * half + i] = np.uint8(codes[i] | (codes[i + half] << 4))
                 bits[h, start + j, b] = fp16_bits(d)

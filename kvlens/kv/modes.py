@@ -10,8 +10,8 @@ the CLI), into a :class:`KVMode`; everything inside takes the parsed value.
                       prefill reads the exact copy when ``mirror_prefill="exact"`` (the seed's
                       default) or the int8 rows when ``mirror_prefill="q8"``
     q8h               q8 after a fixed randomized Hadamard rotation of each row (kvlens.kv.quant)
-    q4, q4h           symmetric 4-bit in blocks of 32 along head_dim, fp16 scale per block, two codes
-                      per byte (the lab's ``q4`` scheme rule); q4h rotated first like q8h
+    q4, q4h           llama.cpp's q4_0: 4-bit codes -8..7 in blocks of 32 along head_dim, fp16 scale
+                      per block, two codes per byte (the lab's ``q4`` scheme rule); q4h rotated first
     k=KIND,v=KIND     separate K and V kinds, e.g. ``k=q8h,v=q4h`` (K is the sensitive one)
 """
 

@@ -110,14 +110,14 @@ def store_q8(
 # -- the 4-bit rule (q4, q4h) ---------------------------------------------------------------------
 # the JIT stores (kvlens-free leaves) keep their own copies of the block sizes
 assert JIT_Q4_BLOCK == Q4_BLOCK and MODES_KSUM_BLOCK == KSUM_BLOCK
-Q4_MAX = 7.0  # codes -7..7: symmetric, so |error| <= step/2 for every element (kv.schemes explains)
+Q4_LOW = 8.0  # q4_0: the block's signed max becomes code -8 (d = max / -8), codes -8..7
 FP16_MAX = 65504.0
 
 
 def quantize_sym_blocks(xg: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's symmetric block rule with an fp16 scale, on groups ``xg [..., G]``: codes are
-    computed with the f32 ``1/d`` (``d = absmax/qmax``), the scale is stored as fp16 (the lab's
-    ``q8_0`` / ``q4`` schemes and the cache's q4 kinds). Returns ``(codes int8, d fp16 [...])``."""
+    """llama.cpp's symmetric block rule (q8_0's) with an fp16 scale, on groups ``xg [..., G]``: codes
+    are computed with the f32 ``1/d`` (``d = absmax/qmax``), the scale is stored as fp16 (the lab's
+    ``q8_0`` scheme). Returns ``(codes int8, d fp16 [...])``."""
     q, d = symmetric_blocks(xg, qmax)
     if bool((d > FP16_MAX).any()):
         raise ValueError(f"|x| up to {float(d.max()) * qmax:.3g} overflows the fp16 scale of a block")
@@ -127,14 +127,37 @@ def quantize_sym_blocks(xg: torch.Tensor, qmax: float) -> tuple[torch.Tensor, to
     return q.to(torch.int8), d16
 
 
+def quantize_q4_0_blocks(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's q4_0 (``quantize_row_q4_0_ref``) on f32 groups ``xg [..., 32]``: ``max`` = the
+    element of largest |x| with its sign (the first on ties), ``d = max / -8``, ``id = d ? 1/d : 0``,
+    stored code ``min(15, (int)(x * id + 8.5f))`` (0..15; here returned as ``code - 8``, -8..7:
+    value = code * d), d stored as fp16 (signed). The step is |max|/8: all 16 levels are used, the
+    max lands on -8 exactly and the other side clips at +7 (an error up to one step there). A block
+    whose fp16 scale is zero gets codes 0 (values 0 as in C; C's codes there are multiplied by 0, or
+    undefined where 1/d overflows). The one torch implementation (the cache's q4 kinds off the CPU,
+    the lab's ``q4`` scheme); :func:`kvlens.kernels.q4store.store_q4_rows` is the JIT one."""
+    at = xg.abs().argmax(dim=-1, keepdim=True)  # the first largest |x|, as C's strict ``amax < |v|``
+    mx = xg.gather(-1, at).squeeze(-1)
+    mx = torch.where(mx == 0, torch.zeros_like(mx), mx)  # C starts from +0.0f: never -0 here
+    d = mx / -Q4_LOW  # exact: a power of two
+    if bool((d.abs() > FP16_MAX).any()):
+        raise ValueError(f"|x| up to {float(mx.abs().max()):.3g} overflows the fp16 scale of a block")
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    y = xg * inv.unsqueeze(-1)  # two f32 roundings as in C (no fused multiply-add)
+    u = torch.trunc(y + 8.5).clamp_(max=15.0)  # y + 8.5 >= 0.5: the C cast truncates = floor
+    d16 = d.to(torch.float16)
+    q = torch.where((d16 == 0).unsqueeze(-1), torch.zeros_like(u), u - Q4_LOW)
+    return q.to(torch.int8), d16
+
+
 def quantize_q4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The q4 rule over rows ``x [..., d]`` in blocks of Q4_BLOCK: ``(codes int8 [..., d] in -7..7,
-    scale fp16 [..., d / Q4_BLOCK])``."""
+    """The q4 rule (llama.cpp's q4_0, :func:`quantize_q4_0_blocks`) over rows ``x [..., d]`` in blocks
+    of Q4_BLOCK: ``(codes int8 [..., d] in -8..7, scale fp16 [..., d / Q4_BLOCK], signed)``."""
     x = check_tensor(x, "x", floating=True, min_dim=1).to(torch.float32)
     d = x.shape[-1]
     if d % Q4_BLOCK:
         raise ValueError(f"q4 needs a last dimension divisible by {Q4_BLOCK}, got {d}")
-    q, d16 = quantize_sym_blocks(x.reshape(*x.shape[:-1], d // Q4_BLOCK, Q4_BLOCK), Q4_MAX)
+    q, d16 = quantize_q4_0_blocks(x.reshape(*x.shape[:-1], d // Q4_BLOCK, Q4_BLOCK))
     return q.reshape(x.shape), d16
 
 
@@ -172,7 +195,7 @@ def dequantize_q4(
 
 
 def check_q4_range(x: np.ndarray) -> None:
-    """ValueError unless every 32-block of the f32 rows ``x [..., d]`` has an fp16 scale (absmax / 7)."""
+    """ValueError unless every 32-block of the f32 rows ``x [..., d]`` has an fp16 scale (|max| / 8)."""
     if x.shape[-1] % Q4_BLOCK:
         raise ValueError(f"q4 needs a last dimension divisible by {Q4_BLOCK}, got {x.shape[-1]}")
     bad = first_fp16_overflow(x.reshape(-1, x.shape[-1]))

@@ -8,8 +8,8 @@ name       rule                                        group / axis          bit
 ``q8``     the seed's rule, :mod:`kvlens.kv.quant`      one row of d values   8 + 32/d (fp32 scale)
 ``q8_0``   llama.cpp q8_0: d = absmax/127 (fp16),       32 along head_dim     8 + 16/32 = 8.5
            q = roundf(x * (1/d)) (half away from 0)
-``q4``     symmetric 4-bit: d = absmax/7 (fp16),        32 along head_dim     4 + 16/32 = 4.5
-           q = roundf(x/d) in [-7, 7] (15 levels)
+``q4``     llama.cpp q4_0: d = (signed max)/-8 (fp16),  32 along head_dim     4 + 16/32 = 4.5
+           q = min(15, (int)(x/d + 8.5)) - 8 in [-8, 7]
 ``fp8``    e4m3 per token-head: s = absmax/448 (fp32),  one row of d values   8 + 32/d
            code = float8_e4m3fn(x / s), RNE
 ``kivi``   KIVI-2: asymmetric min/max, 2 bits; keys     32 tokens (K),        2 + 64/32 = 4
@@ -17,14 +17,14 @@ name       rule                                        group / axis          bit
 ``kivi4``  the same with 4 bits                         as kivi               4 + 64/32 = 6
 =========  ==========================================  ====================  ====================
 
-Why ``q4`` is symmetric and not llama.cpp's q4_0: q4_0 sets d = (signed max)/-8 and codes
-``min(15, (int)(x/d + 8.5))``, which puts the block's extreme at -8 and clips the other side at +7,
-so an element can be off by a whole step. The symmetric 15-level rule keeps |error| <= step/2 for
-every element, which the property tests check for every scheme alike.
+``q4`` is llama.cpp's q4_0 (:func:`kvlens.kv.quant.quantize_q4_0_blocks`): the block's extreme
+lands on -8 exactly and all 16 levels are used (step |max|/8, not the symmetric rule's |max|/7), at
+the price of clipping the other side at +7: an element there can be off by up to a whole step
+(|error| <= max(step/2, |x| - 7 step)), which the property tests check.
 
 ``q8_0``/``q4`` reproduce llama.cpp's arithmetic: codes are computed with the fp32 ``1/d`` but
-dequantized with the fp16-rounded d, so |error| <= step/2 + |q|·|d - fp16(d)| (the second term is
-at most 127·2^-11 ≈ 6% of a step for q8_0). KIVI's scale and minimum are kept in fp32 here (the
+dequantized with the fp16-rounded d, so the error grows by |q|·|d - fp16(d)| (at most 127·2^-11 ≈ 6%
+of a step for q8_0). KIVI's scale and minimum are kept in fp32 here (the
 paper stores fp16); its "last R tokens in full precision" window is a cache policy, not part of
 the quantizer, and is not applied. Non-finite input raises :class:`NonFiniteError` in every scheme.
 """
@@ -36,11 +36,12 @@ from dataclasses import dataclass
 import torch
 
 from .quant import (
-    Q4_MAX,
+    Q4_LOW,
     Q8_MAX,
     check_finite,
     dequantize_q8,
     q8_step,
+    quantize_q4_0_blocks,
     quantize_q8,
     quantize_sym_blocks,
 )
@@ -158,13 +159,16 @@ class Q8(Scheme):
 
 
 class BlockSym(Scheme):
-    """llama.cpp-style symmetric blocks of 32 along head_dim with an fp16 scale d = absmax/qmax."""
+    """llama.cpp-style blocks of 32 along head_dim with an fp16 scale (q8_0: d = absmax/qmax)."""
 
     scale_bits, fp16_scale = 16, True
 
+    def _rule(self, xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_sym_blocks(xg, self.qmax)
+
     def _quantize(self, xg):
-        try:  # the one implementation of the rule (the cache's q4 kinds store it too)
-            q, d16 = quantize_sym_blocks(xg, self.qmax)
+        try:  # the one implementation of each rule (the cache's q4 kinds store q4's too)
+            q, d16 = self._rule(xg)
         except ValueError as e:
             raise ValueError(f"{self.name}: {e}") from None
         return q, d16, None
@@ -179,8 +183,19 @@ class Q8_0(BlockSym):
 
 
 class Q4(BlockSym):
-    name, code_bits, qmax = "q4", 4, Q4_MAX
-    description = "symmetric 4-bit: blocks of 32, codes -7..7, fp16 scale absmax/7, roundf"
+    """llama.cpp's q4_0: the scale ``d = max / -8`` is signed; the step is |d|."""
+
+    name, code_bits, qmax = "q4", 4, Q4_LOW  # qmax: the largest |code| (-8, the block's max)
+    description = "llama.cpp q4_0: blocks of 32, codes -8..7, fp16 scale (signed max)/-8"
+
+    def _rule(self, xg):
+        return quantize_q4_0_blocks(xg)
+
+    def _step(self, xg, qt):
+        return self.multiplier(qt).unsqueeze(-1).expand(xg.shape)
+
+    def multiplier(self, qt):
+        return qt.scale.to(torch.float32).abs()
 
 
 class FP8(Scheme):
