@@ -46,6 +46,25 @@ if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# The longest test files first (cold-cache CPU time, docs/testing.md): under `-n 2 --dist loadfile`
+# a file runs whole on one worker, so a long one dealt out last leaves the other worker idle.
+LONG_FILES_FIRST = (
+    "test_int_attention.py",
+    "test_decode_step_q4.py",
+    "test_gemma3.py",
+    "test_qlinear.py",
+    "test_engine.py",
+    "test_lab_ppl.py",
+    "test_lab_greedy_layers.py",
+    "test_serve_http.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
+
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
     "The capital of France is",
