@@ -137,7 +137,7 @@ class Scheme:
         raise NotImplementedError
 
     def _step(self, xg: torch.Tensor, qt: QTensor) -> torch.Tensor:
-        return qt.scale.to(torch.float32).unsqueeze(-1).expand(xg.shape)
+        return self.multiplier(qt).unsqueeze(-1).expand(xg.shape)  # a uniform code's step
 
 
 class Q8(Scheme):
@@ -150,9 +150,6 @@ class Q8(Scheme):
 
     def _dequantize(self, qt):
         return dequantize_q8(qt.codes, qt.scale)
-
-    def _step(self, xg, qt):
-        return q8_step(qt.scale).unsqueeze(-1).expand(xg.shape)
 
     def multiplier(self, qt):
         return q8_step(qt.scale)
@@ -190,9 +187,6 @@ class Q4(BlockSym):
 
     def _rule(self, xg):
         return quantize_q4_0_blocks(xg)
-
-    def _step(self, xg, qt):
-        return self.multiplier(qt).unsqueeze(-1).expand(xg.shape)
 
     def multiplier(self, qt):
         return qt.scale.to(torch.float32).abs()
