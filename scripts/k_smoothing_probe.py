@@ -65,18 +65,31 @@ def variants(rot: torch.Tensor) -> dict:
     }
 
 
+def positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--corpus", default="britannica")
-    ap.add_argument("--calib-ctx", type=int, default=512)
-    ap.add_argument("--test-ctx", type=int, default=2048)
+    ap.add_argument("--calib-ctx", type=positive_int, default=512)
+    ap.add_argument("--test-ctx", type=positive_int, default=2048)
     args = ap.parse_args()
-    llm = kvlens.load(args.model, kv="f32")
-    text, _ = load_corpus(args.corpus)
-    ids = llm.encode_prompt(text[: 40 * (args.calib_ctx + args.test_ctx)])
-    calib = llm.capture_qkv(ids[: args.calib_ctx])
-    test = llm.capture_qkv(ids[args.calib_ctx : args.calib_ctx + args.test_ctx])
+    n = args.calib_ctx + args.test_ctx
+    try:
+        llm = kvlens.load(args.model, kv="f32")
+        text, _ = load_corpus(args.corpus)
+        ids = llm.encode_prompt(text[: 40 * n])
+        if len(ids) < n:
+            raise ValueError(f"corpus {args.corpus!r} gives {len(ids)} tokens; {n} are needed")
+        calib = llm.capture_qkv(ids[: args.calib_ctx])
+        test = llm.capture_qkv(ids[args.calib_ctx : n])
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
     rules = variants(quant.rotation(test[0][1].shape[-1]).to(torch.float32))
     total = dict.fromkeys(rules, 0.0)
     for (q, k, v), (_, k_calib, _) in zip(test, calib, strict=True):
