@@ -233,3 +233,16 @@ def test_layer_stored_per_head_runs_the_general_path(tiny_dirs):
     fused, _ = decode_steps(llm, list(range(3, 30)), mode, 2, True)
     plain, _ = decode_steps(llm, list(range(3, 30)), mode, 2, False)
     assert spy.calls == 0 and all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))
+
+
+@pytest.mark.parametrize("kv", ["q6h", "k=q8h,v=q5h"])
+def test_packed_kinds_run_the_general_path(tiny_dirs, kv):
+    """The fused step stores no packed N-bit kind (decode_step._STORE_KINDS): a cache holding one runs
+    the general path (numba kernel per layer), while q8h, the same rotation at 8 bits, runs fused."""
+    llm = kvlens.load(tiny_dirs["llama"], kv=kv, attn_backend="numba")
+    spy = Spy(llm)
+    fused, _ = decode_steps(llm, list(range(3, 30)), kv, 2, True)
+    plain, _ = decode_steps(llm, list(range(3, 30)), kv, 2, False)
+    assert spy.calls == 0 and all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))
+    decode_steps(llm, list(range(3, 30)), "q8h", 2, True)
+    assert spy.calls == 2

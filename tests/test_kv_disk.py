@@ -34,7 +34,7 @@ def random_pool(mode: str, seed: int) -> BlockPool:
     return pool
 
 
-@pytest.mark.parametrize("mode", ["q8", "f16", "bf16", "q8+mirror"])
+@pytest.mark.parametrize("mode", ["q8", "f16", "bf16", "q8+mirror", "q6h"])
 def test_round_trip_is_bit_exact_in_the_stored_form(tmp_path, mode):
     pool = random_pool(mode, 0)
     disk = DiskTier(tmp_path, 1 << 20, pool, "model-a")

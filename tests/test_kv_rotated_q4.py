@@ -26,7 +26,7 @@ from kvlens.kv.schemes import SCHEMES
 
 CPU = torch.device("cpu")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-NEW_KINDS = ["q8h", "q4", "q4h"]
+NEW_KINDS = ["q8h", "q4", "q4h", "q7h", "q6h", "q5h"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny problems run on one thread
@@ -192,6 +192,9 @@ def test_bytes_per_token_are_the_stored_bytes(kind, hd):
         "q8": hd + 4,
         "q4": hd // 2 + hd // 16,
         "q4h": hd // 2 + hd // 16,
+        "q7h": hd * 7 // 8 + 4,
+        "q6h": hd * 6 // 8 + 4,
+        "q5h": hd * 5 // 8 + 4,
         "f16": 2 * hd,
     }
     assert k.row_bytes(hd) == expected[kind]
@@ -210,6 +213,13 @@ def store_values(store: RowStore, length: int) -> torch.Tensor:
         return torch.from_numpy(codes * scale)
     if store.kind.int8:
         return dequantize_q8(store.data[:, :length], store.scale[:, :length]).double()
+    if store.kind.packed:  # numpy bits: code i is row bits [i*N, i*N+N), little-endian, two's complement
+        n = store.kind.bits
+        bits = np.unpackbits(store.data[:, :length].numpy(), axis=-1, bitorder="little").astype(np.int64)
+        fields = bits.reshape(*bits.shape[:2], -1, n) @ (1 << np.arange(n))
+        codes = np.where(fields >= 1 << (n - 1), fields - (1 << n), fields)
+        step = store.scale[:, :length].numpy().astype(np.float64) / (2 ** (n - 1) - 1)
+        return torch.from_numpy(codes * step[..., None])
     return store.data[:, :length].double()
 
 
@@ -223,9 +233,9 @@ def make_store(kind: str, n_kv: int, cap: int, hd: int, length: int, gen: torch.
         raw = store.data[:, :length].numpy().reshape(n_kv, length, hd // 32, 16)
         assert (((raw & 15) == 0) | ((raw >> 4) == 0)).any(-1).all()
     if cap > length:  # would dominate (or overflow) the softmax if read
-        store.data[:, length:] = 0xFF if store.kind.int4 else 127
+        store.data[:, length:] = 0xFF if store.kind.int4 or store.kind.packed else 127
         if store.scale is not None:
-            store.scale[:, length:] = 6e4 if store.kind.int4 else 1e6
+            store.scale[:, length:] = 6e4 if store.kind.int4 else 1e6  # packed 0xFF: code -1, * 1e6
     return store
 
 
@@ -247,6 +257,7 @@ def assert_matches(out, ref, rtol=1e-5):
 
 
 KIND_PAIRS = [("q4", "q4"), ("q4h", "q4h"), ("q8h", "q8h"), ("q8h", "q4h"), ("q4", "f16"), ("f32", "q4")]
+KIND_PAIRS += [("q7h", "q5h"), ("q6h", "q6h"), ("q5h", "f16"), ("q8", "q7h")]  # the packed kinds
 
 
 @pytest.mark.parametrize("n_splits", [None, 3])
@@ -271,7 +282,9 @@ def test_numba_kernel_paged_q4():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("hd", [64, 128, 256])
-@pytest.mark.parametrize("kind_k,kind_v", [("q4", "q4"), ("q8h", "q4h"), ("q4h", "f16")])
+@pytest.mark.parametrize(
+    "kind_k,kind_v", [("q4", "q4"), ("q8h", "q4h"), ("q4h", "f16"), ("q7h", "q5h"), ("q6h", "q8")]
+)
 def test_triton_kernel_matches_float64(monkeypatch, kind_k, kind_v, hd):
     """Under TRITON_INTERPRET=1 on a machine without a GPU (conftest), like the other Triton tests."""
     from kvlens.kernels.gpu import decode_attention_triton
@@ -323,7 +336,7 @@ def tiny(tmp_path_factory):
     return kvlens.load(out, kv="f32", attn_backend="torch")
 
 
-@pytest.mark.parametrize("mode", ["q8h", "q4", "q4h", "k=q8h,v=q4h"])
+@pytest.mark.parametrize("mode", ["q8h", "q4", "q4h", "k=q8h,v=q4h", "q6h", "k=q7h,v=q5h"])
 def test_engine_end_to_end_every_new_mode(tiny, mode):
     """Prefill then decode through the numba kernel and through torch over the same stored rows (like
     with like: equal to f32 rounding), and close to the f32 cache."""
@@ -352,8 +365,9 @@ def test_engine_end_to_end_every_new_mode(tiny, mode):
     # the relative step is 1/254 of a row's absmax at 8 bits, 1/16 of a block's at 4: the logits move
     # by about that (measured 0.005 for q8h, 0.07-0.10 with a 4-bit kind, absmax/7 rule); a query or output left
     # unrotated, or a wrong layout, gives 0.7-0.9
+    # (N-bit packed kinds: the step grows 2x per bit below 8, so 0.02 * 2^(8 - N))
     m = KVMode.parse(mode)
-    assert rel < (0.25 if m.k.int4 or m.v.int4 else 0.02), rel
+    assert rel < (0.25 if m.k.int4 or m.v.int4 else 0.02 * 2 ** (8 - min(m.k.bits, m.v.bits))), rel
     text = tiny.variant(kv=mode, attn_backend="numba").generate("the", max_new_tokens=4)
     assert isinstance(text, str)
 

@@ -30,7 +30,7 @@ def filled(mode: str, length: int, seed: int = 0):
     mode = MODES[mode]
     pool = BlockPool(1, N_KV, HD, mode, 12 * BLOCK * kv_bytes_per_token(mode, 1, N_KV, HD))
     for store in (*pool.k, *pool.v):  # garbage everywhere a sequence has not written
-        store.data.fill_(127 if store.kind.int8 else 0xFF if store.kind.int4 else 3e4)
+        store.data.fill_(127 if store.kind.int8 else 0xFF if store.kind.int4 or store.kind.packed else 3e4)
         if store.scale is not None:
             store.scale.fill_(6e4 if store.kind.int4 else 1e6)  # int4: the largest fp16 scale
     seq, other = PagedKV(pool), PagedKV(pool)
@@ -83,7 +83,7 @@ def test_kernel_refuses_a_table_that_does_not_cover_the_length():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.parametrize("mode", ["q8", "f16", "q8-k"])
+@pytest.mark.parametrize("mode", ["q8", "f16", "q8-k", "q6h"])
 def test_triton_reads_through_the_table(monkeypatch, mode):
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")

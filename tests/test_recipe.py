@@ -44,7 +44,7 @@ def test_round_trip_json_engine(tmp_path, tiny):
     assert cache.bytes_per_token() == expected == back.bytes_per_token(2, n_kv, hd)
 
 
-@pytest.mark.parametrize("uniform", ["q8h", "q4h", "f16"])
+@pytest.mark.parametrize("uniform", ["q8h", "q4h", "f16", "q6h"])
 def test_a_uniform_recipe_is_that_mode(tmp_path, tiny, uniform):
     """A recipe giving every layer one mode's kinds computes bit for bit what the mode computes."""
     path = write(tmp_path / "u.json", [{"k": uniform, "v": uniform}] * 2)

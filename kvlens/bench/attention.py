@@ -135,7 +135,7 @@ def make_call(backend: str, layers, q: torch.Tensor, ctx: int) -> Callable[[int]
         "triton": lambda i: decode_attention_triton(q, *layers[i], ctx),
     }
     exact = kinds == (StoreKind.F32, StoreKind.F32)
-    applies = {"numba-intdot": kinds[0].quantized, "torch-sdpa": exact, "dequant-sdpa": not exact}
+    applies = {"numba-intdot": kinds[0].int8, "torch-sdpa": exact, "dequant-sdpa": not exact}
     return calls[backend] if applies.get(backend, True) else None
 
 

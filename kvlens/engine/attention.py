@@ -3,12 +3,13 @@
 Backends:
     torch   read the cache as float32 (dequantizing int8 rows) and run torch SDPA — every mode,
             prefill and decode; the correctness baseline.
-    numba   fused single-pass CPU decode kernel reading int8/f16/f32 rows directly (kernels.cpu);
+    numba   fused single-pass CPU decode kernel reading every kind's rows directly (kernels.cpu);
             prefill chunks use the torch path.
     numba-int, numba-int16  the same with integer Q·K scores (8- / 16-bit query, kernels.cpu_int);
             ``+pv8`` (e.g. ``numba-int16+pv8``): P·V in integers too (int8 V only; opt-in, it costs
             accuracy: docs/kernels.md); ``:PATH`` forces a CPU path (vnni512, vnni256, avx2,
-            portable); int8 K only.
+            portable); int8 K only (or 4-bit K with numba-int); a packed kind (q7h, q6h, q5h)
+            anywhere in the cache is refused.
     triton  the same algorithm on CUDA (kernels.gpu).
     auto    the fastest correct backend for the device and cache mode.
 """
@@ -179,6 +180,18 @@ def split_kernel(
     )
 
 
+def _refuse_packed(backend: str, cache: KVCache | PagedKV) -> None:
+    """BackendError naming the first packed N-bit kind (q7h, q6h, q5h) of ``cache``: the integer
+    kernels read int8 / 4-bit codes only."""
+    for store in (*cache.k, *cache.v):
+        for part in store.parts if isinstance(store, HeadSplitStore) else [store]:
+            if part.kind.packed:
+                raise BackendError(
+                    f"the {backend} backend cannot read {part.kind} rows (packed {part.kind.bits}-bit codes); "
+                    f"use the numba, triton or torch backend for {cache.mode.name}"
+                )
+
+
 def make_attend(
     cache: KVCache | PagedKV,
     prefill: bool,
@@ -196,6 +209,8 @@ def make_attend(
     """
     kernel = _fused_kernel(backend)
     spec = IntAttn.parse(backend)
+    if spec is not None:
+        _refuse_packed(backend, cache)
     if spec is not None and not all(spec.scores(ks.kind) for ks in cache.k):
         four = ", or 4-bit with numba-int (q4, q4h)" if spec.qbits == 8 and not spec.pv8 else ""
         raise BackendError(

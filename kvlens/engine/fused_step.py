@@ -63,8 +63,8 @@ def forward_fused(
 ) -> torch.Tensor | None:  # fmt: skip
     """Final-normed hidden state [1, hidden] of one token (``ids [1]``) at ``start``, or None where the
     fused path does not apply: a KV cache (contiguous, or a sequence's paged view holding the
-    blocks) whose layers all store q8, q8h, q4, q4h, f16 or f32 (no mirror, kept-exact rows or block
-    tracking), the numba backend, or numba-int16 over int8 K / numba-int over 4-bit K, no attention
+    blocks) whose layers all store q8, q8h, q4, q4h, f16 or f32 (not bf16 or the packed q7h, q6h, q5h;
+    no mirror, kept-exact rows or block tracking), the numba backend, or numba-int16 over int8 K / numba-int over 4-bit K, no attention
     window reached (``window_free``: positions every layer attends whole). A non-finite K/V raises the
     general path's NonFiniteKVError, a 4-bit block out of fp16 range its ValueError."""
     attn = attention_kind(backend)

@@ -8,6 +8,8 @@ The kernels read the cache exactly as :mod:`kvlens.kv.cache` stores it (``data [
 * 4-bit rows (q4, q4h: packed code pairs, an fp16 scale per block of 32) are unpacked and scaled
   per tile into the same f32 scratch the other kinds use (the block scale varies along the row, so
   it cannot be folded into one score or weight);
+* packed N-bit rows (q7h, q6h, q5h) are extracted from their bytes and scaled by ``max_abs / qmax``
+  per tile into that scratch too (:func:`.stage._stage_packed`);
 * rotated kinds (q8h, q4h) are read as stored: the caller rotates the query and the output
   (:func:`kvlens.kv.cache.rotations`);
 * the softmax is online (running max ``m``, running sum ``l``, rescale when ``m`` grows), one
@@ -104,12 +106,12 @@ def _decode_core(
             if int_dot:
                 _dot_tile_int(q8, qsc, h * group, group, k8, h, t0, nt, prod, sc)
             else:
-                _stage(k, k_code, k_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
+                _stage(k, k_code, k_bsc, k_scale, h, t0, nt, tile_u, tile, bs_u, bs_f)
                 flash.dot_tile(qs, h * group, group, tile, nt, sc)
             flash.weigh_tile(
                 sc, nt, group, k_scale, k_q8, item, part_m, part_l, part_acc, v_scale, v_q8, h, t0, e_u, e_f
             )
-            _stage(v, v_code, v_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
+            _stage(v, v_code, v_bsc, v_scale, h, t0, nt, tile_u, tile, bs_u, bs_f)
             flash.axpy_tile(sc, tile, nt, group, part_acc[item])
     flash.merge(part_acc, part_m, part_l, n_splits, group, out)
 
@@ -130,8 +132,7 @@ def quantize_query_blocks(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 _NO_SCALE = np.ones((1, 1), np.float32)
 _NO_BLOCK_SCALE = np.ones((1, 1, 1), np.uint16)
 _NO_Q8 = np.zeros((1, 1), np.int8)
-_ROW_BYTES_PER_VALUE = {_KIND_CODE[kind]: kind.dtype.itemsize for kind in StoreKind if not kind.int4}
-_ROW_BYTES_PER_VALUE[CODE_Q4] = 0.5
+_ROW_BYTES_PER_VALUE = {_KIND_CODE[kind]: kind.row_width(8) * kind.dtype.itemsize / 8 for kind in StoreKind}
 _NP_CODE = {
     np.dtype(np.int8): _KIND_CODE[StoreKind.Q8],
     np.dtype(np.float16): _KIND_CODE[StoreKind.F16],
@@ -226,7 +227,7 @@ def _store_arrays(store) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
     if memo is not None and memo[0] is store.data and memo[1] is store.scale:
         return memo[2]
     raw = store.data.view(torch.uint8).numpy()  # bf16 too: numpy has no bfloat16, the kernel shifts bits
-    scale = store.scale.numpy() if store.kind.int8 else _NO_SCALE
+    scale = store.scale.numpy() if store.kind.row_scaled else _NO_SCALE
     # fp16 scales as their bits: numba has no float16 arrays, the kernel converts them exactly
     bsc = store.scale.view(torch.int16).numpy().view(np.uint16) if store.kind.int4 else _NO_BLOCK_SCALE
     views = (raw, _KIND_CODE[store.kind], scale, bsc)

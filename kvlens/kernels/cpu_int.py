@@ -232,7 +232,7 @@ def _core(
             if pv8:
                 _pv8_tile(path, sc, v, h, t0, nt, group, vt, p8, acc8, part_acc[item])
             else:
-                _stage(v, v_code, v_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
+                _stage(v, v_code, v_bsc, v_scale, h, t0, nt, tile_u, tile, bs_u, bs_f)
                 flash.axpy_tile(sc, tile, nt, group, part_acc[item])
     flash.merge(part_acc, part_m, part_l, n_splits, group, out)
 
@@ -271,6 +271,9 @@ def decode_attention_int(
     ``[n_heads, hd]`` tensor."""
     path = spec.resolved_path()
     k4 = k_store.kind.int4
+    for store in (k_store, v_store):
+        if store.kind.packed:
+            raise ValueError(f"integer attention ({spec.backend}) cannot read {store.kind} rows (packed codes)")
     if not spec.scores(k_store.kind):
         raise ValueError(f"integer attention ({spec.backend}) needs an int8 K store, or 4-bit with an 8-bit "
                          f"query, got {k_store.kind}")  # fmt: skip

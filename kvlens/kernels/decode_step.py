@@ -212,6 +212,7 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
 
 
 # -- the Python side: arrays and buffers set up once, the compiled entry points looked up once ---------
+# not the packed N-bit kinds (q7h, q6h, q5h): a cache holding one runs the general path (tested)
 _STORE_KINDS = (StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H, StoreKind.F16, StoreKind.F32)
 
 

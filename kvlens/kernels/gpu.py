@@ -4,7 +4,8 @@ One program per (kv_head, split): it loads the query rows of the whole GQA group
 ``G_PAD >= 16`` rows so ``tl.dot`` applies), walks its slice of the sequence ``BLOCK_N`` positions at a
 time with an online softmax, and writes ``(m, l, acc)``; a few torch ops merge the splits exactly
 (Flash-Decoding). int8 rows are read as int8 with the K row scale folded into the score and the V row
-scale into the softmax weight (vLLM's trick), never dequantized in memory. 4-bit rows (q4, q4h) are
+scale into the softmax weight (vLLM's trick), never dequantized in memory; packed N-bit rows (q7h,
+q6h, q5h) likewise, their codes extracted from the bytes in registers. 4-bit rows (q4, q4h) are
 loaded as packed bytes with their fp16 block scales and unpacked in registers (each byte is loaded
 for both of its codes; the second load hits the cache). Rotated kinds are read as stored (the
 caller rotates query and output, :func:`kvlens.kv.cache.rotations`). Float caches (f32, f16,
@@ -53,6 +54,11 @@ def _kernels():
     from .triton_decode import split_kernel
 
     return split_kernel
+
+
+def _qmax(kind) -> float:
+    """The row scale's divisor of a row-scaled kind (127.0 for q8; 1.0, unread, otherwise)."""
+    return float(kind.qmax) if kind.row_scaled else 1.0
 
 
 def _next_pow2(n: int, at_least: int = 1) -> int:
@@ -156,8 +162,10 @@ def decode_attention_triton(
         length, split_len, k.stride(0), k.stride(1), v.stride(0), v.stride(1), ks.stride(0), vs.stride(0),
         kst, vst, LOG2E / math.sqrt(hd),
         GROUP=group, G_PAD=g_pad, HD=hd, D_PAD=d_pad, BLOCK_N=block_n,
-        K_Q8=k_store.kind.int8, V_Q8=v_store.kind.int8, K_Q4=k_store.kind.int4, V_Q4=v_store.kind.int4,
-        SPARSE=blocks is not None, PAGED=table is not None,
+        K_Q8=k_store.kind.row_scaled, V_Q8=v_store.kind.row_scaled, K_Q4=k_store.kind.int4,
+        V_Q4=v_store.kind.int4, SPARSE=blocks is not None, PAGED=table is not None,
+        K_BITS=k_store.kind.bits if k_store.kind.packed else 0, V_BITS=v_store.kind.bits if v_store.kind.packed else 0,
+        K_QMAX=_qmax(k_store.kind), V_QMAX=_qmax(v_store.kind),
     )  # fmt: skip
     # Exact merge of the splits (base 2): empty splits have m = -inf, l = 0 and weigh exp2(-inf) = 0.
     m_max = m.amax(dim=1, keepdim=True)

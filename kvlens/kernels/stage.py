@@ -1,7 +1,8 @@
 """Per-tile conversion of cache rows to f32 for the fused CPU decode kernel (:mod:`.cpu`): every
 storage kind, read from the store's raw bytes (one compiled signature for all), into an L1-resident
 scratch tile. 4-bit rows are unpacked here; int8 rows are converted and their row scale folded in by
-the caller (into the score or the softmax weight)."""
+the caller (into the score or the softmax weight); packed N-bit rows (q7h, q6h, q5h) are extracted
+here and scaled by their row's ``max_abs / qmax``."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from .bits import bf16_bits, int8_f32, same_bits
 from .intdot import Q4_CHUNK, stage4
 
 CODE_Q8, CODE_F16, CODE_BF16, CODE_F32, CODE_Q4 = 0, 1, 2, 3, 4
+CODE_PACKED = 5  # packed kinds: code CODE_PACKED + bits (5..7 bits: 10..12)
 # the one place a StoreKind becomes the int code the compiled core branches on (rotation is the
 # caller's: a rotated kind is stored like its plain one)
 _KIND_CODE = {
+    **{kind: CODE_PACKED + kind.bits for kind in StoreKind if kind.packed},
     StoreKind.Q8: CODE_Q8,
     StoreKind.Q8H: CODE_Q8,
     StoreKind.Q4: CODE_Q4,
@@ -77,12 +80,34 @@ def _convert_rows(src, h, t0, nt, dst, convert):  # pragma: no cover - compiled
 
 
 @njit(fastmath=_FM, cache=True)
-def _stage(raw, code, bsc, h, t0, nt, dst_u, dst_f, bs_u, bs_f):  # pragma: no cover - compiled
+def _stage_packed(raw, bits, rsc, h, t0, nt, dst_f):  # pragma: no cover - compiled
+    """Packed rows (:mod:`kvlens.kv.nbit`): each group of 8 codes is ``bits`` whole bytes, read into
+    one little-endian 64-bit word; code i of the group is its bits [i*N, i*N+N), sign-extended, times
+    the row's ``max_abs / qmax`` (``rsc``: the fp32 max_abs per row)."""
+    mask = np.int64((1 << bits) - 1)
+    half = np.int64(1 << (bits - 1))
+    inv_qmax = np.float32(1.0) / np.float32(half - 1)
+    for j in range(nt):
+        step = rsc[h, t0 + j] * inv_qmax
+        for gi in range(dst_f.shape[1] // 8):
+            w = np.int64(0)
+            for b in range(bits):
+                w |= np.int64(raw[h, t0 + j, gi * bits + b]) << np.int64(8 * b)
+            for i in range(8):
+                c = (w >> np.int64(i * bits)) & mask
+                dst_f[j, gi * 8 + i] = np.float32((c ^ half) - half) * step
+
+
+@njit(fastmath=_FM, cache=True)
+def _stage(raw, code, bsc, rsc, h, t0, nt, dst_u, dst_f, bs_u, bs_f):  # pragma: no cover - compiled
     """Rows t0..t0+nt of KV head h as f32 in dst_f (dst_u: same buffer). ``raw``: the store's bytes
     ``[n_kv, cap, row_bytes]`` — one uint8 signature for every kind means a single (cached) compile.
-    ``bsc``: fp16 block-scale bits of a 4-bit store (``bs_u``/``bs_f``: their f32 scratch)."""
+    ``bsc``: fp16 block-scale bits of a 4-bit store (``bs_u``/``bs_f``: their f32 scratch); ``rsc``:
+    the fp32 max_abs per row of a packed store (read only there: int8's is folded in by the caller)."""
     hd = dst_f.shape[1]
-    if code == CODE_Q4:
+    if code > CODE_PACKED:
+        _stage_packed(raw, code - CODE_PACKED, rsc, h, t0, nt, dst_f)
+    elif code == CODE_Q4:
         _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f)
     elif code == CODE_Q8:
         _convert_rows(raw.view(np.int8), h, t0, nt, dst_f, int8_f32)

@@ -41,15 +41,26 @@ def _tile_positions(
 @triton.jit
 def _load_rows(
     X, XS, h, r, nmask, d, dmask, stride_h, stride_t, stride_sh, stride_st,
-    Q4: tl.constexpr, D_FIRST: tl.constexpr,
+    Q4: tl.constexpr, D_FIRST: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
     """Rows ``r`` of KV head ``h`` as f32, ``[D, N]`` when ``D_FIRST`` (K, for ``q @ k``) else
     ``[N, D]`` (V). 4-bit rows (pack_q4's layout: element d is in byte 16*(d//32) + d%16, high nibble
-    if d%32 >= 16) are loaded as code pairs with their fp16 block scales and unpacked in registers."""
+    if d%32 >= 16) are loaded as code pairs with their fp16 block scales and unpacked in registers.
+    ``BITS`` > 0: packed N-bit rows (kv.nbit: element d in row bits [d*N, d*N+N), two's complement),
+    read as the byte pair holding the field and sign-extended; their row scale is the caller's."""
     if D_FIRST:
         rows, cols, mask = r[None, :], d[:, None], nmask[None, :] & dmask[:, None]
     else:
         rows, cols, mask = r[:, None], d[None, :], nmask[:, None] & dmask[None, :]
+    if BITS > 0:
+        bit = cols * BITS
+        at = X + h * stride_h + rows * stride_t + bit // 8
+        shift = bit % 8
+        lo = tl.load(at, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(at + 1, mask=mask & (shift + BITS > 8), other=0).to(tl.int32)
+        field = ((lo | (hi << 8)) >> shift) & ((1 << BITS) - 1)
+        half: tl.constexpr = 1 << (BITS - 1)
+        return ((field ^ half) - half).to(tl.float32)
     if Q4:
         byte_of = (cols // 32) * 16 + cols % 16
         shift_of = ((cols % 32) // 16 * 4).to(tl.uint8)
@@ -67,7 +78,8 @@ def split_kernel(
     stride_kst, stride_vst, qk_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr, K_Q4: tl.constexpr,
-    V_Q4: tl.constexpr, SPARSE: tl.constexpr, PAGED: tl.constexpr,
+    V_Q4: tl.constexpr, SPARSE: tl.constexpr, PAGED: tl.constexpr, K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr, K_QMAX: tl.constexpr, V_QMAX: tl.constexpr,
 ):  # fmt: skip
     """One (kv_head, split): online softmax over the split's positions for the whole GQA group;
     writes the split's ``(m, l, acc)`` (base 2) for the merge."""
@@ -96,12 +108,12 @@ def split_kernel(
     for i in range(0, n_iter):
         nmask, r = _tile_positions(i, lo, hi, h, length, Blocks, n_sel, Table, BLOCK_N, SPARSE, PAGED)
         kt = _load_rows(
-            K, KS, h, r, nmask, d, dmask, stride_kh, stride_kt, stride_ksh, stride_kst, K_Q4, True
+            K, KS, h, r, nmask, d, dmask, stride_kh, stride_kt, stride_ksh, stride_kst, K_Q4, True, K_BITS
         )
         sc = tl.dot(q, kt, input_precision="ieee")  # [G_PAD, BLOCK_N]
-        if K_Q8:  # K row scale folded into the score
+        if K_Q8:  # K row scale folded into the score (int8 and packed rows: max_abs / qmax)
             ks = tl.load(KS + h * stride_ksh + r, mask=nmask, other=0.0)
-            sc = sc * (ks * (1.0 / 127.0))[None, :]
+            sc = sc * (ks * (1.0 / K_QMAX))[None, :]
         sc = tl.where(nmask[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -109,9 +121,9 @@ def split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_Q8:  # V row scale folded into the weight
             vs = tl.load(VS + h * stride_vsh + r, mask=nmask, other=0.0)
-            p = p * (vs * (1.0 / 127.0))[None, :]
+            p = p * (vs * (1.0 / V_QMAX))[None, :]
         vt = _load_rows(
-            V, VS, h, r, nmask, d, dmask, stride_vh, stride_vt, stride_vsh, stride_vst, V_Q4, False
+            V, VS, h, r, nmask, d, dmask, stride_vh, stride_vt, stride_vsh, stride_vst, V_Q4, False, V_BITS
         )
         acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
         m_i = m_new

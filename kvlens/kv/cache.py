@@ -4,7 +4,8 @@ Layout of one layer (``cap`` = capacity, a multiple of BLOCK)::
 
     K.data  [n_kv_heads, cap, head_dim]     float32 / float16 / bfloat16 / int8 (q8, q8h)
             [n_kv_heads, cap, head_dim/2]   uint8, two 4-bit codes per byte (q4, q4h)
-    K.scale [n_kv_heads, cap]               float32 max_abs per row (q8, q8h)
+            [n_kv_heads, cap, head_dim*N/8] uint8, N-bit codes bit-packed (q7h, q6h, q5h: kv.nbit)
+    K.scale [n_kv_heads, cap]               float32 max_abs per row (q8, q8h, q7h, q6h, q5h)
             [n_kv_heads, cap, head_dim/32]  float16 scale per block of 32 (q4, q4h)
     K.ksum  [n_kv_heads, cap, head_dim/32]  int16 sum of each 32-code block (int8 K only: the integer
                                             attention kernels' +128 query-shift correction)
@@ -41,6 +42,7 @@ import torch
 from ..checks import check_int, check_tensor
 from .blocks import BlockBounds
 from .modes import Q4_BLOCK, CacheOptions, KVMode, StoreKind
+from .nbit import dequantize_packed, store_packed
 from .quant import (
     KSUM_BLOCK,
     dequantize_q4,
@@ -137,7 +139,7 @@ class RowStore:
 
     kind: StoreKind
     data: torch.Tensor
-    scale: torch.Tensor | None  # q8: max_abs per row; q4: fp16 scale per block of 32; floats: None
+    scale: torch.Tensor | None  # q8, packed: max_abs per row; q4: fp16 scale per block of 32; floats: None
     ksum: torch.Tensor | None = None  # code sums per 32-block, int8 K stores only (integer kernels)
 
     @classmethod
@@ -153,7 +155,7 @@ class RowStore:
         kind.check_head_dim(head_dim)
         data = torch.zeros(n_kv, cap, kind.row_width(head_dim), dtype=kind.dtype, device=device)
         scale = ksum = None
-        if kind.int8:
+        if kind.row_scaled:
             scale = torch.ones(n_kv, cap, dtype=torch.float32, device=device)
             if with_ksum and kind.ksum_bytes(head_dim):
                 ksum = torch.zeros(n_kv, cap, head_dim // KSUM_BLOCK, dtype=torch.int16, device=device)
@@ -163,7 +165,7 @@ class RowStore:
 
     @property
     def head_dim(self) -> int:
-        return self.data.shape[2] * (2 if self.kind.int4 else 1)
+        return self.data.shape[2] * 8 * self.kind.dtype.itemsize // self.kind.bits
 
     @property
     def capacity(self) -> int:
@@ -203,6 +205,8 @@ class RowStore:
             store_q8(rows, self.data, self.scale, start, self.ksum)
         elif self.kind.int4:
             store_q4(rows, self.data, self.scale, start)
+        elif self.kind.packed:
+            store_packed(rows, self.data, self.scale, start, self.kind.bits)
         else:
             self.data[:, start : start + rows.shape[1]] = rows
 
@@ -211,6 +215,8 @@ class RowStore:
             return dequantize_q8(data, scale)
         if self.kind.int4:
             return dequantize_q4(data, scale)
+        if self.kind.packed:
+            return dequantize_packed(data, scale, self.kind.bits)
         return data.to(torch.float32)
 
     def read_index(self, pos: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@ the CLI), into a :class:`KVMode`; everything inside takes the parsed value.
     q8h               q8 after a fixed randomized Hadamard rotation of each row (kvlens.kv.quant)
     q4, q4h           llama.cpp's q4_0: 4-bit codes -8..7 in blocks of 32 along head_dim, fp16 scale
                       per block, two codes per byte (the lab's ``q4`` scheme rule); q4h rotated first
+    q7h, q6h, q5h     the q8 rule with qmax 2^(N-1)-1 (63, 31, 15) after q8h's rotation: N-bit two's-
+                      complement codes bit-packed little-endian (code i in bits [iN, iN+N) of the
+                      row), head_dim*N/8 bytes + one fp32 max_abs per row (kvlens.kv.nbit)
     k=KIND,v=KIND     separate K and V kinds, e.g. ``k=q8h,v=q4h`` (K is the sensitive one)
 """
 
@@ -27,8 +30,10 @@ MIRROR_PREFILL = ("exact", "q8")
 
 class StoreKind(StrEnum):
     """How one of K or V is stored: a float type; int8 codes plus one fp32 max_abs per row (q8, q8h);
-    or packed 4-bit codes plus one fp16 scale per block of 32 values (q4, q4h). ``h``: the row is
-    rotated (randomized Hadamard) before it is quantized. Printed and formatted as its value."""
+    packed 4-bit codes plus one fp16 scale per block of 32 values (q4, q4h); or N-bit codes (N = 7,
+    6, 5) bit-packed plus one fp32 max_abs per row (q7h, q6h, q5h: the q8 rule at a narrower width).
+    ``h``: the row is rotated (randomized Hadamard) before it is quantized. Printed and formatted as
+    its value."""
 
     F32 = "f32"
     F16 = "f16"
@@ -37,10 +42,35 @@ class StoreKind(StrEnum):
     Q8H = "q8h"
     Q4 = "q4"
     Q4H = "q4h"
+    Q7H = "q7h"
+    Q6H = "q6h"
+    Q5H = "q5h"
 
     @property
     def quantized(self) -> bool:
         return self in _QUANTIZED
+
+    @property
+    def bits(self) -> int:
+        """Bits per stored value (codes for the quantized kinds, scales not counted)."""
+        return _BITS[self]
+
+    @property
+    def packed(self) -> bool:
+        """N-bit codes bit-packed along the row with one fp32 max_abs per row (q7h, q6h, q5h)."""
+        return self in _PACKED
+
+    @property
+    def row_scaled(self) -> bool:
+        """One fp32 max_abs per row, codes by the q8 rule with :attr:`qmax` (q8, q8h and the packed kinds)."""
+        return self.int8 or self.packed
+
+    @property
+    def qmax(self) -> int:
+        """The largest code of a row-scaled kind, ``2^(bits-1) - 1`` (127 for q8)."""
+        if not self.row_scaled:
+            raise ValueError(f"KV kind {self} has no per-row qmax")
+        return (1 << (self.bits - 1)) - 1
 
     @property
     def int8(self) -> bool:
@@ -55,25 +85,28 @@ class StoreKind(StrEnum):
     @property
     def rotated(self) -> bool:
         """Rows are rotated (kvlens.kv.quant.rotation) before they are quantized."""
-        return self in (StoreKind.Q8H, StoreKind.Q4H)
+        return self in (StoreKind.Q8H, StoreKind.Q4H) or self.packed
 
     @property
     def dtype(self) -> torch.dtype:
-        """The element type of the stored rows (int8 codes for q8, uint8 code pairs for q4)."""
+        """The element type of the stored rows (int8 codes for q8, uint8 code pairs for q4, uint8
+        packed bytes for q7h/q6h/q5h)."""
         return _DTYPES[self]
 
     def row_width(self, head_dim: int) -> int:
-        """Elements of ``dtype`` in one stored row (q4: two codes per byte)."""
+        """Elements of ``dtype`` in one stored row (q4: two codes per byte; packed: head_dim*N/8 bytes)."""
+        if self.packed:
+            return head_dim * self.bits // 8
         return head_dim // 2 if self.int4 else head_dim
 
     def row_bytes(self, head_dim: int, *, with_ksum: bool = False) -> int:
         """Bytes of one stored (token, head) row, scales included: q8 codes + one fp32 max_abs, q4
-        code pairs + one fp16 scale per block of 32, or head_dim floats; ``with_ksum``: plus the
-        code sums a K store keeps (:meth:`ksum_bytes`)."""
+        code pairs + one fp16 scale per block of 32, packed N-bit codes + one fp32 max_abs, or
+        head_dim floats; ``with_ksum``: plus the code sums a K store keeps (:meth:`ksum_bytes`)."""
         self.check_head_dim(head_dim)
         extra = self.ksum_bytes(head_dim) if with_ksum else 0
-        if self.int8:
-            return head_dim + 4 + extra
+        if self.row_scaled:
+            return self.row_width(head_dim) + 4 + extra
         if self.int4:
             return head_dim // 2 + 2 * (head_dim // Q4_BLOCK)
         return head_dim * self.dtype.itemsize
@@ -85,6 +118,8 @@ class StoreKind(StrEnum):
 
     def check_head_dim(self, head_dim: int) -> None:
         """ValueError when this kind cannot store rows of ``head_dim`` values."""
+        if self.packed and head_dim % 8:
+            raise ValueError(f"KV kind {self} packs 8 codes per {self.bits} bytes: head_dim must be a multiple of 8")
         if self.int4 and head_dim % Q4_BLOCK:
             raise ValueError(f"KV kind {self} needs head_dim divisible by {Q4_BLOCK}, got {head_dim}")
         if self.rotated and (head_dim < 2 or head_dim & (head_dim - 1)):
@@ -96,7 +131,8 @@ class StoreKind(StrEnum):
 
 Q4_BLOCK = 32  # values per fp16 scale of the 4-bit kinds
 KSUM_BLOCK = 32  # codes per int16 sum of an int8 K store (kvlens.kernels.q8store.KSUM_BLOCK)
-_QUANTIZED = frozenset({StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H})
+_PACKED = frozenset({StoreKind.Q7H, StoreKind.Q6H, StoreKind.Q5H})
+_QUANTIZED = frozenset({StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H}) | _PACKED
 _DTYPES = {
     StoreKind.F32: torch.float32,
     StoreKind.F16: torch.float16,
@@ -105,6 +141,21 @@ _DTYPES = {
     StoreKind.Q8H: torch.int8,
     StoreKind.Q4: torch.uint8,
     StoreKind.Q4H: torch.uint8,
+    StoreKind.Q7H: torch.uint8,
+    StoreKind.Q6H: torch.uint8,
+    StoreKind.Q5H: torch.uint8,
+}
+_BITS = {
+    StoreKind.F32: 32,
+    StoreKind.F16: 16,
+    StoreKind.BF16: 16,
+    StoreKind.Q8: 8,
+    StoreKind.Q8H: 8,
+    StoreKind.Q4: 4,
+    StoreKind.Q4H: 4,
+    StoreKind.Q7H: 7,
+    StoreKind.Q6H: 6,
+    StoreKind.Q5H: 5,
 }
 
 
@@ -245,6 +296,7 @@ MODES: dict[str, KVMode] = {
         KVMode("q8h", _Q8H, _Q8H),
         KVMode("q4", _Q4, _Q4),
         KVMode("q4h", _Q4H, _Q4H),
+        *(KVMode(str(kind), kind, kind) for kind in sorted(_PACKED, key=lambda k: -k.bits)),
     )
 }
 

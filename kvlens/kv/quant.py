@@ -1,5 +1,8 @@
 """The seed's int8 KV rule: one fp32 ``max_abs`` per row, round half up, clamp to ±127.
 
+The same rule at a narrower width (``bits`` N = 7, 6, 5: the packed kinds q7h, q6h, q5h) uses
+``qmax = 2^(N-1) - 1`` (63, 31, 15) in place of 127; ``bits=8`` is the q8 rule itself.
+
 For a row ``x`` of ``head_dim`` values (one token, one KV head, K or V separately)::
 
     max_abs = max |x|            (a row with max_abs < 1e-6 uses 1.0)
@@ -47,8 +50,17 @@ def row_max_abs(x: torch.Tensor) -> torch.Tensor:
     return torch.where(m < TINY_MAX_ABS, torch.ones_like(m), m)
 
 
-def quantize_q8(x: torch.Tensor, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize over the last dimension. Returns ``(q int8, max_abs float32)``; max_abs lacks the last dim."""
+def row_qmax(bits: int) -> float:
+    """The largest code of the row rule at ``bits`` per value: ``2^(bits-1) - 1`` (127 at 8 bits)."""
+    if not 2 <= bits <= 8:
+        raise ValueError(f"the row rule stores 2..8 bits per value, got {bits}")
+    return float((1 << (bits - 1)) - 1)
+
+
+def quantize_q8(x: torch.Tensor, *, check: bool = True, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize over the last dimension. Returns ``(q int8, max_abs float32)``; max_abs lacks the last dim.
+    ``bits``: the rule with qmax :func:`row_qmax` (codes in ``-qmax..qmax``), 8 = q8's."""
+    qmax = row_qmax(bits)
     x = check_tensor(x, "x", floating=True, min_dim=1).to(torch.float32)
     if check:
         check_finite(x)
@@ -56,16 +68,18 @@ def quantize_q8(x: torch.Tensor, *, check: bool = True) -> tuple[torch.Tensor, t
     # float32 127/max_abs once per row, as the C engine does. Not ``Q8_MAX / max_abs``: torch computes a
     # scalar over a tensor as reciprocal(max_abs) * 127, which is an ulp off in ~1 row of 4 and then flips
     # a code now and then against the JIT store (kernels/q8store.py), which divides.
-    inv = torch.full_like(max_abs, Q8_MAX).div_(max_abs)
-    q = torch.floor(x * inv.unsqueeze(-1) + 0.5).clamp_(-Q8_MAX, Q8_MAX).to(torch.int8)
+    inv = torch.full_like(max_abs, qmax).div_(max_abs)
+    q = torch.floor(x * inv.unsqueeze(-1) + 0.5).clamp_(-qmax, qmax).to(torch.int8)
     return q, max_abs
 
 
-def dequantize_q8(q: torch.Tensor, max_abs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_q8`: ``q * (max_abs / 127)`` in float32."""
+def dequantize_q8(
+    q: torch.Tensor, max_abs: torch.Tensor, dtype: torch.dtype = torch.float32, bits: int = 8
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_q8`: ``q * (max_abs / qmax)`` in float32 (qmax 127 at 8 bits)."""
     check_tensor(q, "q", dtypes=(torch.int8,), min_dim=1)
     check_tensor(max_abs, "max_abs", floating=True, shape=q.shape[:-1])
-    step = (max_abs.to(torch.float32) / Q8_MAX).unsqueeze(-1)
+    step = (max_abs.to(torch.float32) / row_qmax(bits)).unsqueeze(-1)
     return (q.to(torch.float32) * step).to(dtype)
 
 

@@ -1,0 +1,75 @@
+"""The packed N-bit kinds (q7h, q6h, q5h): the q8 row rule at ``bits`` N, codes bit-packed.
+
+A row of ``d`` values (d a multiple of 8) is quantized by :func:`kvlens.kv.quant.quantize_q8` with
+``bits=N`` (one fp32 ``max_abs`` per row, qmax ``2^(N-1) - 1``) and stored as ``d * N / 8`` bytes:
+code ``i`` as an N-bit two's-complement field in bits ``[i*N, i*N + N)`` of the row, little-endian
+(bit ``b`` of the row is bit ``b % 8`` of byte ``b // 8``). Eight codes fill exactly N bytes, so the
+packing works on groups of 8 codes held in one 64-bit word (8 * 7 = 56 bits at most).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_tensor
+from .quant import dequantize_q8, quantize_q8, row_qmax
+
+GROUP = 8  # codes per group of N whole bytes
+
+
+def _check_bits(bits: int) -> None:
+    if not 2 <= bits <= 8:
+        raise ValueError(f"packed codes are 2..8 bits wide, got {bits}")
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``int8 [..., d]`` (each in ``-2^(N-1) .. 2^(N-1)-1``, d a multiple of 8) as
+    ``uint8 [..., d * bits / 8]``: code i's two's-complement low ``bits`` bits at row bits [i*N, i*N+N)."""
+    _check_bits(bits)
+    check_tensor(codes, "codes", dtypes=(torch.int8,), min_dim=1)
+    d = codes.shape[-1]
+    if d % GROUP:
+        raise ValueError(f"pack_bits needs a last dimension divisible by {GROUP}, got {d}")
+    half = 1 << (bits - 1)
+    if bool(((codes < -half) | (codes >= half)).any()):
+        raise ValueError(f"{bits}-bit codes must lie in {-half}..{half - 1}")
+    u = codes.to(torch.int64) & ((1 << bits) - 1)
+    shifts = torch.arange(GROUP, device=codes.device, dtype=torch.int64) * bits
+    words = (u.unflatten(-1, (d // GROUP, GROUP)) << shifts).sum(-1)  # disjoint bit fields: sum = or
+    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    out = (words.unsqueeze(-1) >> byte_shifts) & 255
+    return out.to(torch.uint8).flatten(-2)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``uint8 [..., d * bits / 8]`` -> codes ``int8 [..., d]``."""
+    _check_bits(bits)
+    check_tensor(packed, "packed", dtypes=(torch.uint8,), min_dim=1)
+    n = packed.shape[-1]
+    if n % bits:
+        raise ValueError(f"a packed row of {bits}-bit codes is a multiple of {bits} bytes, got {n}")
+    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    words = (packed.to(torch.int64).unflatten(-1, (n // bits, bits)) << byte_shifts).sum(-1)
+    shifts = torch.arange(GROUP, device=packed.device, dtype=torch.int64) * bits
+    u = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    half = 1 << (bits - 1)
+    return ((u ^ half) - half).to(torch.int8).flatten(-2)  # sign-extend the N-bit field
+
+
+def store_packed(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start: int, bits: int) -> None:
+    """Quantize ``rows [n_kv, n, d]`` by the row rule at ``bits`` into ``data[:, start:start+n]``
+    (packed uint8) and ``scale[:, start:start+n]`` (fp32 max_abs), in place; rows must be finite."""
+    q, max_abs = quantize_q8(rows, check=False, bits=bits)
+    data[:, start : start + rows.shape[1]] = pack_bits(q, bits)
+    scale[:, start : start + rows.shape[1]] = max_abs
+
+
+def dequantize_packed(
+    packed: torch.Tensor, max_abs: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Packed rows ``[..., d * bits / 8]`` and their max_abs ``[...]`` as values ``[..., d]``:
+    ``code * (max_abs / qmax)`` in float32, as :func:`kvlens.kv.quant.dequantize_q8`."""
+    return dequantize_q8(unpack_bits(packed, bits), max_abs, dtype, bits=bits)
+
+
+__all__ = ["GROUP", "dequantize_packed", "pack_bits", "row_qmax", "store_packed", "unpack_bits"]

@@ -1,0 +1,200 @@
+"""The packed N-bit kinds (q7h, q6h, q5h): bit packing, the row rule at N bits, bytes, refusals,
+recipes and the planner's choice among more than two candidates.
+
+The kernels against float64 are in test_kv_rotated_q4 (its kind pairs include these kinds), the
+paged pool in test_paged_kv (every registered mode), the disk tier in test_kv_disk. References
+here are independent of the code: numpy's own bit packing, and the rule transcribed in numpy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvlens
+from kvlens.engine.attention import BackendError
+from kvlens.kernels.cpu_int import decode_attention_int
+from kvlens.kv.cache import KVCache, RowStore
+from kvlens.kv.modes import MODES, KVMode, StoreKind
+from kvlens.kv.nbit import pack_bits, unpack_bits
+from kvlens.kv.quant import quantize_q8
+from kvlens.kv.recipe import load_recipe, save_recipe
+from kvlens.lab.plan import PlanConfig, choose
+
+TINY_MODEL = ("qwen3", 3)  # conftest's tiny_dir / tiny: 2 layers, 2 KV heads, head_dim 32
+PACKED = ["q7h", "q6h", "q5h"]
+CPU = torch.device("cpu")
+
+
+def numpy_pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Code i's two's-complement low ``bits`` bits at row bits [i*N, i*N+N), little-endian: numpy's
+    packbits of the bit matrix."""
+    u = codes.astype(np.int64) & ((1 << bits) - 1)
+    bit_matrix = (u[..., None] >> np.arange(bits)) & 1
+    return np.packbits(bit_matrix.reshape(*codes.shape[:-1], -1).astype(np.uint8), axis=-1, bitorder="little")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    bits=st.sampled_from([5, 6, 7]),
+    hd=st.sampled_from([64, 128, 256]),
+    rows=st.integers(1, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_pack_unpack_is_exact_and_the_documented_layout(bits, hd, rows, seed):
+    rng = np.random.default_rng(seed)
+    half = 1 << (bits - 1)
+    codes = rng.integers(-half, half, size=(rows, hd)).astype(np.int8)
+    codes[0, :2] = (-half, half - 1)  # the extreme codes
+    packed = pack_bits(torch.from_numpy(codes), bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, hd * bits // 8)
+    np.testing.assert_array_equal(packed.numpy(), numpy_pack(codes, bits))
+    np.testing.assert_array_equal(unpack_bits(packed, bits).numpy(), codes)
+
+
+def test_pack_refuses_codes_out_of_range_and_odd_widths():
+    with pytest.raises(ValueError, match="5-bit codes must lie in -16..15"):
+        pack_bits(torch.full((1, 8), 16, dtype=torch.int8), 5)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        pack_bits(torch.zeros(1, 12, dtype=torch.int8), 6)
+
+
+def numpy_rule(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """The q8 rule at ``bits`` in numpy float32: qmax = 2^(N-1)-1, ``inv = qmax / max_abs`` (1.0 for a
+    row under 1e-6), codes ``clip(floor(x * inv + 0.5), -qmax, qmax)``: round half up."""
+    qmax = np.float32(2 ** (bits - 1) - 1)
+    m = np.abs(x).max(-1)
+    m = np.where(m < np.float32(1e-6), np.float32(1.0), m).astype(np.float32)
+    inv = (qmax / m).astype(np.float32)
+    y = (x * inv[..., None]).astype(np.float32)
+    return np.clip(np.floor(y + np.float32(0.5)), -qmax, qmax).astype(np.int8), m
+
+
+@pytest.mark.parametrize("bits", [5, 6, 7, 8])
+def test_rule_is_the_q8_rule_with_its_qmax(bits):
+    rng = np.random.default_rng(bits)
+    x = (rng.standard_normal((5, 64)) * rng.uniform(0.01, 30, (5, 1))).astype(np.float32)
+    x[1] = 0.0  # all zero: max_abs 1.0, codes 0
+    x[2, 7] = -np.abs(x[2]).max() * 2  # the row's max is negative: code -qmax
+    q, m = quantize_q8(torch.from_numpy(x), bits=bits)
+    q_ref, m_ref = numpy_rule(x, bits)
+    np.testing.assert_array_equal(q.numpy(), q_ref)
+    np.testing.assert_array_equal(m.numpy(), m_ref)
+    qmax = 2 ** (bits - 1) - 1
+    assert q[1].abs().max() == 0 and m[1] == 1.0 and q[2, 7] == -qmax
+    assert int(q.abs().max()) == qmax
+
+
+def test_rule_by_hand_at_5_bits_ties_round_up():
+    """max_abs 15 = qmax: inv = 1 exactly, so the codes are the values rounded half up, by hand."""
+    x = torch.tensor([[15.0, 2.5, -2.5, 0.5, -0.5, -15.0, 14.5, -14.49]])
+    q, m = quantize_q8(x, bits=5)
+    assert q.tolist() == [[15, 3, -2, 1, 0, -15, 15, -14]] and float(m[0]) == 15.0
+
+
+@pytest.mark.parametrize("kind", PACKED)
+def test_store_reads_back_within_half_a_step(kind):
+    k = StoreKind(kind)
+    store = RowStore.empty(k, 2, 32, 128, CPU)
+    rows = torch.randn(2, 20, 128, generator=torch.Generator().manual_seed(3)) * 5
+    store.write(0, rows)
+    assert store.head_dim == 128 and store.data.shape == (2, 32, 128 * k.bits // 8)
+    step = rows.abs().amax(-1, keepdim=True) / k.qmax
+    assert ((store.read(0, 20) - rows).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all()
+
+
+def test_kind_properties():
+    for kind, bits in (("q7h", 7), ("q6h", 6), ("q5h", 5)):
+        k = StoreKind(kind)
+        assert (k.bits, k.qmax, k.packed, k.rotated, k.row_scaled, k.int8, k.int4) == (
+            bits, 2 ** (bits - 1) - 1, True, True, True, False, False,
+        )  # fmt: skip
+        assert k.dtype == torch.uint8 and k.row_width(64) == 8 * bits and k.ksum_bytes(64) == 0
+    assert (StoreKind.Q8.bits, StoreKind.Q8.qmax, StoreKind.Q8.packed) == (8, 127, False)
+    with pytest.raises(ValueError, match="power of two"):
+        StoreKind.Q6H.check_head_dim(96)
+
+
+def test_bytes_per_token_by_hand():
+    """Layer 0 per KV head: (K q7h, V q5h), (K q8, V q6h); layer 1 q6h. head_dim 64:
+    q7h 56+4, q5h 40+4, q8 64+4 + K code sums 2*2, q6h 48+4 bytes per row."""
+    q7, q5, q6, q8 = StoreKind.Q7H, StoreKind.Q5H, StoreKind.Q6H, StoreKind.Q8
+    from kvlens.kv.recipe import head_recipe_mode
+
+    mode = head_recipe_mode("r", [[(q7, q5), (q8, q6)], [(q6, q6), (q6, q6)]])
+    expected = (60 + 44) + (72 + 52) + 2 * (52 + 52)
+    assert mode.bytes_per_token(2, 2, 64) == expected == 436
+    cache = KVCache(2, 2, 64, 32, mode)
+    held = 0
+    for store in (*cache.k, *cache.v):
+        for part in getattr(store, "parts", [store]):
+            held += sum(
+                t.numel() * t.element_size() for t in (part.data, part.scale, part.ksum) if t is not None
+            )
+    assert cache.bytes_per_token() == expected and held == expected * 32
+    assert MODES["q5h"].bytes_per_token(1, 1, 128) == 2 * (80 + 4)
+
+
+def test_recipe_round_trip_with_the_packed_kinds(tmp_path, tiny):
+    path = tmp_path / "r.json"
+    path.write_text(
+        json.dumps(
+            {"kvlens_recipe": 1, "layers": [{"k": "q7h", "v": "q5h"}, {"k": ["q6h", "q8h"], "v": "q5h"}]}
+        )
+    )
+    mode = load_recipe(path)
+    assert mode.kinds(0) == (StoreKind.Q7H, StoreKind.Q5H)
+    assert mode.head_kinds(1) == ((StoreKind.Q6H, StoreKind.Q5H), (StoreKind.Q8H, StoreKind.Q5H))
+    save_recipe(mode, 2, tmp_path / "back.json")
+    assert load_recipe(tmp_path / "back.json").heads == mode.heads
+    llm = tiny.variant(kv=str(path), attn_backend="numba")
+    text = llm.generate("the", max_new_tokens=3)
+    assert isinstance(text, str)
+
+
+@pytest.mark.parametrize("mode", ["q6h", "k=q8,v=q5h", "k=q7h,v=q8"])
+def test_integer_backend_refuses_a_packed_kind_naming_it(tiny, mode):
+    llm = tiny.variant(kv=mode, attn_backend="numba-int")
+    kind = next(k for k in (KVMode.parse(mode).k, KVMode.parse(mode).v) if k.packed)
+    with pytest.raises(BackendError, match=f"cannot read {kind} rows"):
+        llm.generate("the", max_new_tokens=2)
+    ks, vs = (RowStore.empty(k, 1, 32, 32, CPU, True) for k in (KVMode.parse(mode).k, KVMode.parse(mode).v))
+    with pytest.raises(ValueError, match=f"cannot read {kind} rows"):
+        decode_attention_int(torch.zeros(2, 32), ks, vs, 1)
+
+
+def brute_force(sens, items, kinds, hd, budget):
+    best = None
+    for combo in itertools.product(kinds, repeat=len(items)):
+        kld = sum(0.0 if k == StoreKind.F16 else sens[(*it, k)] for it, k in zip(items, combo, strict=True))
+        size = sum(k.row_bytes(hd, with_ksum=it[-1] == "k") for it, k in zip(items, combo, strict=True))
+        if kld <= budget and (best is None or size < best):
+            best = size
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_chooses_among_five_candidates(seed):
+    """Sensitivities about 4x per bit below 8 (the uniform-code rule); the greedy choice stays within
+    the budget, uses the intermediate widths, and lands near the enumerated optimum."""
+    cfg = PlanConfig(model="m", corpus="c", kld_budget=1.0, candidates="q8h,q7h,q6h,q5h,q4h")
+    kinds = cfg.candidates
+    assert [k.bits for k in kinds] == [8, 7, 6, 5, 4]
+    gen = torch.Generator().manual_seed(seed)
+    items = [(layer, role) for layer in range(2) for role in ("k", "v")]
+    sens = {}
+    for it in items:
+        a = float(torch.rand(1, generator=gen)) * 1e-4 * (4 if it[-1] == "k" else 1)
+        for k in kinds:
+            sens[(*it, k)] = a * 4.0 ** (8 - k.bits) * (0.8 + 0.4 * float(torch.rand(1, generator=gen)))
+    budget = 1e-3
+    chosen, predicted = choose(sens, 64, budget)
+    assert predicted <= budget
+    size = sum(k.row_bytes(64, with_ksum=it[-1] == "k") for it, k in chosen.items())
+    assert size <= 1.25 * brute_force(sens, items, [StoreKind.F16, *kinds], 64, budget)
