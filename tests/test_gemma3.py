@@ -118,9 +118,13 @@ def test_every_cache_mode_kernel_equals_torch_at_head_dim_256(tiny_gemma, kv):
     err = max((a.double() - ref).abs().max().item(), (b.double() - ref).abs().max().item())
     # a 4-bit kind's step is 1/8 of a block's absmax (llama.cpp's q4_0; 8-bit: 1/127), so its bound
     # is 127/8 times the 8-bit one (this random model, 2026-12-01: 8-bit 0.016-0.027, q4 0.24, q4h
-    # 0.32 of max |ref|); the like-with-like kernel check above is the tight one
-    four_bit = KVMode.parse(kv).k.int4 or KVMode.parse(kv).v.int4
-    bound = 0.05 * (127 / 8 if four_bit else 1)
+    # 0.32 of max |ref|); the like-with-like kernel check above is the tight one. A packed N-bit kind's
+    # step is 1/qmax of the row's absmax: 127/qmax times the 8-bit bound
+    coarsest = max(
+        127 / 8 if k.int4 else 127 / k.qmax if k.row_scaled else 1
+        for k in (KVMode.parse(kv).k, KVMode.parse(kv).v)
+    )
+    bound = 0.05 * coarsest
     assert err <= tol if kv == "f32" else err <= bound * ref.abs().max().item()
 
 

@@ -17,7 +17,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvlens
 from kvlens.engine.attention import BackendError
 from kvlens.kernels.cpu_int import decode_attention_int
 from kvlens.kv.cache import KVCache, RowStore

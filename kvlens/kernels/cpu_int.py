@@ -273,7 +273,9 @@ def decode_attention_int(
     k4 = k_store.kind.int4
     for store in (k_store, v_store):
         if store.kind.packed:
-            raise ValueError(f"integer attention ({spec.backend}) cannot read {store.kind} rows (packed codes)")
+            raise ValueError(
+                f"integer attention ({spec.backend}) cannot read {store.kind} rows (packed codes)"
+            )
     if not spec.scores(k_store.kind):
         raise ValueError(f"integer attention ({spec.backend}) needs an int8 K store, or 4-bit with an 8-bit "
                          f"query, got {k_store.kind}")  # fmt: skip

@@ -119,7 +119,9 @@ class StoreKind(StrEnum):
     def check_head_dim(self, head_dim: int) -> None:
         """ValueError when this kind cannot store rows of ``head_dim`` values."""
         if self.packed and head_dim % 8:
-            raise ValueError(f"KV kind {self} packs 8 codes per {self.bits} bytes: head_dim must be a multiple of 8")
+            raise ValueError(
+                f"KV kind {self} packs 8 codes per {self.bits} bytes: head_dim must be a multiple of 8, got {head_dim}"
+            )
         if self.int4 and head_dim % Q4_BLOCK:
             raise ValueError(f"KV kind {self} needs head_dim divisible by {Q4_BLOCK}, got {head_dim}")
         if self.rotated and (head_dim < 2 or head_dim & (head_dim - 1)):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_tensor
-from .quant import dequantize_q8, quantize_q8, row_qmax
+from .quant import dequantize_q8, quantize_q8
 
 GROUP = 8  # codes per group of N whole bytes
 
@@ -72,4 +72,4 @@ def dequantize_packed(
     return dequantize_q8(unpack_bits(packed, bits), max_abs, dtype, bits=bits)
 
 
-__all__ = ["GROUP", "dequantize_packed", "pack_bits", "row_qmax", "store_packed", "unpack_bits"]
+__all__ = ["GROUP", "dequantize_packed", "pack_bits", "store_packed", "unpack_bits"]
