@@ -15,7 +15,9 @@ def _own_numba_cache_per_xdist_worker() -> None:
     numba's cache is not safe for two processes saving one function at once: each reads the index,
     picks the first free data-file number and writes both without a lock, so a worker's entry can
     be lost or, worse, point at the data file of another signature (``IndexDataCacheFile.save``;
-    numba issue 10128 is a related race). One folder per worker, set in the environment before
+    numba issue 10128 is a related race). kvlens now locks those saves
+    (``kernels/jitcache.lock_numba_cache``, tested in ``test_jitcache.py``); the per-worker folders
+    stay so that the suite's own runs do not lean on that lock. One folder per worker, set in the environment before
     numba loads, also covers the subprocesses a test starts (CLI runs). The folder sits inside kvlens' own, named by the kernels' sources
     (``kernels/jitcache.py``, loaded from its file: importing ``kvlens`` would load numba first)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")

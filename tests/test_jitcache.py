@@ -43,3 +43,49 @@ def test_importing_kvlens_points_numba_there(tmp_path):
     from kvlens.kernels.jitcache import KERNELS
 
     assert out.stdout.strip() == str(tmp_path / "kvlens" / "numba" / source_digest(KERNELS))
+
+
+def _cache_file(tmp_path):
+    from numba.core.caching import IndexDataCacheFile
+
+    import kvlens  # noqa: F401  (installs the lock)
+
+    return IndexDataCacheFile(str(tmp_path), "kernel-fn", ("stamp", 1))
+
+
+def _blocked_by(tmp_path, mode, call) -> bool:
+    """Whether ``call`` waits while another open file holds ``mode`` on the index lock; it must
+    finish once the lock is let go."""
+    import fcntl
+    import threading
+
+    done = threading.Event()
+    with open(tmp_path / "kernel-fn.nbi.lock", "a+b") as held:
+        fcntl.flock(held, mode)
+        worker = threading.Thread(target=lambda: (call(), done.set()), daemon=True)
+        worker.start()
+        blocked = not done.wait(0.3)
+        fcntl.flock(held, fcntl.LOCK_UN)
+    worker.join(10)
+    assert done.is_set(), "the cache call never finished after the lock was released"
+    return blocked
+
+
+def test_a_cache_save_waits_for_another_process_save(tmp_path):
+    """Two processes saving into one index must not interleave (numba's save reads the index, picks
+    a data-file number and writes both back): a save waits while the lock is held elsewhere."""
+    import fcntl
+
+    cache = _cache_file(tmp_path)
+    assert _blocked_by(tmp_path, fcntl.LOCK_EX, lambda: cache.save("sig-a", b"code-a"))
+    assert cache.load("sig-a") == b"code-a"
+    assert _blocked_by(tmp_path, fcntl.LOCK_SH, lambda: cache.save("sig-b", b"code-b"))
+
+
+def test_loads_wait_for_a_save_but_not_for_each_other(tmp_path):
+    import fcntl
+
+    cache = _cache_file(tmp_path)
+    cache.save("sig-a", b"code-a")
+    assert _blocked_by(tmp_path, fcntl.LOCK_EX, lambda: cache.load("sig-a"))
+    assert not _blocked_by(tmp_path, fcntl.LOCK_SH, lambda: cache.load("sig-a"))
