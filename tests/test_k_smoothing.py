@@ -25,6 +25,7 @@ from kvlens.kv.pool import BlockPool, PagedKV
 from kvlens.kv.prefix import cache_salt
 from kvlens.kv.quant import rotate_rows, rotation
 from kvlens.kv.recipe import head_recipe_mode, with_k_center
+from kvlens.lab.layers import stored_kv
 
 F16, F32, Q8, Q8H, Q4, Q4H = (StoreKind(x) for x in ("f16", "f32", "q8", "q8h", "q4", "q4h"))
 HD = 32
@@ -207,3 +208,16 @@ def test_paged_pool_with_centers_is_the_contiguous_cache_bit_for_bit(tiny, cente
     rows = [t[:, : len(IDS) % 32] for t in pool.block_rows(paged.blocks[1])]
     ref = contiguous.k[0].data if heads is LAYERWISE else contiguous.k[0].parts[0].data
     assert torch.equal(rows[0], ref[:, 32 : len(IDS)])  # layer 0's K codes, block 1
+
+
+def test_lab_layers_sees_stored_rows_in_the_models_basis(tiny, center):
+    """``lab layers`` attends what a cache stored: rotated kinds turned back (they were read in the
+    rotated basis: relative error ~1.3), centers left off (attention ignores them)."""
+    qkv = tiny.capture_qkv(IDS)
+    pos = torch.arange(len(IDS))
+    centered = with_k_center(head_recipe_mode("c", [[(Q8H, Q8H)] * 2] * 2), center)
+    for mode in (MODES["q8h"], centered):
+        for (q, k, v), (kq, vq) in zip(qkv, stored_kv(tiny, qkv, mode), strict=True):
+            ref = reference_attention(q.double(), k.double(), v.double(), pos)
+            got = reference_attention(q.double(), kq.double(), vq.double(), pos)
+            assert (got - ref).norm() < 0.05 * ref.norm()  # 8-bit steps (|k - c| ~ 3 |k| here)
