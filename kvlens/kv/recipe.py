@@ -201,4 +201,10 @@ def recipe_json(mode: KVMode, n_layers: int, **meta: Any) -> dict[str, Any]:
 
 def save_recipe(mode: KVMode, n_layers: int, path: str | Path, **meta: Any) -> None:
     """Write ``mode`` as a recipe file (``meta``: extra keys such as the model and the budget)."""
-    Path(path).write_text(json.dumps(recipe_json(mode, n_layers, **meta), indent=1) + "\n", encoding="utf-8")
+    data = recipe_json(mode, n_layers, **meta)
+    center = data.pop("k_center", None)
+    text = json.dumps(data, indent=1)
+    if center is not None:  # one line per layer, not one per float
+        rows = ",\n".join(f"  {json.dumps(layer)}" for layer in center)
+        text = text.removesuffix("\n}") + ',\n "k_center": [\n' + rows + "\n ]\n}"
+    Path(path).write_text(text + "\n", encoding="utf-8")
