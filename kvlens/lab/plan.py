@@ -69,7 +69,7 @@ class PlanConfig(KldBudget, CompareConfig):
     calib_target: float = 1.0  # the share of the budget the recipe may cost on the calibration chunks
     reuse: str | None = None  # a earlier ``lab plan --json`` output: its sensitivities, not measured again
     verify: bool = True  # run the held-out verification (False: choose and check on calibration text only)
-    smooth_k: bool = False  # K smoothing: subtract the calibration's mean key per (layer, KV head)
+    smooth_k: bool = True  # K smoothing: subtract the calibration's mean key per (layer, KV head)
 
     def __post_init__(self) -> None:
         super().__post_init__()
