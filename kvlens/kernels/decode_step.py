@@ -174,7 +174,7 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
     ``ks``/``vs``: the layer's K and V store tuples, written at row ``pos`` (physical, in a paged
     cache). ``rope``: (cos, sin) rows of the token's position.
     ``at``: (K code, V code, 1/sqrt(d) as f32, length, then flash.plan_call's splits, serial, tiles, table,
-    then whether K and V are rotated, then the layer's K centers ``[n_kv, d]``, empty ``[0, d]`` for
+    then whether K and V are rotated, then the layer's K centers ``[n_kv, d]``, an empty array for
     none). ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then :func:`_attend`'s, then the
     rotation's (signs, ones, q, k, v, o in the stored bases, K less its centers).
     Returns ``step_kv.FP16_OVERFLOW`` where a 4-bit block's scale overflows (nothing stored)."""

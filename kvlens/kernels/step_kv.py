@@ -79,7 +79,7 @@ def _store_f16(rows, data, pos):  # pragma: no cover - compiled
 def center_rows(rows, center, out):  # pragma: no cover - compiled
     """K smoothing (kv.cache.RowStore.basis): ``out = rows - center`` (``[n, d]``, the same f32
     subtraction as torch's) where ``center`` has rows, else ``rows`` itself (an uncentered layer passes
-    an empty ``[0, d]`` center: nothing is computed)."""
+    an empty center: nothing is computed)."""
     if center.shape[0] == 0:
         return rows
     for h in range(rows.shape[0]):

@@ -151,7 +151,7 @@ def parse_k_center(value: Any, n_layers: int, name: str) -> torch.Tensor:
 def with_k_center(mode: KVMode, center: torch.Tensor | None) -> KVMode:
     """``mode`` with the K centers ``center`` (float32 [n_layers, n_kv, head_dim]; None: without)."""
     if center is not None:
-        center = center.detach().to("cpu", torch.float32).contiguous()
+        center = center.detach().to("cpu", torch.float32).clone()  # its own copy: the digest stays true
     return dataclasses.replace(mode, k_center=center)
 
 
