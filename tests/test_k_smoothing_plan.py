@@ -73,6 +73,16 @@ def test_bad_centers_are_one_clear_error(tmp_path, center, match):
         KVMode.parse(write(tmp_path / "bad.json", k_center=center))
 
 
+def generate_with(recipe: str, model_dir) -> subprocess.CompletedProcess:
+    """``kvlens generate --kv recipe`` in a real process (the CLI's one-line error boundary)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvlens.cli", "generate", "--model", str(model_dir), "--kv", recipe, "hi"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.mark.parametrize(
     "shape,match",
     [((2, 3, 32), "k_center is .* = \\[2, 3, 32\\]; the model has 2 KV heads"),
@@ -84,12 +94,7 @@ def test_centers_not_shaped_like_the_model_are_refused(tmp_path, tiny, tiny_dir,
     )
     with pytest.raises(ValueError, match=match):
         tiny.variant(kv=bad)
-    r = subprocess.run(
-        [sys.executable, "-m", "kvlens.cli", "generate", "--model", str(tiny_dir), "--kv", bad, "hi"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = generate_with(bad, tiny_dir)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: KV recipe ") and "k_center" in lines[0], r.stderr
@@ -97,12 +102,7 @@ def test_centers_not_shaped_like_the_model_are_refused(tmp_path, tiny, tiny_dir,
 
 def test_cli_refuses_a_non_numeric_center_in_one_line(tmp_path, tiny_dir):
     bad = write(tmp_path / "bad.json", k_center=[[ROW, ROW], [ROW, ["x"] * 32]])
-    r = subprocess.run(
-        [sys.executable, "-m", "kvlens.cli", "generate", "--model", str(tiny_dir), "--kv", bad, "hi"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = generate_with(bad, tiny_dir)
     assert r.returncode != 0
     assert r.stderr.strip().splitlines() == [
         f"error: {bad} k_center layer 1 head 1 value 0 is 'x', not a number"
