@@ -116,6 +116,9 @@ def lab_plan(
     reuse: str | None = Option(None, help="A `lab plan --json` output whose sensitivities to reuse."),
     kv: str = Option("q8,f16", help="Modes verified beside the recipe."),
     verify: bool = Option(True, "--verify/--no-verify", help="Verify the recipe on the held-out chunks."),
+    smooth_k: bool = Option(
+        True, "--smooth-k/--no-smooth-k", help="Subtract the calibration's mean key per layer and KV head."
+    ),
     prefill_chunk: int = opt.PREFILL,
     json_out: bool = opt.JSON,
 ) -> None:

@@ -46,7 +46,7 @@ from .q8store import first_nonfinite_index as _first_nonfinite
 from .qkernels import _mv_bf16, _mv_f32, _mv_int4, _mv_int8
 from .rowops import rms_norm_row, rope_split_row, silu_mul_row
 from .stage import _KIND_CODE
-from .step_kv import f32_to_f16_bits, quantize_query_q4, store_kv, to_basis  # noqa: F401 - f32_to_f16_bits: API
+from .step_kv import center_rows, f32_to_f16_bits, quantize_query_q4, store_kv, to_basis  # noqa: F401 - f32_to_f16_bits: API
 from .threads import split_threads
 
 # attention kinds: the float kernel (numba), 16-bit integer scores (int8 K), 8-bit (4-bit K)
@@ -174,13 +174,14 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
     ``ks``/``vs``: the layer's K and V store tuples, written at row ``pos`` (physical, in a paged
     cache). ``rope``: (cos, sin) rows of the token's position.
     ``at``: (K code, V code, 1/sqrt(d) as f32, length, then flash.plan_call's splits, serial, tiles, table,
-    then whether K and V are rotated). ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then
-    :func:`_attend`'s, then the rotation's (signs, ones, q, k, v, o in the stored bases).
+    then whether K and V are rotated, then the layer's K centers ``[n_kv, d]``, an empty array for
+    none). ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then :func:`_attend`'s, then the
+    rotation's (signs, ones, q, k, v, o in the stored bases, K less its centers).
     Returns ``step_kv.FP16_OVERFLOW`` where a 4-bit block's scale overflows (nothing stored)."""
     kind, path = literally(kind), literally(path)
     attn_norm, ffn_norm, eps, wqkv, bqkv, wo, wgu, wdown = lw
     h, qkv, q, k, v, o, proj, gu, act = buf[0]
-    signs, ones, q_rot, k_rot, v_rot, o_rot = buf[2]
+    signs, ones, q_rot, k_rot, v_rot, o_rot, k_cen = buf[2]
     rms_norm_row(x[0], attn_norm, eps, h[0])
     _linear(wqkv, bqkv, h, qkv, min_work)
     rope_split_row(qkv[0], rope[0], rope[1], q, k, v)
@@ -192,7 +193,8 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
     else:
         return bad
     scale, k_turn, v_turn = at[2], at[8], at[9]  # 1/sqrt(d): the rotation's scale too
-    bad = store_kv(ks, vs, to_basis(k, k_turn, signs, ones, scale, k_rot),
+    kc = center_rows(k, at[10], k_cen)  # K smoothing: less the centers, before the rotation
+    bad = store_kv(ks, vs, to_basis(kc, k_turn, signs, ones, scale, k_rot),
                    to_basis(v, v_turn, signs, ones, scale, v_rot), pos)  # fmt: skip
     if bad != -1:
         return bad
@@ -212,6 +214,7 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
 
 
 # -- the Python side: arrays and buffers set up once, the compiled entry points looked up once ---------
+_NO_CENTER = np.zeros((0, 1), np.float32)  # an uncentered layer's K centers (step_kv.center_rows)
 # not the packed N-bit kinds (q7h, q6h, q5h): a cache holding one runs the general path (tested)
 _STORE_KINDS = (StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H, StoreKind.F16, StoreKind.F32)
 
@@ -239,7 +242,7 @@ def store_tuple(store) -> tuple[np.ndarray, ...] | None:
 
 
 def fused_stores(cache) -> list[tuple] | None:
-    """Per layer of a KVCache: (K tuple, V tuple, K code, V code, K rotated, V rotated) for
+    """Per layer of a KVCache: (K tuple, V tuple, K code, V code, K rotated, V rotated, K centers) for
     :meth:`FusedDecoder.run`, or None if a layer's kind is not written here. Memoized on the cache while its stores keep their tensors
     (they grow all together: :meth:`kvlens.kv.cache.KVCache.reserve`)."""
     first, last = (getattr(s, "data", s) for s in (cache.k[0], cache.v[-1]))
@@ -252,7 +255,10 @@ def fused_stores(cache) -> list[tuple] | None:
         if kt is None or vt is None:
             stores = None
             break
-        stores.append((kt, vt, _KIND_CODE[ks.kind], _KIND_CODE[vs.kind], ks.kind.rotated, vs.kind.rotated))
+        center = _NO_CENTER if ks.center is None else ks.center[:, 0].contiguous().numpy()
+        stores.append(
+            (kt, vt, _KIND_CODE[ks.kind], _KIND_CODE[vs.kind], ks.kind.rotated, vs.kind.rotated, center)
+        )
     cache.__dict__["_step_stores"] = (first, last, stores)
     return stores
 
@@ -305,13 +311,14 @@ class FusedDecoder:
         self._entry: dict[tuple, object] = {}
 
     def _rotation_buffers(self) -> tuple[np.ndarray, ...]:
-        """(signs, ones, q, k, v, o) of the rotated kinds' turns (kv.quant.rotate_rows, unrotate_rows);
-        dummies where head_dim is no power of two (no rotated kind there)."""
+        """(signs, ones, q, k, v, o) of the rotated kinds' turns (kv.quant.rotate_rows, unrotate_rows),
+        then K less its centers (K smoothing); dummies where head_dim is no power of two (no rotated
+        kind there)."""
         s, d = self.shape, self.shape.head_dim
         signs = rotation_signs(d).numpy() if d & (d - 1) == 0 else np.ones(d, np.float32)
         f32 = np.float32
         return (signs, np.ones(d, f32), np.empty((s.n_heads, d), f32), np.empty((s.n_kv, d), f32),
-                np.empty((s.n_kv, d), f32), np.empty((s.n_heads, d), f32))  # fmt: skip
+                np.empty((s.n_kv, d), f32), np.empty((s.n_heads, d), f32), np.empty((s.n_kv, d), f32))  # fmt: skip
 
     def run(
         self, x: np.ndarray, pos: int, rope: tuple, stores: list[tuple], attn: tuple[int, int], table=None
@@ -327,8 +334,8 @@ class FusedDecoder:
         )
         row = pos if table.shape[0] == 0 else int(table[pos // flash.TILE]) * flash.TILE + pos % flash.TILE
         for i, (lw, layer) in enumerate(zip(self.layers, stores, strict=True)):
-            ks, vs, k_code, v_code, k_rot, v_rot = layer
-            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, tiles, table, k_rot, v_rot)
+            ks, vs, k_code, v_code, k_rot, v_rot, center = layer
+            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, tiles, table, k_rot, v_rot, center)
             args = (*attn, x, lw, ks, vs, row, rope, at, self.buf, self.min_work)
             entry = self._entry.get((i, *attn, k_code, v_code)) or self._compile(i, args)
             if entry(*args) != -1:

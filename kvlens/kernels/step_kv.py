@@ -76,6 +76,19 @@ def _store_f16(rows, data, pos):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def center_rows(rows, center, out):  # pragma: no cover - compiled
+    """K smoothing (kv.cache.RowStore.basis): ``out = rows - center`` (``[n, d]``, the same f32
+    subtraction as torch's) where ``center`` has rows, else ``rows`` itself (an uncentered layer passes
+    an empty center: nothing is computed)."""
+    if center.shape[0] == 0:
+        return rows
+    for h in range(rows.shape[0]):
+        for d in range(rows.shape[1]):
+            out[h, d] = rows[h, d] - center[h, d]
+    return out
+
+
+@njit(cache=True)
 def to_basis(rows, rotated, signs, ones, scale, out):  # pragma: no cover - compiled
     """``rows [n, d]`` in a store's basis: ``out`` = the rotation (kv.quant.rotate_rows: the same
     JIT pass on the same values) where ``rotated``, else ``rows`` itself."""

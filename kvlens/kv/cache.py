@@ -14,6 +14,13 @@ Layout of one layer (``cap`` = capacity, a multiple of BLOCK)::
 Scales and key sums live out of line, in their own arrays, so the code rows stay plain rows (the
 layout vLLM measured fastest for gathers).
 
+K smoothing: a mode with K centers (:attr:`KVMode.k_center`, a recipe's ``k_center``) gives each
+layer's K store its centers (``RowStore.center``); :meth:`RowStore.basis`, the one step every K row
+takes from the model to a store (KVCache and the paged pool's writes, the mirror / kept-exact copy
+too, since it is written in the store's basis), subtracts them before anything else: rotation and
+quantization see ``k - c``. The fused decode step subtracts the same rows in its compiled store
+(:mod:`kvlens.kernels.step_kv`). Reads are unchanged: every score of a query moves by ``q·c``.
+
 Rotated kinds (q8h, q4h) hold every row of their layer's K (or V) in the rotated basis ``x @ R``
 (:func:`kvlens.kv.quant.rotation`), the exact copy included: ``write`` takes rows as the model makes
 them and rotates them, ``read`` returns the stored basis. Attention rotates the query by the same R
@@ -106,14 +113,24 @@ def layer_stores(
     k: list[RowStore | HeadSplitStore] = []
     v: list[RowStore | HeadSplitStore] = []
     for i in range(n_layers):
-        heads = mode.head_kinds(i)
+        heads, center = mode.head_kinds(i), mode.layer_center(i)
+        center = None if center is None else center.to(device)
         if heads is None:
             kk, vk = mode.kinds(i)
             # int8 K keeps its code sums per 32-block for the integer attention kernels
-            k.append(RowStore.empty(kk, n_kv, cap, head_dim, device, with_ksum=True))
+            k.append(RowStore.empty(kk, n_kv, cap, head_dim, device, with_ksum=True, center=center))
             v.append(RowStore.empty(vk, n_kv, cap, head_dim, device))
         else:
-            k.append(HeadSplitStore([RowStore.empty(kk, 1, cap, head_dim, device, True) for kk, _ in heads]))
+            k.append(
+                HeadSplitStore(
+                    [
+                        RowStore.empty(
+                            kk, 1, cap, head_dim, device, True, None if center is None else center[h : h + 1]
+                        )
+                        for h, (kk, _) in enumerate(heads)
+                    ]
+                )
+            )
             v.append(HeadSplitStore([RowStore.empty(vk, 1, cap, head_dim, device) for _, vk in heads]))
     return k, v
 
@@ -141,6 +158,7 @@ class RowStore:
     data: torch.Tensor
     scale: torch.Tensor | None  # q8, packed: max_abs per row; q4: fp16 scale per block of 32; floats: None
     ksum: torch.Tensor | None = None  # code sums per 32-block, int8 K stores only (integer kernels)
+    center: torch.Tensor | None = None  # K smoothing: [n_kv, 1, head_dim] f32 subtracted by basis()
 
     @classmethod
     def empty(
@@ -151,6 +169,7 @@ class RowStore:
         head_dim: int,
         device: torch.device,
         with_ksum: bool = False,
+        center: torch.Tensor | None = None,
     ) -> RowStore:
         kind.check_head_dim(head_dim)
         data = torch.zeros(n_kv, cap, kind.row_width(head_dim), dtype=kind.dtype, device=device)
@@ -161,7 +180,9 @@ class RowStore:
                 ksum = torch.zeros(n_kv, cap, head_dim // KSUM_BLOCK, dtype=torch.int16, device=device)
         elif kind.int4:
             scale = torch.ones(n_kv, cap, head_dim // Q4_BLOCK, dtype=torch.float16, device=device)
-        return cls(kind, data, scale, ksum)
+        if center is not None and tuple(center.shape) != (n_kv, 1, head_dim):
+            raise ValueError(f"a store's K centers are [{n_kv}, 1, {head_dim}], got {list(center.shape)}")
+        return cls(kind, data, scale, ksum, center)
 
     @property
     def head_dim(self) -> int:
@@ -172,7 +193,10 @@ class RowStore:
         return self.data.shape[1]
 
     def basis(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows [n_kv, n, head_dim]`` as the model makes them, in the basis this store keeps."""
+        """``rows [n_kv, n, head_dim]`` as the model makes them, in the basis this store keeps: less
+        the K centers (K smoothing) where the store has some, then rotated (q8h, q4h)."""
+        if self.center is not None:
+            rows = rows.to(torch.float32) - self.center
         return store_basis(self.kind, rows)
 
     def grow(self, cap: int) -> None:
@@ -197,7 +221,7 @@ class RowStore:
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[:, start:end].contiguous()
 
-        return RowStore(self.kind, self.data[:, start:end], cut(self.scale), cut(self.ksum))
+        return RowStore(self.kind, self.data[:, start:end], cut(self.scale), cut(self.ksum), self.center)
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         """Store ``rows [n_kv, n, head_dim]`` (already in the store's basis) at ``start``."""

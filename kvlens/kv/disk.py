@@ -76,7 +76,7 @@ class DiskTier:
         self.root, self.budget, self.pool = Path(root), int(budget_bytes), pool
         self.root.mkdir(parents=True, exist_ok=True)
         self.meta = {
-            "model": model_digest, "mode": str(pool.mode), "block": BLOCK, "layers": pool.n_layers,
+            "model": model_digest, "mode": pool.mode.identity, "block": BLOCK, "layers": pool.n_layers,
             "kv_heads": pool.n_kv_heads, "head_dim": pool.head_dim, "mirror": pool.has_mirror,
             "payload": sum(t.numel() * t.element_size() for t in pool.block_rows(0)),
         }  # fmt: skip

@@ -20,7 +20,8 @@ the CLI), into a :class:`KVMode`; everything inside takes the parsed value.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
@@ -175,7 +176,13 @@ class KVMode:
 
     ``heads``: a per-KV-head recipe gives, per layer, either ``()`` (the layer stores
     ``layers[i]`` in every head) or one ``(K kind, V kind)`` per KV head; ``layers[i]`` is then the
-    widest pair of the layer. Ask :meth:`head_kinds`."""
+    widest pair of the layer. Ask :meth:`head_kinds`.
+
+    ``k_center``: a recipe's K centers, float32 ``[n_layers, n_kv_heads, head_dim]`` (post-RoPE basis)
+    or None. The cache subtracts layer i's row of head h from every K row it stores there, before any
+    rotation or quantization ("K smoothing": every score of a query moves by the same ``q·c``, which
+    softmax ignores). Compared and hashed through ``k_center_digest``, so a centered mode is never
+    equal to (nor shares cached blocks with, :attr:`identity`) an uncentered one of the same name."""
 
     name: str
     k: StoreKind
@@ -183,6 +190,28 @@ class KVMode:
     mirror: bool = False
     layers: tuple[tuple[StoreKind, StoreKind], ...] = ()
     heads: tuple[tuple[tuple[StoreKind, StoreKind], ...], ...] = ()
+    k_center: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    k_center_digest: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        if self.k_center is not None:
+            c = self.k_center
+            if not isinstance(c, torch.Tensor) or c.dtype != torch.float32 or c.dim() != 3:
+                raise TypeError("k_center must be a float32 tensor [n_layers, n_kv_heads, head_dim]")
+            if not bool(torch.isfinite(c).all()):
+                raise ValueError(f"KV mode {self.name}: k_center holds a non-finite value")
+            digest = hashlib.sha256(c.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+            object.__setattr__(self, "k_center_digest", digest)
+
+    @property
+    def identity(self) -> str:
+        """The name, plus the K centers' digest where there are some: what cached blocks are keyed by
+        (kvlens.kv.prefix.cache_salt, the disk tier's header)."""
+        return f"{self.name}|k_center={self.k_center_digest}" if self.k_center is not None else self.name
+
+    def layer_center(self, layer: int) -> torch.Tensor | None:
+        """The K centers of ``layer`` as ``[n_kv_heads, 1, head_dim]`` (float32), or None."""
+        return None if self.k_center is None else self.k_center[layer].unsqueeze(1)
 
     def __str__(self) -> str:
         return self.name
@@ -222,6 +251,15 @@ class KVMode:
         for k, v in [*(self.layers or ((self.k, self.v),)), *(p for layer in self.heads for p in layer)]:
             k.check_head_dim(head_dim)
             v.check_head_dim(head_dim)
+        if self.k_center is not None:
+            got, want = tuple(self.k_center.shape), (n_layers, n_kv_heads, head_dim)
+            names = ("layers", "KV heads", "head_dim")
+            for name, g, w in zip(names, got, want, strict=True):
+                if w is not None and g != w:
+                    raise ValueError(
+                        f"KV recipe {self.name}: k_center is [layers, KV heads, head_dim] = {list(got)}; the "
+                        f"model has {w} {name}"
+                    )
 
     def bytes_per_token(self, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
         """Stored KV bytes per token position over all layers: what the stores hold (scales, K's code
@@ -241,7 +279,8 @@ class KVMode:
             pairs = sorted({f"{k}/{v}" for k, v in self.layers})
             split = sum(1 for h in self.heads if h)
             per_head = f", {split} split per KV head" if split else ""
-            return f"recipe, {len(self.layers)} layers{per_head}, K/V {' '.join(pairs)}"
+            centered = ", K centered" if self.k_center is not None else ""
+            return f"recipe, {len(self.layers)} layers{per_head}, K/V {' '.join(pairs)}{centered}"
         return f"K {self.k} / V {self.v}" + (" + exact f32 mirror" if self.mirror else "")
 
     @classmethod

@@ -31,7 +31,7 @@ from .modes import KVMode
 
 def cache_salt(model_digest: str, mode: KVMode, mirror_prefill: str, prefill_chunk: int) -> bytes:
     """What a block's contents depend on besides its tokens (the root of every hash chain)."""
-    return f"kvlens-prefix-v1|{model_digest}|{mode}|{mirror_prefill}|chunk={prefill_chunk}".encode()
+    return f"kvlens-prefix-v1|{model_digest}|{mode.identity}|{mirror_prefill}|chunk={prefill_chunk}".encode()
 
 
 def block_hashes(tokens: Sequence[int], n_blocks: int, salt: bytes) -> list[bytes]:

@@ -8,7 +8,14 @@ the server). The file::
       "kvlens_recipe": 1,
       "layers": [{"k": "q8h", "v": "q4h"}, {"k": "f16", "v": "q8h"}, ...],   one entry per layer
       "model": "...", "note": "..."                                          optional, free text
+      "k_center": [[[c0, c1, ...], ...], ...]          optional, per layer, per KV head, head_dim floats
     }
+
+``k_center`` (K smoothing): the cache subtracts ``k_center[i][h]`` from every K row of layer ``i``,
+KV head ``h`` before it stores the row (before the rotation and quantization, in every kind of the
+layer: :attr:`kvlens.kv.modes.KVMode.k_center`). Attention is unchanged by it in exact arithmetic;
+4-bit K's quantization error shrinks. ``kvlens lab plan --smooth-k`` writes the mean post-RoPE key of
+the calibration text. A recipe without it stores keys as they are.
 
 A layer may give its KV heads different kinds (a per-KV-head recipe): ``{"k": ["q8h", "q4h", "q8h"],
 "v": "q4h"}`` lists one kind per KV head (a single kind applies to every head of the layer). The
@@ -24,8 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .modes import KVMode, StoreKind
 
@@ -98,9 +108,51 @@ def parse_recipe(data: Any, name: str) -> KVMode:
     layers = data.get("layers")
     if not isinstance(layers, list) or not layers:
         raise RecipeError(f'{name}: "layers" must be a non-empty list of {{"k": KIND, "v": KIND}}')
-    return head_recipe_mode(
+    mode = head_recipe_mode(
         name, [_layer_kinds(entry, f"{name} layer {i}") for i, entry in enumerate(layers)]
     )
+    if "k_center" not in data:
+        return mode
+    return dataclasses.replace(mode, k_center=parse_k_center(data["k_center"], len(layers), name))
+
+
+def _center_row(row: Any, where: str) -> list[float]:
+    if not isinstance(row, list) or not row:
+        raise RecipeError(f"{where} must be a non-empty list of numbers, got {str(row)[:60]}")
+    for j, x in enumerate(row):
+        if isinstance(x, bool) or not isinstance(x, int | float):
+            raise RecipeError(f"{where} value {j} is {x!r}, not a number")
+        if not math.isfinite(x) or abs(x) > 3.4e38:
+            raise RecipeError(f"{where} value {j} is {x!r}, not a finite float32")
+    return [float(x) for x in row]
+
+
+def parse_k_center(value: Any, n_layers: int, name: str) -> torch.Tensor:
+    """A recipe's ``k_center`` as float32 ``[n_layers, n_kv_heads, head_dim]``: one list per layer of
+    one list per KV head of head_dim numbers, the same counts in every layer; else one RecipeError
+    naming the layer and head."""
+    if not isinstance(value, list) or len(value) != n_layers:
+        got = f"{len(value)} entries" if isinstance(value, list) else repr(value)[:40]
+        raise RecipeError(f'{name}: "k_center" must list one entry per layer ({n_layers}), got {got}')
+    rows: list[list[list[float]]] = []
+    for i, heads in enumerate(value):
+        if not isinstance(heads, list) or not heads:
+            raise RecipeError(f"{name} k_center layer {i} must be a list of one list per KV head")
+        rows.append([_center_row(r, f"{name} k_center layer {i} head {h}") for h, r in enumerate(heads)])
+        n_kv, d = len(rows[0]), len(rows[0][0])
+        if len(rows[i]) != n_kv:
+            raise RecipeError(f"{name} k_center layer {i} has {len(rows[i])} KV heads; layer 0 has {n_kv}")
+        for h, r in enumerate(rows[i]):
+            if len(r) != d:
+                raise RecipeError(f"{name} k_center layer {i} head {h} has {len(r)} values; head_dim is {d}")
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def with_k_center(mode: KVMode, center: torch.Tensor | None) -> KVMode:
+    """``mode`` with the K centers ``center`` (float32 [n_layers, n_kv, head_dim]; None: without)."""
+    if center is not None:
+        center = center.detach().to("cpu", torch.float32).clone()  # its own copy: the digest stays true
+    return dataclasses.replace(mode, k_center=center)
 
 
 def load_recipe(path: str | Path) -> KVMode:
@@ -141,9 +193,18 @@ def mix(mode: KVMode, n_layers: int, n_kv: int) -> str:
 def recipe_json(mode: KVMode, n_layers: int, **meta: Any) -> dict[str, Any]:
     """The JSON object of ``mode`` over ``n_layers`` layers (a uniform mode is written out per layer)."""
     layers = [layer_json(mode, i) for i in range(n_layers)]
-    return {"kvlens_recipe": RECIPE_VERSION, **meta, "layers": layers}
+    out = {"kvlens_recipe": RECIPE_VERSION, **meta, "layers": layers}
+    if mode.k_center is not None:  # float32 values print as the shortest double that reads back exactly
+        out["k_center"] = mode.k_center.tolist()
+    return out
 
 
 def save_recipe(mode: KVMode, n_layers: int, path: str | Path, **meta: Any) -> None:
     """Write ``mode`` as a recipe file (``meta``: extra keys such as the model and the budget)."""
-    Path(path).write_text(json.dumps(recipe_json(mode, n_layers, **meta), indent=1) + "\n", encoding="utf-8")
+    data = recipe_json(mode, n_layers, **meta)
+    center = data.pop("k_center", None)
+    text = json.dumps(data, indent=1)
+    if center is not None:  # one line per layer, not one per float
+        rows = ",\n".join(f"  {json.dumps(layer)}" for layer in center)
+        text = text.removesuffix("\n}") + ',\n "k_center": [\n' + rows + "\n ]\n}"
+    Path(path).write_text(text + "\n", encoding="utf-8")

@@ -17,7 +17,9 @@ For every flagged layer, the consequence is measured: the mean KLD (vs an f32 ca
 layer's K and V are stored q8, and q4h where the layout allows it (llama-perplexity's protocol of
 :mod:`.ppl`). The recommended recipe is :mod:`.plan`'s choice under ``kld_budget`` from per-layer
 sensitivities measured on the same window, or from a ``lab plan --json`` output (``plan``: its
-per-layer or per-head sensitivities, ctx and calibration chunks; nothing measured twice).
+per-layer or per-head sensitivities, ctx and calibration chunks; nothing measured twice). The doctor
+measures without K smoothing; a plan measured with ``--smooth-k`` gives a recipe with the K centers
+of the same calibration chunks (the consequences stay unsmoothed: they show the keys as they are).
 """
 
 from __future__ import annotations
@@ -171,14 +173,15 @@ def run_doctor(cfg: DoctorConfig) -> DoctorResult:
     llm, text, label = load_lab(cfg.model, cfg.corpus, "f32")
     c = llm.config
     t0 = time.perf_counter()
-    ctx, calib, table = cfg.ctx, 1, None
-    if cfg.plan:  # the plan's sensitivities (and its ctx and calibration chunks) instead of measuring
-        table, calib, ctx = load_measurements(cfg.plan, model_name(llm), label, None)
+    ctx, calib, table, smooth = cfg.ctx, 1, None, False
+    if cfg.plan:  # the plan's sensitivities (its ctx, calibration chunks, K smoothing): none measured
+        table, calib, ctx, smooth = load_measurements(cfg.plan, model_name(llm), label, None)
     candidates = usable([StoreKind.Q8H, StoreKind.Q4H], c.head_dim) or [StoreKind.Q8]
     pcfg = PlanConfig(model=cfg.model, corpus=cfg.corpus, kv="f32", ctx=ctx, calib_chunks=calib, heldout_chunks=0,
                       kld_budget=cfg.kld_budget, candidates=candidates)  # fmt: skip
     chunks = plan_chunks(llm, text, pcfg)[0]
-    sens = Sensitivity(llm, chunks, ctx, capture=True)  # the f32 pass also captures the window's Q, K, V
+    # the f32 pass also captures the window's Q, K, V (and, for a smoothed plan's recipe, mean keys)
+    sens = Sensitivity(llm, chunks, ctx, capture=True, smooth_k=smooth)
     findings = layout_findings(c.head_dim)
     for layer, (q, k, v) in enumerate(sens.qkv):
         findings += channel_findings(layer, "k", k) + channel_findings(layer, "v", v)

@@ -24,8 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..engine.attention import turn
 from ..engine.llm import LLM
 from ..kernels.reference import reference_attention
+from ..kv.cache import rotations
 from ..kv.modes import CacheOptions, KVMode, StoreKind
 from ..report import CommandOutput, md_table, print_table, run_command, write_markdown
 from .common import LabConfig, load_lab, model_name, plot_layers
@@ -48,12 +50,18 @@ SINK_WEIGHT = 0.5  # mean attention on position 0 at or above this = "attention 
 def stored_kv(
     llm: LLM, qkv: list, mode: KVMode, options: CacheOptions | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """K/V of every layer as a ``mode`` cache returns them after writing the exact rows (decode view)."""
+    """K/V of every layer as a ``mode`` cache returns them after writing the exact rows (decode view),
+    turned back to the model's basis where a kind is rotated (q8h, q4h). A recipe's K centers stay
+    subtracted: attention does not see them (every score of a query moves by the same amount)."""
     n = qkv[0][1].shape[1]
     cache = llm.new_cache(n, mode, options)
     for i, (_q, k, v) in enumerate(qkv):
         cache.write(i, 0, k, v)
-    return [cache.read(i, n, prefill=False) for i in range(len(qkv))]
+    out = []
+    for i in range(len(qkv)):
+        (k, v), (rk, rv) = cache.read(i, n, prefill=False), rotations(cache.k[i], cache.v[i])
+        out.append((turn(k, rk, back=True), turn(v, rv, back=True)))
+    return out
 
 
 def channel_ratio(x: torch.Tensor) -> torch.Tensor:

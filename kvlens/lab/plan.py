@@ -16,6 +16,11 @@ on held-out text.
    f32, KLD mean ± its standard error, bytes per token against f16 and q8. ``verify=False`` skips
    it: with ``reuse`` a choice then costs only the calibration checks, so a bytes-vs-budget curve
    takes one run per budget and only the chosen point needs the held-out passes.
+
+``smooth_k`` (``--smooth-k``): K smoothing (:attr:`kvlens.kv.modes.KVMode.k_center`). The f32 passes
+over the calibration chunks give the mean post-RoPE key per (layer, KV head); every probe of 1, the
+choice's checks in 2 and the recipe verified in 3 carry those centers, and the recipe file holds them
+(``k_center``). A reused measurement must have been taken the same way (its ``smooth_k``).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class PlanConfig(KldBudget, CompareConfig):
     calib_target: float = 1.0  # the share of the budget the recipe may cost on the calibration chunks
     reuse: str | None = None  # a earlier ``lab plan --json`` output: its sensitivities, not measured again
     verify: bool = True  # run the held-out verification (False: choose and check on calibration text only)
+    smooth_k: bool = True  # K smoothing: subtract the calibration's mean key per (layer, KV head)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -137,7 +143,7 @@ def choose_verified(
     while True:
         rounds += 1
         choice, predicted = choose(table, c.head_dim, working)
-        recipe = choice_mode(name, choice, c.n_layers, c.n_kv_heads)
+        recipe = sens.centered(choice_mode(name, choice, c.n_layers, c.n_kv_heads))
         measured = sens.kld(recipe)
         if measured <= budget or rounds >= SHRINK_ROUNDS:
             return recipe, predicted, measured, rounds
@@ -163,6 +169,7 @@ class PlanResult:
     sensitivity: dict[str, float] = field(default_factory=dict)  # "layer[.head].role.kind" -> KLD
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of each stage
     passes: int = 0  # calibration passes (sensitivity and choice), f32 base passes excluded
+    smooth_k: bool = False  # K centers (the calibration's mean key) in every probe and the recipe
 
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "recipe"}
@@ -179,22 +186,26 @@ def sensitivity_key(text: str) -> tuple:
 
 def load_measurements(
     path: str, model: str, corpus: str, ctx: int | None
-) -> tuple[dict[tuple, float], int, int]:
-    """(sensitivity table, calibration chunks, ctx) of a ``lab plan --json`` output, refused when it
-    was measured on another model or corpus, or (``ctx`` given) another ctx."""
+) -> tuple[dict[tuple, float], int, int, bool]:
+    """(sensitivity table, calibration chunks, ctx, smooth_k) of a ``lab plan --json`` output, refused
+    when it was measured on another model or corpus, or (``ctx`` given) another ctx. An output from
+    before K smoothing has ``smooth_k`` false."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         table = {sensitivity_key(k): float(v) for k, v in data["sensitivity"].items()}
         got = (data["model"], data["corpus"], int(data["ctx"]))
         calib = int(data["calib_chunks"])
+        smooth = data.get("smooth_k", False)
+        if not isinstance(smooth, bool):
+            raise ValueError(f"smooth_k is {smooth!r}, not true or false")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a readable `kvlens lab plan --json` output ({e})") from None
     if got[:2] != (model, corpus) or ctx not in (None, got[2]):
         raise ValueError(
             f"{path} was measured on {got[0]}, {got[1]}, ctx {got[2]}; this run is {model}, {corpus}, ctx {ctx}"
         )
-    return table, calib, got[2]
+    return table, calib, got[2], smooth
 
 
 def plan_chunks(llm: LLM, text: str, cfg: PlanConfig) -> tuple[list[list[int]], list[list[int]]]:
@@ -253,14 +264,17 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     c = llm.config
     calib, held = plan_chunks(llm, text, cfg)
     t0 = time.perf_counter()
-    sens = Sensitivity(llm, calib, cfg.ctx)
     if cfg.reuse:
-        table, n_calib, _ = load_measurements(cfg.reuse, model_name(llm), label, cfg.ctx)
+        table, n_calib, _, smooth = load_measurements(cfg.reuse, model_name(llm), label, cfg.ctx)
         if n_calib != len(calib):
             raise ValueError(
                 f"{cfg.reuse} was measured on {n_calib} calibration chunks; this run has {len(calib)}"
             )
-    else:
+        if smooth != cfg.smooth_k:
+            said = ("with", "--smooth-k") if smooth else ("without", "--no-smooth-k")
+            raise ValueError(f"{cfg.reuse} was measured {said[0]} K smoothing: reuse it with {said[1]}")
+    sens = Sensitivity(llm, calib, cfg.ctx, smooth_k=cfg.smooth_k)
+    if not cfg.reuse:
         table = sens.table(cfg.candidates, cfg.per_head)
     t1 = time.perf_counter()
     target = cfg.kld_budget * cfg.calib_target
@@ -273,6 +287,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
         model_name(llm), label, cfg.kld_budget, cfg.ctx, len(calib), len(held) if cfg.verify else 0, recipe,
         predicted, measured, rounds, c.n_kv_heads, bpt, bpt / _bytes(MODES["q8"], llm),
         sensitivity={".".join(map(str, key)): v for key, v in table.items()}, passes=sens.passes,
+        smooth_k=cfg.smooth_k,
     )  # fmt: skip
     result.seconds = {"sensitivity": t1 - t0, "choice": t2 - t1}
     if cfg.verify:

@@ -9,6 +9,11 @@ Every pass is one prefill of the whole chunk through the mode's cache (``prefill
 cache writes a chunk before attending it, so queries read the quantized rows of every position either
 way; sub-chunks change a result only through float rounding (:mod:`.ppl`). The plan's held-out
 verification runs the engine's own sub-chunked path.
+
+``smooth_k`` (K smoothing, :attr:`kvlens.kv.modes.KVMode.k_center`): the f32 passes also average the
+post-RoPE keys of every calibration position per (layer, KV head) (:attr:`Sensitivity.k_center`), and
+the probes of :meth:`Sensitivity.table` carry those centers (:meth:`Sensitivity.centered`), as the
+chosen recipe will; :meth:`Sensitivity.kld` measures a mode as given.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from ..engine.attention import make_attend
 from ..engine.llm import LLM
 from ..kv.modes import MODES, CacheOptions, KVMode, StoreKind
-from ..kv.recipe import head_recipe_mode
+from ..kv.recipe import head_recipe_mode, with_k_center
 from .ppl import scored_span
 
 F32 = StoreKind.F32
@@ -72,31 +77,51 @@ def first_changed(mode: KVMode, n_layers: int) -> int:
 class Sensitivity:
     """Mean KLD from f32 over calibration chunks, resuming each pass at the first changed layer."""
 
-    def __init__(self, llm: LLM, chunks: list[list[int]], ctx: int, capture: bool = False) -> None:
+    def __init__(
+        self, llm: LLM, chunks: list[list[int]], ctx: int, capture: bool = False, smooth_k: bool = False
+    ) -> None:
         self.llm, self.ctx = llm, ctx
         self.first = scored_span(ctx)[0]
         # capture: the first chunk's post-RoPE (Q [H, n, d], K [KV, n, d], V) per layer, f32 pass
         self.qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        shape = (llm.config.n_layers, llm.config.n_kv_heads, llm.config.head_dim)
+        self._k_sum = torch.zeros(shape, dtype=torch.float64) if smooth_k else None
+        self.k_center: torch.Tensor | None = None  # the base passes are the uncentered f32 reference
         self.chunks = [self._base(c, capture and i == 0) for i, c in enumerate(chunks)]
+        # smooth_k: the mean post-RoPE key per (layer, KV head) over every calibration position
+        self.k_center = None if self._k_sum is None else (self._k_sum / sum(map(len, chunks))).float()
         self.passes = 0  # forwards run (base passes excluded)
         self.layers_run = 0  # of which, layers
+
+    def centered(self, mode: KVMode) -> KVMode:
+        """``mode`` as this sensitivity measures it: with its K centers where it smooths K."""
+        return mode if self.k_center is None else with_k_center(mode, self.k_center)
 
     @torch.inference_mode()
     def _base(self, chunk: list[int], capture: bool) -> _Chunk:
         inputs: list[torch.Tensor] = []
         x = self.llm.model.embed(torch.tensor(chunk, dtype=torch.long, device=self.llm.device))
-        hidden = self._run(x, MODES["f32"], 0, lambda _i, h: inputs.append(h), self.qkv if capture else None)
+        k_sum = self._k_sum
+
+        def seen(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            if capture and len(self.qkv) == i:
+                self.qkv.append((q.clone(), k.clone(), v.clone()))
+            if k_sum is not None:
+                k_sum[i] += k.double().sum(1).cpu()
+
+        hidden = self._run(x, MODES["f32"], 0, lambda _i, h: inputs.append(h), seen)
         logits = self._logits(hidden).to(torch.float32)
         return _Chunk(inputs, logits, torch.softmax(logits.to(torch.float64), -1).to(torch.float32))
 
-    def _run(self, x: torch.Tensor, mode: KVMode, first: int, on_input=None, qkv=None) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, mode: KVMode, first: int, on_input=None, on_qkv=None) -> torch.Tensor:
+        """The pass from layer ``first`` (``on_qkv(layer, q, k, v)`` sees each layer's post-RoPE rows)."""
         llm = self.llm
         cache = llm.new_cache(x.shape[0], mode, CacheOptions())
         inner = make_attend(cache, True, "torch", llm.config.layer_windows)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-            if qkv is not None:
-                qkv.append((q.clone(), k.clone(), v.clone()))
+            if on_qkv is not None:
+                on_qkv(i, q, k, v)
             return inner(i, q, k, v, start)
 
         return llm.model.forward_from(x, 0, attend, first, on_input)
@@ -132,7 +157,7 @@ class Sensitivity:
         out: dict[tuple, float] = {}
         for item in self.items(per_head):
             for kind in kinds:
-                out[(*item, kind)] = self.kld(probe_mode(c.n_layers, c.n_kv_heads, item, kind))
+                out[(*item, kind)] = self.kld(self.centered(probe_mode(c.n_layers, c.n_kv_heads, item, kind)))
             if item[-1] == "v" and (not per_head or item[1] == c.n_kv_heads - 1):
                 print(f"  sensitivity: layer {item[0] + 1}/{c.n_layers}", file=sys.stderr, flush=True)
         return out
