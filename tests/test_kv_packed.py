@@ -21,7 +21,7 @@ from kvlens.engine.attention import BackendError
 from kvlens.kernels.cpu_int import decode_attention_int
 from kvlens.kv.cache import KVCache, RowStore
 from kvlens.kv.modes import MODES, KVMode, StoreKind
-from kvlens.kv.nbit import pack_bits, unpack_bits
+from kvlens.kv.nbit import pack_bits, store_packed, unpack_bits
 from kvlens.kv.quant import quantize_q8
 from kvlens.kv.recipe import load_recipe, save_recipe
 from kvlens.lab.plan import PlanConfig, choose
@@ -95,6 +95,28 @@ def test_rule_by_hand_at_5_bits_ties_round_up():
     x = torch.tensor([[15.0, 2.5, -2.5, 0.5, -0.5, -15.0, 14.5, -14.49]])
     q, m = quantize_q8(x, bits=5)
     assert q.tolist() == [[15, 3, -2, 1, 0, -15, 15, -14]] and float(m[0]) == 15.0
+
+
+@pytest.mark.parametrize("bits", [5, 6, 7])
+@pytest.mark.parametrize("hd", [64, 256])
+def test_cpu_store_is_the_rule_then_the_packing_bit_for_bit(bits, hd):
+    """The CPU write (one JIT pass, kernels.q8store.store_packed_rows) against the numpy rule and
+    numpy's packbits: ties at x.5 steps, a zero row, a row under 1e-6, both signs at full scale."""
+    rng = np.random.default_rng(bits * hd)
+    x = (rng.standard_normal((2, 6, hd)) * 3).astype(np.float32)
+    qmax = 2 ** (bits - 1) - 1
+    x[0, 0] = (np.arange(hd) % (2 * qmax) - qmax + 0.5).astype(np.float32)  # -qmax+.5 .. qmax-.5
+    x[0, 0, 0] = qmax  # max_abs = qmax exactly: inv 1, every other value a tie
+    x[0, 1] = 0.0
+    x[0, 2] = 1e-7
+    x[1, 0, :2] = (-9.0, 9.0)
+    store = RowStore.empty(StoreKind(f"q{bits}h"), 2, 16, hd, CPU)
+    store.data.fill_(0xA5)
+    store_packed(torch.from_numpy(x), store.data, store.scale, 3, bits)
+    codes, m = numpy_rule(x, bits)
+    np.testing.assert_array_equal(store.data[:, 3:9].numpy(), numpy_pack(codes, bits))
+    np.testing.assert_array_equal(store.scale[:, 3:9].numpy(), m)
+    assert (store.data[:, :3] == 0xA5).all() and (store.data[:, 9:] == 0xA5).all()  # nothing else written
 
 
 @pytest.mark.parametrize("kind", PACKED)

@@ -45,3 +45,28 @@ def store_q8_rows(x, data, scale, start, ksum):  # pragma: no cover - compiled
                     for d in range(b * KSUM_BLOCK, (b + 1) * KSUM_BLOCK):
                         s += np.int32(data[h, start + j, d])
                     ksum[h, start + j, b] = s
+
+
+@njit(cache=True)
+def store_packed_rows(x, data, scale, start, bits):  # pragma: no cover - compiled
+    """The same rule at ``bits`` (5..7: qmax ``2^(bits-1) - 1``) with the codes bit-packed as
+    :func:`kvlens.kv.nbit.pack_bits` packs them: in each group of 8, code i's low ``bits`` bits
+    (two's complement) at bits ``[i*bits, i*bits + bits)`` of ``bits`` little-endian bytes."""
+    n_kv, n, hd = x.shape
+    qmax = np.float32((1 << (bits - 1)) - 1)
+    mask = np.uint64((1 << bits) - 1)
+    for h in range(n_kv):
+        for j in range(n):
+            m = absmax(x[h, j])
+            if m < np.float32(1e-6):
+                m = np.float32(1.0)
+            inv = qmax / m
+            for g in range(hd // 8):
+                word = np.uint64(0)
+                for i in range(8):
+                    c = np.floor(x[h, j, g * 8 + i] * inv + np.float32(0.5))
+                    code = np.int64(min(max(c, -qmax), qmax))
+                    word |= (np.uint64(code) & mask) << np.uint64(i * bits)
+                for b in range(bits):
+                    data[h, start + j, g * bits + b] = np.uint8((word >> np.uint64(8 * b)) & np.uint64(255))
+            scale[h, start + j] = m

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_tensor
+from ..kernels.q8store import store_packed_rows
 from .quant import dequantize_q8, quantize_q8
 
 GROUP = 8  # codes per group of N whole bytes
@@ -58,7 +59,13 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def store_packed(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start: int, bits: int) -> None:
     """Quantize ``rows [n_kv, n, d]`` by the row rule at ``bits`` into ``data[:, start:start+n]``
-    (packed uint8) and ``scale[:, start:start+n]`` (fp32 max_abs), in place; rows must be finite."""
+    (packed uint8) and ``scale[:, start:start+n]`` (fp32 max_abs), in place; rows must be finite. On
+    the CPU one JIT pass (:func:`kvlens.kernels.q8store.store_packed_rows`, bit-identical: the same
+    float32 operations in the same order), elsewhere the torch ops."""
+    if rows.device.type == "cpu":
+        x = rows.detach().to(torch.float32).contiguous().numpy()
+        store_packed_rows(x, data.numpy(), scale.numpy(), start, bits)
+        return
     q, max_abs = quantize_q8(rows, check=False, bits=bits)
     data[:, start : start + rows.shape[1]] = pack_bits(q, bits)
     scale[:, start : start + rows.shape[1]] = max_abs
