@@ -79,7 +79,7 @@ def _convert_rows(src, h, t0, nt, dst, convert):  # pragma: no cover - compiled
             dst[j, d] = convert(src[h, t0 + j, d])
 
 
-@njit(fastmath=_FM, cache=True)
+@njit(inline="always")
 def _stage_packed(raw, bits, rsc, h, t0, nt, dst_f):  # pragma: no cover - compiled
     """Packed rows (:mod:`kvlens.kv.nbit`): each group of 8 codes is ``bits`` whole bytes, read into
     one little-endian 64-bit word; code i of the group is its bits [i*N, i*N+N), sign-extended, times
@@ -106,7 +106,15 @@ def _stage(raw, code, bsc, rsc, h, t0, nt, dst_u, dst_f, bs_u, bs_f):  # pragma:
     the fp32 max_abs per row of a packed store (read only there: int8's is folded in by the caller)."""
     hd = dst_f.shape[1]
     if code > CODE_PACKED:
-        _stage_packed(raw, code - CODE_PACKED, rsc, h, t0, nt, dst_f)
+        # one inlined copy per width, so ``bits`` is a constant there: the byte and field loops unroll
+        if code == CODE_PACKED + 7:
+            _stage_packed(raw, 7, rsc, h, t0, nt, dst_f)
+        elif code == CODE_PACKED + 6:
+            _stage_packed(raw, 6, rsc, h, t0, nt, dst_f)
+        elif code == CODE_PACKED + 5:
+            _stage_packed(raw, 5, rsc, h, t0, nt, dst_f)
+        else:
+            _stage_packed(raw, code - CODE_PACKED, rsc, h, t0, nt, dst_f)
     elif code == CODE_Q4:
         _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f)
     elif code == CODE_Q8:
