@@ -15,13 +15,13 @@ import torch
 from test_decode_step import Spy, assert_same_steps
 from test_kv_rotated_q4 import q4_0_reference
 from test_q8_cache import rule
+from test_recipe_heads import paged_and_contiguous
 from tiny_models import write_hf
 
 import kvlens
 from kvlens.kernels.reference import reference_attention
 from kvlens.kv.cache import KVCache
 from kvlens.kv.modes import MODES, CacheOptions, StoreKind
-from kvlens.kv.pool import BlockPool, PagedKV
 from kvlens.kv.prefix import cache_salt
 from kvlens.kv.quant import rotate_rows, rotation
 from kvlens.kv.recipe import head_recipe_mode, with_k_center
@@ -195,15 +195,7 @@ def test_a_centered_mode_is_not_the_uncentered_one(center):
 def test_paged_pool_with_centers_is_the_contiguous_cache_bit_for_bit(tiny, center, heads):
     mode = with_k_center(head_recipe_mode("h", heads), center)
     llm = tiny.variant(kv=mode, attn_backend="numba")
-    pool = BlockPool(2, 2, HD, mode, 1 << 20)
-    pool.allocate(1)  # the sequence's blocks are not the first ones: the table matters
-    paged, contiguous = PagedKV(pool), llm.new_cache(len(IDS))
-    paged.grow(len(IDS))
-    out = []
-    for cache in (paged, contiguous):
-        with torch.inference_mode():
-            llm.forward(IDS[:-1], cache, 0, prefill=True)
-            out.append(llm.lm_head(llm.forward(IDS[-1:], cache, len(IDS) - 1, prefill=False)))
+    pool, paged, contiguous, out = paged_and_contiguous(llm, mode, IDS, HD)
     assert torch.equal(out[0], out[1])
     rows = [t[:, : len(IDS) % 32] for t in pool.block_rows(paged.blocks[1])]
     ref = contiguous.k[0].data if heads is LAYERWISE else contiguous.k[0].parts[0].data

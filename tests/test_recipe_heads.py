@@ -111,14 +111,12 @@ def test_wrong_head_count_is_refused(tmp_path, tiny, tiny_dir):
         kvlens.load(tiny_dir, kv=three)
 
 
-def test_paged_pool_runs_a_per_head_recipe_like_the_contiguous_cache(tiny):
-    """The serving pool (block table, fused kernel per head through the table) computes what the
-    contiguous cache computes, and its disk-tier block view holds every head's tensors."""
-    mode = head_recipe_mode("h", HEADS)
-    llm = tiny.variant(kv=mode, attn_backend="numba")
-    ids = list(range(5, 46))
-    pool = BlockPool(2, 2, 32, mode, 1 << 20)
-    pool.allocate(1)  # the sequence's blocks are not the first ones: the table matters
+def paged_and_contiguous(llm, mode: KVMode, ids: list[int], head_dim: int) -> tuple:
+    """(pool, paged view, contiguous cache, [paged logits, contiguous logits]): ``ids`` prefilled but
+    the last, which is decoded, through a 2-layer, 2-KV-head serving pool (the sequence's blocks not
+    the first ones, so the block table matters) and through the contiguous cache."""
+    pool = BlockPool(2, 2, head_dim, mode, 1 << 20)
+    pool.allocate(1)
     paged, contiguous = PagedKV(pool), llm.new_cache(len(ids))
     paged.grow(len(ids))
     out = []
@@ -126,6 +124,15 @@ def test_paged_pool_runs_a_per_head_recipe_like_the_contiguous_cache(tiny):
         with torch.inference_mode():
             llm.forward(ids[:-1], cache, 0, prefill=True)
             out.append(llm.lm_head(llm.forward(ids[-1:], cache, len(ids) - 1, prefill=False)))
+    return pool, paged, contiguous, out
+
+
+def test_paged_pool_runs_a_per_head_recipe_like_the_contiguous_cache(tiny):
+    """The serving pool (block table, fused kernel per head through the table) computes what the
+    contiguous cache computes, and its disk-tier block view holds every head's tensors."""
+    mode = head_recipe_mode("h", HEADS)
+    llm = tiny.variant(kv=mode, attn_backend="numba")
+    pool, _paged, _contiguous, out = paged_and_contiguous(llm, mode, list(range(5, 46)), 32)
     assert torch.equal(out[0], out[1])
     # layer 0, per head: K q4h codes+scales, K q8 codes+scales+sums, V q8 codes+scales, V q4h
     # codes+scales; layer 1 (not split): K and V q4h codes+scales of both heads at once
