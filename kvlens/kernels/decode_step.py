@@ -41,7 +41,7 @@ from .cpu import _decode_core
 from .cpu_int import _NO_KSUM, Q16_MAX, IntAttn
 from .cpu_int import _core as _int_core
 from .q4store import hadamard_rows
-from .q8store import NO_KSUM
+from .q8store import NO_KSUM, row_code
 from .q8store import first_nonfinite_index as _first_nonfinite
 from .qkernels import _mv_bf16, _mv_f32, _mv_int4, _mv_int8
 from .rowops import rms_norm_row, rope_split_row, silu_mul_row
@@ -126,8 +126,7 @@ def _quantize_q16(q, inv_sqrt, q16, s16):  # pragma: no cover - compiled
             m = np.float32(1.0)
         r = np.float32(Q16_MAX) / m
         for d in range(q.shape[1]):
-            c = np.floor(q[hq, d] * r + np.float32(0.5))
-            q16[hq, d] = np.int16(min(max(c, np.float32(-Q16_MAX)), np.float32(Q16_MAX)))
+            q16[hq, d] = np.int16(row_code(q[hq, d], r, np.float32(Q16_MAX)))
         s16[hq] = m / np.float32(Q16_MAX) * inv_sqrt
 
 

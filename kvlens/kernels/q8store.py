@@ -25,19 +25,32 @@ def first_nonfinite_index(x):  # pragma: no cover - compiled
     return -1
 
 
+@njit(inline="always")
+def row_scale(row, qmax):  # pragma: no cover - compiled
+    """(max_abs, qmax / max_abs) of one row; a max_abs under 1e-6 (kv.quant.TINY_MAX_ABS) is 1.0."""
+    m = absmax(row)
+    if m < np.float32(1e-6):
+        m = np.float32(1.0)
+    return m, qmax / m
+
+
+@njit(inline="always")
+def row_code(v, inv, qmax):  # pragma: no cover - compiled
+    """The rule's code of ``v``: ``floor(v * inv + 0.5)`` clamped to ``-qmax..qmax`` (float32)."""
+    c = np.floor(v * inv + np.float32(0.5))
+    return min(max(c, -qmax), qmax)
+
+
 @njit(cache=True)
 def store_q8_rows(x, data, scale, start, ksum):  # pragma: no cover - compiled
     """``ksum [n_kv, cap, hd // 32]`` int16 (or :data:`NO_KSUM`): the codes' sum per 32-block."""
     n_kv, n, hd = x.shape
+    qmax = np.float32(127.0)
     for h in range(n_kv):
         for j in range(n):
-            m = absmax(x[h, j])
-            if m < np.float32(1e-6):
-                m = np.float32(1.0)
-            inv = np.float32(127.0) / m
+            m, inv = row_scale(x[h, j], qmax)
             for d in range(hd):
-                c = np.floor(x[h, j, d] * inv + np.float32(0.5))
-                data[h, start + j, d] = np.int8(min(max(c, np.float32(-127.0)), np.float32(127.0)))
+                data[h, start + j, d] = np.int8(row_code(x[h, j, d], inv, qmax))
             scale[h, start + j] = m
             if ksum.size:
                 for b in range(hd // KSUM_BLOCK):
@@ -57,15 +70,11 @@ def store_packed_rows(x, data, scale, start, bits):  # pragma: no cover - compil
     mask = np.uint64((1 << bits) - 1)
     for h in range(n_kv):
         for j in range(n):
-            m = absmax(x[h, j])
-            if m < np.float32(1e-6):
-                m = np.float32(1.0)
-            inv = qmax / m
+            m, inv = row_scale(x[h, j], qmax)
             for g in range(hd // 8):
                 word = np.uint64(0)
                 for i in range(8):
-                    c = np.floor(x[h, j, g * 8 + i] * inv + np.float32(0.5))
-                    code = np.int64(min(max(c, -qmax), qmax))
+                    code = np.int64(row_code(x[h, j, g * 8 + i], inv, qmax))
                     word |= (np.uint64(code) & mask) << np.uint64(i * bits)
                 for b in range(bits):
                     data[h, start + j, g * bits + b] = np.uint8((word >> np.uint64(8 * b)) & np.uint64(255))

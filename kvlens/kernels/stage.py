@@ -111,10 +111,8 @@ def _stage(raw, code, bsc, rsc, h, t0, nt, dst_u, dst_f, bs_u, bs_f):  # pragma:
             _stage_packed(raw, 7, rsc, h, t0, nt, dst_f)
         elif code == CODE_PACKED + 6:
             _stage_packed(raw, 6, rsc, h, t0, nt, dst_f)
-        elif code == CODE_PACKED + 5:
+        else:  # CODE_PACKED + 5: the packed codes of _KIND_CODE are 10..12
             _stage_packed(raw, 5, rsc, h, t0, nt, dst_f)
-        else:
-            _stage_packed(raw, code - CODE_PACKED, rsc, h, t0, nt, dst_f)
     elif code == CODE_Q4:
         _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f)
     elif code == CODE_Q8:

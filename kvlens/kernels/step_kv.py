@@ -14,12 +14,10 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from .bits import absmax
 from .q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
-from .q8store import store_q8_rows
+from .q8store import row_code, row_scale, store_q8_rows
 
 Q_BLOCK = 32  # the 8-bit query's block (cpu_int's 8-bit rule: kernels.cpu.QBLOCK)
-TINY_MAX_ABS = np.float32(1e-6)  # kv.quant.TINY_MAX_ABS, as torch compares an f32 tensor with it
 FP16_OVERFLOW = -2  # store_kv's answer when a 4-bit block's scale would overflow fp16
 
 
@@ -119,13 +117,9 @@ def quantize_query_q4(q, inv_sqrt, q8, qp, qoff, qs):  # pragma: no cover - comp
     n_heads, hd = q.shape
     for hq in range(n_heads):
         for b in range(hd // Q_BLOCK):
-            m = absmax(q[hq, b * Q_BLOCK : (b + 1) * Q_BLOCK])
-            if m < TINY_MAX_ABS:
-                m = np.float32(1.0)
-            inv = np.float32(127.0) / m
+            m, inv = row_scale(q[hq, b * Q_BLOCK : (b + 1) * Q_BLOCK], np.float32(127.0))
             for i in range(b * Q_BLOCK, (b + 1) * Q_BLOCK):
-                c = np.floor(q[hq, i] * inv + np.float32(0.5))
-                q8[hq, i] = np.int8(min(max(c, np.float32(-127.0)), np.float32(127.0)))
+                q8[hq, i] = np.int8(row_code(q[hq, i], inv, np.float32(127.0)))
             s = m * np.float32(1.0 / 127.0) * inv_sqrt
             for lane in range(4 * b, 4 * b + 4):
                 qs[hq, lane] = s

@@ -68,10 +68,10 @@ class StoreKind(StrEnum):
 
     @property
     def qmax(self) -> int:
-        """The largest code of a row-scaled kind, ``2^(bits-1) - 1`` (127 for q8)."""
+        """The largest code of a row-scaled kind, :func:`row_qmax` of its bits (127 for q8)."""
         if not self.row_scaled:
             raise ValueError(f"KV kind {self} has no per-row qmax")
-        return (1 << (self.bits - 1)) - 1
+        return row_qmax(self.bits)
 
     @property
     def int8(self) -> bool:
@@ -130,6 +130,14 @@ class StoreKind(StrEnum):
                 f"KV kind {self} rotates rows by a Hadamard transform, which needs head_dim a power of "
                 f"two (64, 128, 256), got {head_dim}"
             )
+
+
+def row_qmax(bits: int) -> int:
+    """The largest code of the row rule (kvlens.kv.quant.quantize_q8) at ``bits`` per value:
+    ``2^(bits-1) - 1`` (127 at 8 bits)."""
+    if not 2 <= bits <= 8:
+        raise ValueError(f"the row rule stores 2..8 bits per value, got {bits}")
+    return (1 << (bits - 1)) - 1
 
 
 Q4_BLOCK = 32  # values per fp16 scale of the 4-bit kinds

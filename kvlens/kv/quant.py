@@ -27,7 +27,7 @@ from ..kernels.q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
 from ..kernels.q8store import KSUM_BLOCK, NO_KSUM, first_nonfinite_index, store_q8_rows
 from ..models.blockquant import symmetric_blocks
 from .modes import KSUM_BLOCK as MODES_KSUM_BLOCK
-from .modes import Q4_BLOCK
+from .modes import Q4_BLOCK, row_qmax
 
 Q8_MAX = 127.0
 TINY_MAX_ABS = 1e-6
@@ -50,17 +50,10 @@ def row_max_abs(x: torch.Tensor) -> torch.Tensor:
     return torch.where(m < TINY_MAX_ABS, torch.ones_like(m), m)
 
 
-def row_qmax(bits: int) -> float:
-    """The largest code of the row rule at ``bits`` per value: ``2^(bits-1) - 1`` (127 at 8 bits)."""
-    if not 2 <= bits <= 8:
-        raise ValueError(f"the row rule stores 2..8 bits per value, got {bits}")
-    return float((1 << (bits - 1)) - 1)
-
-
 def quantize_q8(x: torch.Tensor, *, check: bool = True, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize over the last dimension. Returns ``(q int8, max_abs float32)``; max_abs lacks the last dim.
     ``bits``: the rule with qmax :func:`row_qmax` (codes in ``-qmax..qmax``), 8 = q8's."""
-    qmax = row_qmax(bits)
+    qmax = float(row_qmax(bits))
     x = check_tensor(x, "x", floating=True, min_dim=1).to(torch.float32)
     if check:
         check_finite(x)
