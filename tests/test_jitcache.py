@@ -53,9 +53,10 @@ def _cache_file(tmp_path):
     return IndexDataCacheFile(str(tmp_path), "kernel-fn", ("stamp", 1))
 
 
-def _blocked_by(tmp_path, mode, call) -> bool:
-    """Whether ``call`` waits while another open file holds ``mode`` on the index lock; it must
-    finish once the lock is let go."""
+def _blocked_by(tmp_path, mode, call, patience: float = 0.3) -> bool:
+    """Whether ``call`` has not finished after ``patience`` seconds while another open file holds
+    ``mode`` on the index lock; it must finish once the lock is let go. A blocked call never finishes
+    while the lock is held, so a long ``patience`` makes "not blocked" safe on a slow machine."""
     import fcntl
     import threading
 
@@ -64,7 +65,7 @@ def _blocked_by(tmp_path, mode, call) -> bool:
         fcntl.flock(held, mode)
         worker = threading.Thread(target=lambda: (call(), done.set()), daemon=True)
         worker.start()
-        blocked = not done.wait(0.3)
+        blocked = not done.wait(patience)
         fcntl.flock(held, fcntl.LOCK_UN)
     worker.join(10)
     assert done.is_set(), "the cache call never finished after the lock was released"
@@ -88,4 +89,4 @@ def test_loads_wait_for_a_save_but_not_for_each_other(tmp_path):
     cache = _cache_file(tmp_path)
     cache.save("sig-a", b"code-a")
     assert _blocked_by(tmp_path, fcntl.LOCK_EX, lambda: cache.load("sig-a"))
-    assert not _blocked_by(tmp_path, fcntl.LOCK_SH, lambda: cache.load("sig-a"))
+    assert not _blocked_by(tmp_path, fcntl.LOCK_SH, lambda: cache.load("sig-a"), patience=30)
