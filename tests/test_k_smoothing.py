@@ -61,7 +61,7 @@ def center(tiny) -> torch.Tensor:
 def stored64(kind: StoreKind, rows: torch.Tensor) -> torch.Tensor:
     """``rows [n, d]`` (float64, centers already off) as a store of ``kind`` gives them back, in the
     model's basis: rotated (float64 R), quantized by the transcribed rule, dequantized, rotated back."""
-    r = rotation(rows.shape[-1], torch.float64)
+    r = rotation(rows.shape[-1], torch.float64, span=kind.rotation_span(rows.shape[-1]) or None)
     x = (rows @ r if kind.rotated else rows).float().numpy()
     if kind.int8:
         out = np.array([np.array(c, np.float64) * (m / 127.0) for c, m in (rule(list(row)) for row in x)])

@@ -54,6 +54,47 @@ def test_rotation_spreads_an_outlier_channel():
     x[0, 7] = 100.0
     y = x @ rotation(128, torch.float64)
     assert torch.allclose(y.abs(), torch.full_like(y, 100 / math.sqrt(128)))
+    # the block rotation (q4h's, span 32) spreads it over its own block of 32 only
+    y = (x @ rotation(128, torch.float64, span=32)).reshape(4, 32)
+    assert torch.allclose(y[0].abs(), torch.full_like(y[0], 100 / math.sqrt(32))) and not y[1:].any()
+
+
+def sylvester(n: int) -> np.ndarray:
+    """The Sylvester Hadamard matrix of order n (a power of two), H_2n = [[H, H], [H, -H]], float64."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("span", [32, 64, None])
+def test_block_rotation_is_the_signed_block_diagonal_hadamard(hd, span):
+    """``rotation(d, span=b)`` is diag(s) (I_{d/b} ⊗ H_b) / sqrt(b) (numpy's Kronecker product of a
+    numpy-built Sylvester matrix), orthonormal, with the same seeded signs as the whole-row rotation."""
+    b = hd if span is None else span
+    r = rotation(hd, torch.float64, span=span).numpy()
+    signs = np.sign(rotation(hd, torch.float64).numpy()[:, 0])  # H's first column is all ones
+    expected = signs[:, None] * np.kron(np.eye(hd // b), sylvester(b)) / math.sqrt(b)
+    np.testing.assert_array_equal(r, expected)
+    np.testing.assert_allclose(r @ r.T, np.eye(hd), rtol=0, atol=1e-13)
+
+
+def test_which_kinds_rotate_by_blocks():
+    """q4h (one fp16 scale per 32 values) rotates within each 32-value block; the row-scaled kinds
+    rotate the whole row; the others not at all."""
+    for hd in (64, 128, 256):
+        assert StoreKind.Q4H.rotation_span(hd) == 32
+        for kind in (StoreKind.Q8H, StoreKind.Q7H, StoreKind.Q6H, StoreKind.Q5H):
+            assert kind.rotation_span(hd) == hd
+        for kind in (StoreKind.Q8, StoreKind.Q4, StoreKind.F16, StoreKind.F32):
+            assert kind.rotation_span(hd) == 0
+
+
+@pytest.mark.parametrize("span", [0, 3, 48, 512])
+def test_a_rotation_span_that_does_not_tile_the_row_is_refused(span):
+    with pytest.raises(ValueError, match="span must be a power of two dividing head_dim 256"):
+        rotation(256, span=span)
 
 
 @pytest.mark.parametrize("hd", [64, 128, 256])
@@ -315,8 +356,8 @@ def test_rotated_cache_error_is_the_quantization_step(mode):
     rk, rv = rotations(cache.k[0], cache.v[0])
     assert rk is not None and (rv is not None) == m.v.rotated
     k_read, v_read = cache.read(0, 50)
-    r = rotation(hd, torch.float64)
     for x, got, kind in ((k, k_read, m.k), (v, v_read, m.v)):
+        r = rotation(hd, torch.float64, span=kind.rotation_span(hd))
         xr = x.double() @ r
         amax = xr.abs().amax(-1, keepdim=True)
         if kind.int8:

@@ -51,18 +51,19 @@ def awkward_rows(n_kv: int, n: int, hd: int, seed: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("span", [None, 32])
 @pytest.mark.parametrize("hd", [32, 64, 128, 256])
-def test_jit_rotation_is_bit_identical_to_torch_and_is_the_rotation(hd):
+def test_jit_rotation_is_bit_identical_to_torch_and_is_the_rotation(hd, span):
     x = awkward_rows(2, 40, hd, seed=hd)
-    jit = rotate_rows(x)
-    assert torch.equal(jit, rotate_rows_torch(x))
+    jit = rotate_rows(x, span)
+    assert torch.equal(jit, rotate_rows_torch(x, span))
     # and it is x @ R (float64): f32 rounding of log2(d) butterfly levels, with headroom
-    r = rotation(hd, torch.float64)
+    r = rotation(hd, torch.float64, span=span)
     # f32 rounding of log2(d) butterfly levels over partial sums <= sqrt(d) |x|max, with headroom
     tol = 4 * np.log2(hd) * 2**-24 * x.abs().amax(-1, keepdim=True).double() * np.sqrt(hd) + 1e-30
     assert ((jit.double() - x.double() @ r).abs() <= tol).all()
     # the inverse (attention's output over rotated V): y @ R.T, and back to x
-    back = unrotate_rows(jit)
+    back = unrotate_rows(jit, span)
     assert ((back.double() - jit.double() @ r.T).abs() <= tol).all()
     assert ((back.double() - x.double()).abs() <= 2 * tol).all()
 
@@ -128,7 +129,8 @@ def test_cache_write_stores_the_reference_rules_bits(mode):
     k, v = awkward_rows(2, 20, 64, seed=1), awkward_rows(2, 20, 64, seed=2)
     cache.write(0, 3, k, v)
     for rows, store in ((k, cache.k[0]), (v, cache.v[0])):
-        basis = rotate_rows_torch(rows) if store.kind.rotated else rows
+        span = store.kind.rotation_span(64)
+        basis = rotate_rows_torch(rows, span) if span else rows
         if store.kind.int4:
             codes, d16 = quantize_q4(basis)
             assert torch.equal(store.data[:, 3:23], pack_q4(codes))

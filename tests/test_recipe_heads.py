@@ -49,7 +49,7 @@ def test_round_trip_json_engine(tmp_path, tiny):
 def stored_values(kind: StoreKind, rows: torch.Tensor) -> torch.Tensor:
     """``rows [n, d]`` quantized by ``kind`` and turned back to the model's basis, float64."""
     d = rows.shape[-1]
-    rot = rotation(d, torch.float64, rows.device) if kind.rotated else None
+    rot = rotation(d, torch.float64, rows.device, kind.rotation_span(d)) if kind.rotated else None
     x = rows.double() if rot is None else rows.double() @ rot
     store = RowStore.empty(kind, 1, rows.shape[0], d, rows.device)
     store.write(0, x.float()[None])

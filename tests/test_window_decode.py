@@ -28,8 +28,9 @@ def test_windowed_decode_equals_the_full_windowed_attention(mode, window, end, b
     out = make_attend(cache, False, backend, window)(0, q, k[:, -1:], v[:, -1:], end - 1)
     # in the stored basis, over all `end` rows with the window mask (rotated kinds: q in K's basis)
     k_all, v_all = cache.read(0, end)
-    qs = rotate_rows(q) if cache.k[0].kind.rotated else q
+    k_span, v_span = cache.k[0].kind.rotation_span(hd), cache.v[0].kind.rotation_span(hd)
+    qs = rotate_rows(q, k_span) if k_span else q
     ref = reference_attention(qs.double(), k_all.double(), v_all.double(), torch.tensor([end - 1]), window)
-    if cache.v[0].kind.rotated:
-        ref = ref @ rotation(hd, torch.float64).T
+    if v_span:
+        ref = ref @ rotation(hd, torch.float64, span=v_span).T
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))

@@ -146,17 +146,18 @@ def select_blocks(
 def turn(x: torch.Tensor, rot: Rotation, back: bool = False) -> torch.Tensor:
     """Query heads ``x [H, n, d]`` in a layer's stored basis (``back``: out of it); a per-KV-head
     rotation turns each KV head's group of query heads (GQA: query head i reads KV head i // (H/KV))
-    or leaves the group alone (None). The turn is the fast Walsh-Hadamard pass (JIT on the CPU: no
-    torch op between the numba kernels), equal to ``x @ R`` (``x @ R.T``) up to float32 rounding."""
+    or leaves the group alone (None). The turn is the fast Walsh-Hadamard pass of the rotation's span
+    (JIT on the CPU: no torch op between the numba kernels), equal to ``x @ R`` (``x @ R.T``) up to
+    float32 rounding."""
     if rot is None:
         return x
     apply = unrotate_rows if back else rotate_rows
-    if isinstance(rot, torch.Tensor):
-        return apply(x)
+    if isinstance(rot, int):
+        return apply(x, rot)
     g = x.shape[0] // len(rot)
     groups = [x[h * g : (h + 1) * g] for h in range(len(rot))]
     return torch.cat(
-        [xs.to(torch.float32) if r is None else apply(xs) for xs, r in zip(groups, rot, strict=True)]
+        [xs.to(torch.float32) if r is None else apply(xs, r) for xs, r in zip(groups, rot, strict=True)]
     )
 
 

@@ -173,7 +173,7 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
     ``ks``/``vs``: the layer's K and V store tuples, written at row ``pos`` (physical, in a paged
     cache). ``rope``: (cos, sin) rows of the token's position.
     ``at``: (K code, V code, 1/sqrt(d) as f32, length, then flash.plan_call's splits, serial, tiles, table,
-    then whether K and V are rotated, then the layer's K centers ``[n_kv, d]``, an empty array for
+    then K's and V's rotation spans (0: not rotated), then the layer's K centers ``[n_kv, d]``, an empty array for
     none). ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then :func:`_attend`'s, then the
     rotation's (signs, ones, q, k, v, o in the stored bases, K less its centers).
     Returns ``step_kv.FP16_OVERFLOW`` where a 4-bit block's scale overflows (nothing stored)."""
@@ -191,15 +191,15 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
             return k.size + bad
     else:
         return bad
-    scale, k_turn, v_turn = at[2], at[8], at[9]  # 1/sqrt(d): the rotation's scale too
+    k_span, v_span = at[8], at[9]
     kc = center_rows(k, at[10], k_cen)  # K smoothing: less the centers, before the rotation
-    bad = store_kv(ks, vs, to_basis(kc, k_turn, signs, ones, scale, k_rot),
-                   to_basis(v, v_turn, signs, ones, scale, v_rot), pos)  # fmt: skip
+    bad = store_kv(ks, vs, to_basis(kc, k_span, signs, ones, k_rot),
+                   to_basis(v, v_span, signs, ones, v_rot), pos)  # fmt: skip
     if bad != -1:
         return bad
-    _attend(kind, path, to_basis(q, k_turn, signs, ones, scale, q_rot), ks, vs, at, buf[1], o)
-    if v_turn:  # the output back from V's basis (kv.quant.unrotate_rows)
-        hadamard_rows(o, ones, signs, scale, o_rot)
+    _attend(kind, path, to_basis(q, k_span, signs, ones, q_rot), ks, vs, at, buf[1], o)
+    if v_span:  # the output back from V's basis (kv.quant.unrotate_rows)
+        hadamard_rows(o, ones, signs, v_span, o_rot)
         o[:] = o_rot
     no_bias = bqkv[:0]
     _linear(wo, no_bias, o.reshape(1, o.size), proj, min_work)
@@ -240,8 +240,13 @@ def store_tuple(store) -> tuple[np.ndarray, ...] | None:
     return arrays
 
 
+def _span(store) -> int:
+    """The store's rotation span (kv.modes.StoreKind.rotation_span), 0 where it is not rotated."""
+    return store.kind.rotation_span(store.head_dim)
+
+
 def fused_stores(cache) -> list[tuple] | None:
-    """Per layer of a KVCache: (K tuple, V tuple, K code, V code, K rotated, V rotated, K centers) for
+    """Per layer of a KVCache: (K tuple, V tuple, K code, V code, K span, V span, K centers) for
     :meth:`FusedDecoder.run`, or None if a layer's kind is not written here. Memoized on the cache while its stores keep their tensors
     (they grow all together: :meth:`kvlens.kv.cache.KVCache.reserve`)."""
     first, last = (getattr(s, "data", s) for s in (cache.k[0], cache.v[-1]))
@@ -255,9 +260,7 @@ def fused_stores(cache) -> list[tuple] | None:
             stores = None
             break
         center = _NO_CENTER if ks.center is None else ks.center[:, 0].contiguous().numpy()
-        stores.append(
-            (kt, vt, _KIND_CODE[ks.kind], _KIND_CODE[vs.kind], ks.kind.rotated, vs.kind.rotated, center)
-        )
+        stores.append((kt, vt, _KIND_CODE[ks.kind], _KIND_CODE[vs.kind], _span(ks), _span(vs), center))
     cache.__dict__["_step_stores"] = (first, last, stores)
     return stores
 
@@ -333,8 +336,8 @@ class FusedDecoder:
         )
         row = pos if table.shape[0] == 0 else int(table[pos // flash.TILE]) * flash.TILE + pos % flash.TILE
         for i, (lw, layer) in enumerate(zip(self.layers, stores, strict=True)):
-            ks, vs, k_code, v_code, k_rot, v_rot, center = layer
-            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, tiles, table, k_rot, v_rot, center)
+            ks, vs, k_code, v_code, k_span, v_span, center = layer
+            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, tiles, table, k_span, v_span, center)  # fmt: skip
             args = (*attn, x, lw, ks, vs, row, rope, at, self.buf, self.min_work)
             entry = self._entry.get((i, *attn, k_code, v_code)) or self._compile(i, args)
             if entry(*args) != -1:

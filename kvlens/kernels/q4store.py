@@ -21,17 +21,19 @@ FP16_ZERO_MAX = np.float32(2.0**-25)  # an f32 at or below this rounds to an fp1
 
 
 @njit(cache=True)
-def hadamard_rows(x, pre, post, scale, out):  # pragma: no cover - compiled
-    """``out = ((x * pre) @ H) * scale * post`` for rows ``x [m, d]`` (f32, d a power of two), ``H``
-    the Sylvester Hadamard matrix (butterflies ``(a + b, a - b)`` of stride 1, 2, 4, ...), ``pre`` and
-    ``post`` sign vectors: the rotation ``x @ R`` (pre = the signs, post = 1) and its inverse
-    ``y @ R.T`` (pre = 1, post = the signs), ``R = diag(s) H / sqrt(d)``."""
+def hadamard_rows(x, pre, post, span, out):  # pragma: no cover - compiled
+    """``out = ((x * pre) @ (I ⊗ H)) * (1/sqrt(span)) * post`` for rows ``x [m, d]`` (f32), ``H`` the
+    Sylvester Hadamard matrix of order ``span`` (a power of two dividing d) on each contiguous block
+    of ``span`` values (butterflies ``(a + b, a - b)`` of stride 1, 2, 4, ... below ``span``), ``pre``
+    and ``post`` sign vectors: the rotation ``x @ R`` (pre = the signs, post = 1) and its inverse
+    ``y @ R.T`` (pre = 1, post = the signs), ``R = diag(s) (I ⊗ H) / sqrt(span)``."""
     m, d = x.shape
+    scale = np.float32(1.0 / math.sqrt(span))
     for r in range(m):
         for i in range(d):
             out[r, i] = x[r, i] * pre[i]
         h = 1
-        while h < d:
+        while h < span:
             for i0 in range(0, d, 2 * h):
                 for j in range(i0, i0 + h):
                     a, b = out[r, j], out[r, j + h]

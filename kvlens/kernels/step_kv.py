@@ -87,12 +87,13 @@ def center_rows(rows, center, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def to_basis(rows, rotated, signs, ones, scale, out):  # pragma: no cover - compiled
-    """``rows [n, d]`` in a store's basis: ``out`` = the rotation (kv.quant.rotate_rows: the same
-    JIT pass on the same values) where ``rotated``, else ``rows`` itself."""
-    if not rotated:
+def to_basis(rows, span, signs, ones, out):  # pragma: no cover - compiled
+    """``rows [n, d]`` in a store's basis: ``out`` = the rotation of that ``span``
+    (kv.quant.rotate_rows: the same JIT pass on the same values), or ``rows`` itself where ``span`` is
+    0 (not rotated)."""
+    if span == 0:
         return rows
-    hadamard_rows(rows, signs, ones, scale, out)
+    hadamard_rows(rows, signs, ones, span, out)
     return out
 
 

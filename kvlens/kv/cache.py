@@ -56,7 +56,6 @@ from .quant import (
     dequantize_q8,
     first_nonfinite,
     rotate_rows,
-    rotation,
     store_q4,
     store_q8,
 )
@@ -81,19 +80,21 @@ def check_kv_finite(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) ->
 
 
 def store_basis(kind: StoreKind, rows: torch.Tensor) -> torch.Tensor:
-    """``rows [..., head_dim]`` in the basis a store of ``kind`` keeps them (rotated kinds: ``rows @ R``,
-    as a fast Walsh–Hadamard transform: :func:`kvlens.kv.quant.rotate_rows`)."""
-    return rotate_rows(rows) if kind.rotated else rows
+    """``rows [..., head_dim]`` in the basis a store of ``kind`` keeps them (rotated kinds: ``rows @ R``
+    of the kind's span, as a fast Walsh–Hadamard transform: :func:`kvlens.kv.quant.rotate_rows`)."""
+    span = kind.rotation_span(rows.shape[-1])
+    return rotate_rows(rows, span) if span else rows
 
 
-Rotation = torch.Tensor | list[torch.Tensor | None] | None  # per layer, or per KV head (HeadSplitStore)
+# the span of a layer's rotation (StoreKind.rotation_span), or one per KV head (HeadSplitStore)
+Rotation = int | list[int | None] | None
 
 
 def _rotation_of(store: RowStore | HeadSplitStore) -> Rotation:
     if isinstance(store, HeadSplitStore):
         per_head = [_rotation_of(part) for part in store.parts]
         return per_head if any(r is not None for r in per_head) else None
-    return rotation(store.head_dim, torch.float32, store.data.device) if store.kind.rotated else None
+    return store.kind.rotation_span(store.head_dim) or None
 
 
 def rotations(

@@ -29,7 +29,7 @@ import torch
 from .cache import BLOCK
 from .pool import BlockPool
 
-MAGIC = b"KVLENS-BLOCK-1\n"
+MAGIC = b"KVLENS-BLOCK-2\n"  # 2: q4h rotates per 32-value block (2026-12-01)
 SUFFIX = ".kvb"
 _LEN = struct.Struct("<I")
 _DIGEST = hashlib.sha256().digest_size

@@ -88,6 +88,17 @@ class StoreKind(StrEnum):
         """Rows are rotated (kvlens.kv.quant.rotation) before they are quantized."""
         return self in (StoreKind.Q8H, StoreKind.Q4H) or self.packed
 
+    def rotation_span(self, head_dim: int) -> int:
+        """How many values one Hadamard block of the rotation mixes (kvlens.kv.quant.rotation's
+        ``span``), 0 where the kind is not rotated. q4h rotates within each 32-value block (one fp16
+        scale each): the blocks keep their own scales, an outlier is spread only over its block,
+        which measured ~0.6× the attention error of a whole-row rotation on both models (llama.cpp
+        rotates V by blocks of 64 for the same reason). The row-scaled kinds (one max_abs per row)
+        rotate the whole row."""
+        if not self.rotated:
+            return 0
+        return Q4_BLOCK if self.int4 else head_dim
+
     @property
     def dtype(self) -> torch.dtype:
         """The element type of the stored rows (int8 codes for q8, uint8 code pairs for q4, uint8

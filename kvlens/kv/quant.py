@@ -243,29 +243,43 @@ def rotation_signs(head_dim: int) -> torch.Tensor:
     return _signs(head_dim)
 
 
+def _span(head_dim: int, span: int | None) -> int:
+    span = head_dim if span is None else span
+    if span < 2 or span & (span - 1) or head_dim % span:
+        raise ValueError(
+            f"a Hadamard rotation's span must be a power of two dividing head_dim {head_dim}, got {span}"
+        )
+    return span
+
+
 @functools.cache
-def _rotation64(head_dim: int) -> torch.Tensor:
+def _rotation64(head_dim: int, span: int) -> torch.Tensor:
     signs = _signs(head_dim).to(torch.float64)
     h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < head_dim:  # Sylvester: H_2n = [[H, H], [H, -H]]
+    while h.shape[0] < span:  # Sylvester: H_2n = [[H, H], [H, -H]]
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return signs[:, None] * h / math.sqrt(head_dim)
+    return signs[:, None] * torch.block_diag(*[h] * (head_dim // span)) / math.sqrt(span)
 
 
 def rotation(
-    head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    span: int | None = None,
 ) -> torch.Tensor:
-    """The orthonormal randomized Hadamard matrix ``R = diag(s) H / sqrt(d)`` (random signs ``s``,
-    seeded) of the rotated kinds: a row ``x`` is stored as ``x @ R``; ``y @ R.T`` turns it back.
+    """The orthonormal randomized Hadamard matrix ``R = diag(s) (I ⊗ H) / sqrt(span)`` (random signs
+    ``s``, seeded; ``H`` the Sylvester Hadamard matrix of order ``span``, default head_dim, on each
+    contiguous block of ``span`` values) of the rotated kinds (``StoreKind.rotation_span``): a row
+    ``x`` is stored as ``x @ R``; ``y @ R.T`` turns it back.
 
     Scores are unchanged when the query is rotated too (``(q R)·(k R) = q·k``), and attention over
     rotated V rows is the rotated output (turned back with ``R.T``). The rotation spreads an outlier
-    channel over all channels, which is what makes low-bit codes of such rows accurate."""
-    return _rotation64(head_dim).to(dtype=dtype, device=device)
+    channel over the channels of its span, which is what makes low-bit codes of such rows accurate."""
+    return _rotation64(head_dim, _span(head_dim, span)).to(dtype=dtype, device=device)
 
 
-def _hadamard_scale(head_dim: int) -> np.float32:
-    return np.float32(1.0 / math.sqrt(head_dim))
+def _hadamard_scale(span: int) -> np.float32:
+    return np.float32(1.0 / math.sqrt(span))
 
 
 @functools.cache
@@ -273,47 +287,46 @@ def _ones(head_dim: int) -> torch.Tensor:
     return torch.ones(head_dim, dtype=torch.float32)
 
 
-def _hadamard(rows: torch.Tensor, pre: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
-    """``((rows * pre) @ H) / sqrt(d) * post`` in float32 (:func:`kvlens.kernels.q4store.hadamard_rows`
+def _hadamard(rows: torch.Tensor, pre: torch.Tensor, post: torch.Tensor, span: int) -> torch.Tensor:
+    """``((rows * pre) @ (I ⊗ H)) / sqrt(span) * post`` in float32 (``kernels.q4store.hadamard_rows``
     on the CPU, the same operations in torch elsewhere: bit-identical)."""
     d = rows.shape[-1]
     if rows.device.type == "cpu":
         x = rows.detach().to(torch.float32).contiguous()
         out = torch.empty_like(x)
-        hadamard_rows(
-            x.view(-1, d).numpy(), pre.numpy(), post.numpy(), _hadamard_scale(d), out.view(-1, d).numpy()
-        )
+        hadamard_rows(x.view(-1, d).numpy(), pre.numpy(), post.numpy(), span, out.view(-1, d).numpy())
         return out
-    return _hadamard_torch(rows, pre, post)
+    return _hadamard_torch(rows, pre, post, span)
 
 
-def _hadamard_torch(rows: torch.Tensor, pre: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+def _hadamard_torch(rows: torch.Tensor, pre: torch.Tensor, post: torch.Tensor, span: int) -> torch.Tensor:
     d = rows.shape[-1]
     y = rows.to(torch.float32) * pre.to(rows.device)
     h = 1
-    while h < d:
+    while h < span:  # the butterflies of stride < span: H on each contiguous block of span values
         pairs = y.reshape(*y.shape[:-1], d // (2 * h), 2, h)
         a, b = pairs[..., 0, :], pairs[..., 1, :]
         y = torch.stack((a + b, a - b), dim=-2).reshape(y.shape)
         h *= 2
-    return y * torch.tensor(_hadamard_scale(d), device=rows.device) * post.to(rows.device)
+    return y * torch.tensor(_hadamard_scale(span), device=rows.device) * post.to(rows.device)
 
 
-def rotate_rows_torch(rows: torch.Tensor) -> torch.Tensor:
+def rotate_rows_torch(rows: torch.Tensor, span: int | None = None) -> torch.Tensor:
     """:func:`rotate_rows` in torch ops on any device: the reference the JIT pass must equal."""
     d = rows.shape[-1]
-    return _hadamard_torch(rows, _signs(d), _ones(d))
+    return _hadamard_torch(rows, _signs(d), _ones(d), _span(d, span))
 
 
-def rotate_rows(rows: torch.Tensor) -> torch.Tensor:
+def rotate_rows(rows: torch.Tensor, span: int | None = None) -> torch.Tensor:
     """``rows [..., d]`` (d a power of two) in the rotated kinds' stored basis, ``rows @ R`` up to
-    float32 rounding (:func:`rotation`), as a new float32 tensor: a fast Walsh–Hadamard transform
-    (signs, butterflies of stride 1, 2, 4, ..., then ``1/sqrt(d)``), one JIT pass on the CPU."""
+    float32 rounding (:func:`rotation` of the same ``span``, default d), as a new float32 tensor: a
+    fast Walsh–Hadamard transform (signs, butterflies of stride 1, 2, 4, ... below ``span``, then
+    ``1/sqrt(span)``), one JIT pass on the CPU."""
     d = rows.shape[-1]
-    return _hadamard(rows, _signs(d), _ones(d))
+    return _hadamard(rows, _signs(d), _ones(d), _span(d, span))
 
 
-def unrotate_rows(rows: torch.Tensor) -> torch.Tensor:
+def unrotate_rows(rows: torch.Tensor, span: int | None = None) -> torch.Tensor:
     """The inverse of :func:`rotate_rows`: ``rows @ R.T`` (attention's output over rotated V rows)."""
     d = rows.shape[-1]
-    return _hadamard(rows, _ones(d), _signs(d))
+    return _hadamard(rows, _ones(d), _signs(d), _span(d, span))
