@@ -13,7 +13,7 @@ import torch
 import kvlens
 from kvlens.kv.modes import MODES, KVMode, StoreKind
 from kvlens.kv.recipe import RecipeError, load_recipe, recipe_mode, save_recipe
-from kvlens.lab.plan import PlanConfig, choose, run_plan
+from kvlens.lab.plan import SEARCH_ROUNDS, Checked, PlanConfig, choose, run_plan, search_working_budget
 
 F16, Q8H, Q4H, F32 = StoreKind.F16, StoreKind.Q8H, StoreKind.Q4H, StoreKind.F32
 
@@ -147,6 +147,47 @@ def test_choice_is_within_budget_maximal_and_near_optimal(seed):
     assert size <= 1.25 * opt_size  # greedy knapsack: close to the optimum on these instances
 
 
+def fake_check(kld_per_unit: float, floor: float = 0.0, cheapest: float = 0.0):
+    """A choice whose bytes fall as the working budget w grows (to ``cheapest`` w), and whose
+    measured KLD is ``kld_per_unit * w + floor`` (> 1: the items' KLDs add up to more than their sum)."""
+    calls = []
+
+    def check(w: float) -> Checked:
+        spent = w if not cheapest else min(w, cheapest)
+        calls.append(w)
+        return Checked(
+            f"recipe@{spent:.6f}", spent, kld_per_unit * spent + floor, round(10_000 - 1_000 * spent)
+        )
+
+    return check, calls
+
+
+@pytest.mark.parametrize("kld_per_unit", [0.6, 0.9, 1.3, 2.5])
+def test_the_search_spends_the_budget_and_never_returns_a_choice_over_it(kld_per_unit):
+    """Whether the items' KLDs add to more or less than their sum, the search lands within the budget
+    and within the bracket of it (the largest working budget whose choice measures within)."""
+    check, calls = fake_check(kld_per_unit)
+    got, rounds = search_working_budget(check, 1.0)
+    assert got.measured <= 1.0 and rounds == len(calls) <= SEARCH_ROUNDS
+    best_possible = 1.0 / kld_per_unit  # the working budget whose choice measures exactly 1.0
+    assert got.predicted >= 0.95 * best_possible  # the bracket (2 %) and the rounds left some room
+    # the fewest bytes among the checks measured within, not merely the last one
+    within = [check(w) for w in list(calls) if kld_per_unit * w <= 1.0]
+    assert got.bytes_per_token == min(c.bytes_per_token for c in within)
+
+
+def test_the_search_stops_when_a_larger_budget_buys_nothing():
+    check, calls = fake_check(0.5, cheapest=0.3)  # every item at its cheapest kind from w = 0.3
+    got, rounds = search_working_budget(check, 1.0)
+    assert rounds == 2 and got.measured == pytest.approx(0.15)
+
+
+def test_the_search_reports_a_choice_over_the_budget_when_none_is_within():
+    check, calls = fake_check(1.0, floor=2.0)  # even the f16 fallback measures over
+    got, rounds = search_working_budget(check, 1.0)
+    assert rounds == SEARCH_ROUNDS and got.measured > 1.0
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_plan_end_to_end_on_a_tiny_model(tmp_path, tiny_dir, per_head):
     corpus = tmp_path / "corpus.txt"
@@ -159,7 +200,7 @@ def test_plan_end_to_end_on_a_tiny_model(tmp_path, tiny_dir, per_head):
     r = run_plan(cfg)
     back = load_recipe(out)
     assert back.layers == r.recipe.layers and back.heads == r.recipe.heads and len(back.layers) == 2
-    assert r.calib_kld <= 0.01 or r.rounds == 3
+    assert r.calib_kld <= 0.01 or r.rounds == SEARCH_ROUNDS
     rows = {x["kv"]: x for x in r.rows}
     assert set(rows) == {str(out), "q8"}
     assert rows[str(out)]["bytes_per_token"] == back.bytes_per_token(2, 2, 32)

@@ -11,7 +11,8 @@ on held-out text.
    treating the items' KLDs as additive (first order in small perturbations), a greedy
    multiple-choice knapsack takes, step by step, the downgrade saving the most bytes per unit of
    KLD that keeps the sum within the working budget. The recipe is then measured on the calibration
-   chunks; while it exceeds the budget, the working budget shrinks by the excess (3 rounds at most).
+   chunks and the working budget searched (the sum does not add exactly: shrink while over, grow
+   while under, then bisect; 6 checks at most) for the fewest bytes measured within the budget.
 3. Verification (held-out chunks, never seen by 1-2): the recipe and the comparison modes against
    f32, KLD mean ± its standard error, bytes per token against f16 and q8. ``verify=False`` skips
    it: with ``reuse`` a choice then costs only the calibration checks, so a bytes-vs-budget curve
@@ -26,7 +27,9 @@ choice's checks in 2 and the recipe verified in 3 carry those centers, and the r
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +42,8 @@ from .ppl import PplConfig, _PplRun, make_chunks
 from .sensitivity import ROLES, Item, Sensitivity
 
 F32, F16 = StoreKind.F32, StoreKind.F16
-SHRINK_ROUNDS = 3
+SEARCH_ROUNDS = 6  # calibration checks of a choice while the working budget is searched
+BRACKET = 0.02  # stop when the bracket is this share of the working budget
 
 
 @dataclass
@@ -133,21 +137,61 @@ def choice_mode(name: str, choice: dict[Item, StoreKind], n_layers: int, n_kv: i
     return head_recipe_mode(name, [[(k, v) for k, v in heads] for heads in layers])
 
 
+@dataclass(frozen=True)
+class Checked:
+    """One calibration check of a choice: the recipe, its predicted and measured KLD, its bytes."""
+
+    recipe: Any
+    predicted: float
+    measured: float
+    bytes_per_token: int
+
+
+def search_working_budget(check: Callable[[float], Checked], budget: float) -> tuple[Checked, int]:
+    """The fewest bytes measured within ``budget``: ``check(working)`` chooses under a working budget
+    (the sum of the items' KLDs) and measures the choice. The items' KLDs do not add exactly, so the
+    working budget is searched: scaled by budget / measured (0.9 of it while over) until one check is
+    within and one over, then bisected between the largest within and the smallest over, at most
+    :data:`SEARCH_ROUNDS` checks. Returns (the best check within, or the last one if none was;
+    the number of checks)."""
+    working, within, over = budget, 0.0, math.inf
+    best = last = None
+    rounds = 0
+    while rounds < SEARCH_ROUNDS:
+        rounds += 1
+        prev, last = last, check(working)
+        if last.measured <= budget:
+            within = max(within, working)
+            if best is None or last.bytes_per_token < best.bytes_per_token:
+                best = last
+        else:
+            over = min(over, working)
+        if over < math.inf and within > 0:  # bracketed: bisect
+            if over - within <= BRACKET * over:
+                break
+            working = (within + over) / 2
+        elif prev is not None and last.bytes_per_token == prev.bytes_per_token or last.measured <= 0:
+            break  # grown, and the choice did not move (every item at its cheapest kind)
+        else:  # aim at the budget by the measured / predicted mismatch; overshoot down by 10 %
+            working *= budget / last.measured * (0.9 if last.measured > budget else 1.0)
+    return best or last, rounds
+
+
 def choose_verified(
     sens: Sensitivity, table: dict[tuple, float], budget: float, name: str
 ) -> tuple[KVMode, float, float, int]:
-    """Choose under ``budget``, measure the recipe on the calibration chunks; while it exceeds the
-    budget shrink the working budget by the excess. (recipe, predicted, measured, rounds)."""
+    """The recipe of the fewest bytes whose KLD measured on the calibration chunks is within
+    ``budget`` (:func:`search_working_budget`). (recipe, predicted, measured, checks)."""
     c = sens.llm.config
-    working, rounds = budget, 0
-    while True:
-        rounds += 1
+
+    def check(working: float) -> Checked:
         choice, predicted = choose(table, c.head_dim, working)
         recipe = sens.centered(choice_mode(name, choice, c.n_layers, c.n_kv_heads))
-        measured = sens.kld(recipe)
-        if measured <= budget or rounds >= SHRINK_ROUNDS:
-            return recipe, predicted, measured, rounds
-        working *= 0.9 * budget / measured  # the sum under-predicted: shrink by the excess
+        bytes_per_token = recipe.bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim)
+        return Checked(recipe, predicted, sens.kld(recipe), bytes_per_token)
+
+    got, rounds = search_working_budget(check, budget)
+    return got.recipe, got.predicted, got.measured, rounds
 
 
 @dataclass
