@@ -176,6 +176,19 @@ def test_the_search_spends_the_budget_and_never_returns_a_choice_over_it(kld_per
     assert got.bytes_per_token == min(c.bytes_per_token for c in within)
 
 
+def test_the_search_keeps_the_fewest_bytes_within_not_the_last_check_within():
+    """The greedy choice need not save bytes monotonically with its budget: the search returns the
+    cheapest check measured within, wherever it came in the sequence."""
+    replies = iter([(0.5, 9000), (0.9, 9500), (1.2, 8000), (0.99, 9600), (1.1, 8500), (0.98, 9700)])
+
+    def check(w: float) -> Checked:
+        measured, n_bytes = next(replies)
+        return Checked(f"recipe@{w:.6f}", w, measured, n_bytes)
+
+    got, rounds = search_working_budget(check, 1.0)
+    assert rounds == SEARCH_ROUNDS and (got.measured, got.bytes_per_token) == (0.5, 9000)
+
+
 def test_the_search_stops_when_a_larger_budget_buys_nothing():
     check, calls = fake_check(0.5, cheapest=0.3)  # every item at its cheapest kind from w = 0.3
     got, rounds = search_working_budget(check, 1.0)
