@@ -72,20 +72,32 @@ def positive_int(text: str) -> int:
     return n
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def probe_parser(doc: str) -> argparse.ArgumentParser:
+    """The probes' command line: ``--model`` and ``--corpus`` (each probe adds its lengths)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--corpus", default="britannica")
+    return ap
+
+
+def corpus_ids(model: str, corpus: str, n: int) -> tuple[kvlens.LLM, list[int]]:
+    """The model with an f32 cache and the corpus's first ``n`` tokens; ValueError if it has fewer."""
+    llm = kvlens.load(model, kv="f32")
+    text, _ = load_corpus(corpus)
+    ids = llm.encode_prompt(text[: 40 * n])
+    if len(ids) < n:
+        raise ValueError(f"corpus {corpus!r} gives {len(ids)} tokens; {n} are needed")
+    return llm, ids[:n]
+
+
+def main() -> None:
+    ap = probe_parser(__doc__)
     ap.add_argument("--calib-ctx", type=positive_int, default=512)
     ap.add_argument("--test-ctx", type=positive_int, default=2048)
     args = ap.parse_args()
     n = args.calib_ctx + args.test_ctx
     try:
-        llm = kvlens.load(args.model, kv="f32")
-        text, _ = load_corpus(args.corpus)
-        ids = llm.encode_prompt(text[: 40 * n])
-        if len(ids) < n:
-            raise ValueError(f"corpus {args.corpus!r} gives {len(ids)} tokens; {n} are needed")
+        llm, ids = corpus_ids(args.model, args.corpus, n)
         calib = llm.capture_qkv(ids[: args.calib_ctx])
         test = llm.capture_qkv(ids[args.calib_ctx : n])
     except (ValueError, TypeError) as e:

@@ -12,12 +12,8 @@ The result is docs/beyond-q8.md's "q4h rotates within each 32-value block".
 
 from __future__ import annotations
 
-import argparse
+from k_smoothing_probe import causal_attention, corpus_ids, positive_int, probe_parser, q4_dequant
 
-from k_smoothing_probe import causal_attention, positive_int, q4_dequant
-
-import kvlens
-from kvlens.corpus import load_corpus
 from kvlens.kv.quant import rotation
 
 
@@ -33,18 +29,12 @@ def span_rules(head_dim: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--corpus", default="britannica")
+    ap = probe_parser(__doc__)
     ap.add_argument("--ctx", type=positive_int, default=1024)
     args = ap.parse_args()
     try:
-        llm = kvlens.load(args.model, kv="f32")
-        text, _ = load_corpus(args.corpus)
-        ids = llm.encode_prompt(text[: 40 * args.ctx])
-        if len(ids) < args.ctx:
-            raise ValueError(f"corpus {args.corpus!r} gives {len(ids)} tokens; {args.ctx} are needed")
-        qkv = llm.capture_qkv(ids[: args.ctx])
+        llm, ids = corpus_ids(args.model, args.corpus, args.ctx)
+        qkv = llm.capture_qkv(ids)
     except (ValueError, TypeError) as e:
         ap.error(str(e))
     rules = span_rules(qkv[0][1].shape[-1])

@@ -1,4 +1,5 @@
-"""scripts/k_smoothing_probe.py refuses bad input with one argparse error line (exit 2)."""
+"""scripts/k_smoothing_probe.py and scripts/rotation_span_probe.py refuse bad input with one argparse
+error line (exit 2)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,31 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "k_smoothing_probe.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("script", "args", "message"),
     [
-        (["--test-ctx", "0"], "argument --test-ctx: must be a positive integer, got 0"),
-        (["--calib-ctx", "x"], "argument --calib-ctx: invalid positive_int value: 'x'"),
-        (["--model", "no-such-model"], "model not found: no-such-model"),
+        (
+            "k_smoothing_probe.py",
+            ["--test-ctx", "0"],
+            "argument --test-ctx: must be a positive integer, got 0",
+        ),
+        (
+            "k_smoothing_probe.py",
+            ["--calib-ctx", "x"],
+            "argument --calib-ctx: invalid positive_int value: 'x'",
+        ),
+        ("k_smoothing_probe.py", ["--model", "no-such-model"], "model not found: no-such-model"),
+        ("rotation_span_probe.py", ["--ctx", "-3"], "argument --ctx: must be a positive integer, got -3"),
+        ("rotation_span_probe.py", ["--corpus", "no-such-corpus"], "no-such-corpus"),
     ],
 )
-def test_bad_input_is_one_error_line(args, message):
-    r = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+def test_bad_input_is_one_error_line(script, args, message):
+    r = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and r.stdout == ""
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("k_smoothing_probe.py: error: ") and message in last
+    assert last.startswith(f"{script}: error: ") and message in last
