@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels.cpu_int import BACKEND_QBITS, IntAttn
+from ..kernels.cpu_int import BACKEND_QBITS, IntAttn, packed_kind
 from ..kernels.quest import quest_select
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
@@ -184,13 +184,15 @@ def split_kernel(
 def _refuse_packed(backend: str, cache: KVCache | PagedKV) -> None:
     """BackendError naming the first packed N-bit kind (q7h, q6h, q5h) of ``cache``: the integer
     kernels read int8 / 4-bit codes only."""
-    for store in (*cache.k, *cache.v):
-        for part in store.parts if isinstance(store, HeadSplitStore) else [store]:
-            if part.kind.packed:
-                raise BackendError(
-                    f"the {backend} backend cannot read {part.kind} rows (packed {part.kind.bits}-bit codes); "
-                    f"use the numba, triton or torch backend for {cache.mode.name}"
-                )
+    stores = (*cache.k, *cache.v)  # a per-head recipe's layer (HeadSplitStore): one store per KV head
+    kind = packed_kind(
+        p for store in stores for p in (store.parts if isinstance(store, HeadSplitStore) else [store])
+    )
+    if kind is not None:
+        raise BackendError(
+            f"the {backend} backend cannot read {kind} rows (packed {kind.bits}-bit codes); "
+            f"use the numba, triton or torch backend for {cache.mode.name}"
+        )
 
 
 def make_attend(

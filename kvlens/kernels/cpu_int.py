@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -255,6 +256,12 @@ def _compiled_core(args: tuple):
 _NO_KSUM = np.zeros((1, 1, 1), np.int16)
 
 
+def packed_kind(stores: Iterable) -> StoreKind | None:
+    """The first packed N-bit kind (q7h, q6h, q5h) among ``stores``' row stores, or None: the integer
+    kernels read int8 / 4-bit codes only, so their callers refuse such a store by this one test."""
+    return next((store.kind for store in stores if store.kind.packed), None)
+
+
 def decode_attention_int(
     q: torch.Tensor,
     k_store,
@@ -271,11 +278,9 @@ def decode_attention_int(
     ``[n_heads, hd]`` tensor."""
     path = spec.resolved_path()
     k4 = k_store.kind.int4
-    for store in (k_store, v_store):
-        if store.kind.packed:
-            raise ValueError(
-                f"integer attention ({spec.backend}) cannot read {store.kind} rows (packed codes)"
-            )
+    packed = packed_kind((k_store, v_store))
+    if packed is not None:
+        raise ValueError(f"integer attention ({spec.backend}) cannot read {packed} rows (packed codes)")
     if not spec.scores(k_store.kind):
         raise ValueError(f"integer attention ({spec.backend}) needs an int8 K store, or 4-bit with an 8-bit "
                          f"query, got {k_store.kind}")  # fmt: skip
