@@ -117,10 +117,14 @@ def test_cpu_store_is_the_rule_then_the_packing_bit_for_bit(bits, hd):
     x[1, 0, :2] = (-9.0, 9.0)
     store = RowStore.empty(StoreKind(f"q{bits}h"), 2, 16, hd, CPU)
     store.data.fill_(0xA5)
-    x[1, 1, 5] = 1000.8  # rounds to fp16 1001 (ulp 0.5 there): the codes use the rounded max_abs
+    # max_abs 1000.8 rounds to fp16 1001 (ulp 0.5 there), and the other values sit just under the
+    # ties of steps of 1000.9/qmax: below a tie of the rounded scale's codes, above one of 1000.8's
+    x[1, 1] = ((np.arange(hd) % qmax) + 0.5).astype(np.float32) * np.float32(1000.9 / qmax)
+    x[1, 1, 5] = 1000.8
     store_packed(torch.from_numpy(x), store.data, store.scale, 3, bits)
     codes, m = numpy_rule(x, bits, fp16=True)
     assert store.scale.dtype == torch.float16 and float(store.scale[1, 4]) == 1001.0
+    assert (codes[1, 1] != numpy_rule(x, bits)[0][1, 1]).sum() > hd // 4  # the rounding matters here
     np.testing.assert_array_equal(store.data[:, 3:9].numpy(), numpy_pack(codes, bits))
     np.testing.assert_array_equal(store.scale[:, 3:9].float().numpy(), m)
     assert (store.data[:, :3] == 0xA5).all() and (store.data[:, 9:] == 0xA5).all()  # nothing else written
