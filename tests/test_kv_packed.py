@@ -64,27 +64,32 @@ def test_pack_refuses_codes_out_of_range_and_odd_widths():
         pack_bits(torch.zeros(1, 12, dtype=torch.int8), 6)
 
 
-def numpy_rule(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+def numpy_rule(x: np.ndarray, bits: int, fp16: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The q8 rule at ``bits`` in numpy float32: qmax = 2^(N-1)-1, ``inv = qmax / max_abs`` (1.0 for a
-    row under 1e-6), codes ``clip(floor(x * inv + 0.5), -qmax, qmax)``: round half up."""
+    row under 1e-6), codes ``clip(floor(x * inv + 0.5), -qmax, qmax)``: round half up. ``fp16``: the
+    packed kinds' max_abs, rounded to fp16 by numpy before the codes are made from it."""
     qmax = np.float32(2 ** (bits - 1) - 1)
     m = np.abs(x).max(-1)
     m = np.where(m < np.float32(1e-6), np.float32(1.0), m).astype(np.float32)
+    if fp16:
+        m = m.astype(np.float16).astype(np.float32)
     inv = (qmax / m).astype(np.float32)
     y = (x * inv[..., None]).astype(np.float32)
     return np.clip(np.floor(y + np.float32(0.5)), -qmax, qmax).astype(np.int8), m
 
 
+@pytest.mark.parametrize("fp16", [False, True])
 @pytest.mark.parametrize("bits", [5, 6, 7, 8])
-def test_rule_is_the_q8_rule_with_its_qmax(bits):
+def test_rule_is_the_q8_rule_with_its_qmax(bits, fp16):
     rng = np.random.default_rng(bits)
     x = (rng.standard_normal((5, 64)) * rng.uniform(0.01, 30, (5, 1))).astype(np.float32)
     x[1] = 0.0  # all zero: max_abs 1.0, codes 0
     x[2, 7] = -np.abs(x[2]).max() * 2  # the row's max is negative: code -qmax
-    q, m = quantize_q8(torch.from_numpy(x), bits=bits)
-    q_ref, m_ref = numpy_rule(x, bits)
+    q, m = quantize_q8(torch.from_numpy(x), bits=bits, fp16_scale=fp16)
+    q_ref, m_ref = numpy_rule(x, bits, fp16)
+    assert m.dtype == (torch.float16 if fp16 else torch.float32)
     np.testing.assert_array_equal(q.numpy(), q_ref)
-    np.testing.assert_array_equal(m.numpy(), m_ref)
+    np.testing.assert_array_equal(m.float().numpy(), m_ref)
     qmax = 2 ** (bits - 1) - 1
     assert q[1].abs().max() == 0 and m[1] == 1.0 and q[2, 7] == -qmax
     assert int(q.abs().max()) == qmax
@@ -112,10 +117,16 @@ def test_cpu_store_is_the_rule_then_the_packing_bit_for_bit(bits, hd):
     x[1, 0, :2] = (-9.0, 9.0)
     store = RowStore.empty(StoreKind(f"q{bits}h"), 2, 16, hd, CPU)
     store.data.fill_(0xA5)
+    # max_abs 1000.8 rounds to fp16 1001 (ulp 0.5 there), and the other values sit just under the
+    # ties of steps of 1000.9/qmax: below a tie of the rounded scale's codes, above one of 1000.8's
+    x[1, 1] = ((np.arange(hd) % qmax) + 0.5).astype(np.float32) * np.float32(1000.9 / qmax)
+    x[1, 1, 5] = 1000.8
     store_packed(torch.from_numpy(x), store.data, store.scale, 3, bits)
-    codes, m = numpy_rule(x, bits)
+    codes, m = numpy_rule(x, bits, fp16=True)
+    assert store.scale.dtype == torch.float16 and float(store.scale[1, 4]) == 1001.0
+    assert (codes[1, 1] != numpy_rule(x, bits)[0][1, 1]).sum() > hd // 4  # the rounding matters here
     np.testing.assert_array_equal(store.data[:, 3:9].numpy(), numpy_pack(codes, bits))
-    np.testing.assert_array_equal(store.scale[:, 3:9].numpy(), m)
+    np.testing.assert_array_equal(store.scale[:, 3:9].float().numpy(), m)
     assert (store.data[:, :3] == 0xA5).all() and (store.data[:, 9:] == 0xA5).all()  # nothing else written
 
 
@@ -126,8 +137,27 @@ def test_store_reads_back_within_half_a_step(kind):
     rows = torch.randn(2, 20, 128, generator=torch.Generator().manual_seed(3)) * 5
     store.write(0, rows)
     assert store.head_dim == 128 and store.data.shape == (2, 32, 128 * k.bits // 8)
-    step = rows.abs().amax(-1, keepdim=True) / k.qmax
-    assert ((store.read(0, 20) - rows).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all()
+    assert store.scale.dtype == torch.float16
+    step = store.scale[:, :20, None].float() / k.qmax  # the fp16 max_abs the codes were made with
+    max_abs = rows.abs().amax(-1, keepdim=True)
+    # half a step; the row's max may clip at qmax where fp16 rounded max_abs down (by <= 2^-11 of it)
+    bound = torch.maximum(step / 2 * (1 + 1e-5), max_abs - k.qmax * step) + 1e-7
+    assert ((store.read(0, 20) - rows).abs() <= bound).all()
+    assert (store.scale[:, :20].float() - max_abs[..., 0]).abs().le(max_abs[..., 0] * 2.0**-11).all()
+
+
+@pytest.mark.parametrize("device_path", ["cpu-jit", "torch"])
+def test_a_row_beyond_the_fp16_range_is_refused_before_anything_is_stored(device_path):
+    x = torch.randn(2, 3, 64)
+    x[1, 2, 9] = -70000.0  # |max_abs| > 65504: no fp16 max_abs holds it
+    if device_path == "torch":
+        with pytest.raises(ValueError, match="overflows the fp16 max_abs of a row"):
+            quantize_q8(x, bits=6, fp16_scale=True)
+        return
+    store = RowStore.empty(StoreKind.Q6H, 2, 8, 64, CPU)
+    with pytest.raises(ValueError, match="overflows the fp16 max_abs of a row"):
+        store.write(0, x)
+    assert (store.data == 0).all() and (store.scale == 1).all()
 
 
 def test_kind_properties():
@@ -144,13 +174,13 @@ def test_kind_properties():
 
 def test_bytes_per_token_by_hand():
     """Layer 0 per KV head: (K q7h, V q5h), (K q8, V q6h); layer 1 q6h. head_dim 64:
-    q7h 56+4, q5h 40+4, q8 64+4 + K code sums 2*2, q6h 48+4 bytes per row."""
+    q7h 56+2, q5h 40+2, q8 64+4 + K code sums 2*2, q6h 48+2 bytes per row (fp16 max_abs, fp32 q8)."""
     q7, q5, q6, q8 = StoreKind.Q7H, StoreKind.Q5H, StoreKind.Q6H, StoreKind.Q8
     from kvlens.kv.recipe import head_recipe_mode
 
     mode = head_recipe_mode("r", [[(q7, q5), (q8, q6)], [(q6, q6), (q6, q6)]])
-    expected = (60 + 44) + (72 + 52) + 2 * (52 + 52)
-    assert mode.bytes_per_token(2, 2, 64) == expected == 436
+    expected = (58 + 42) + (72 + 50) + 2 * (50 + 50)
+    assert mode.bytes_per_token(2, 2, 64) == expected == 422
     cache = KVCache(2, 2, 64, 32, mode)
     held = 0
     for store in (*cache.k, *cache.v):
@@ -159,7 +189,7 @@ def test_bytes_per_token_by_hand():
                 t.numel() * t.element_size() for t in (part.data, part.scale, part.ksum) if t is not None
             )
     assert cache.bytes_per_token() == expected and held == expected * 32
-    assert MODES["q5h"].bytes_per_token(1, 1, 128) == 2 * (80 + 4)
+    assert MODES["q5h"].bytes_per_token(1, 1, 128) == 2 * (80 + 2)
 
 
 def test_recipe_round_trip_with_the_packed_kinds(tmp_path, tiny):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlens.kernels.q4store import fp16_bits
+from kvlens.kernels.bits import fp16_bits
 from kvlens.kv.cache import KVCache
 from kvlens.kv.modes import KVMode
 from kvlens.kv.quant import (

@@ -32,7 +32,7 @@ def filled(mode: str, length: int, seed: int = 0):
     for store in (*pool.k, *pool.v):  # garbage everywhere a sequence has not written
         store.data.fill_(127 if store.kind.int8 else 0xFF if store.kind.int4 or store.kind.packed else 3e4)
         if store.scale is not None:
-            store.scale.fill_(6e4 if store.kind.int4 else 1e6)  # int4: the largest fp16 scale
+            store.scale.fill_(6e4 if store.scale.dtype == torch.float16 else 1e6)  # fp16: near its largest
     seq, other = PagedKV(pool), PagedKV(pool)
     cache = KVCache(1, N_KV, HD, length, mode)
     gen = torch.Generator().manual_seed(seed)

@@ -38,7 +38,7 @@ from ..kv.modes import StoreKind
 from ..kv.quant import quantize_q8
 from . import flash
 from .flash import TILE, choose_splits  # noqa: F401 - choose_splits: part of this module's API
-from .stage import _FM, _KIND_CODE, CODE_Q4, CODE_Q8, Q4B, _stage
+from .stage import _FM, _KIND_CODE, CODE_PACKED, CODE_Q4, CODE_Q8, Q4B, _stage
 from .threads import run_serial_if, split_threads
 
 QBLOCK = 32  # query block of the int-dot variant (the seed: 32 values, one scale)
@@ -89,7 +89,7 @@ def _decode_core(
     selected blocks); empty (``n_tiles = 0``) = dense, every tile. Splits divide this list.
     ``table [n_blocks]``: the block table of a paged cache (logical block j lives in physical block
     ``table[j]`` of the store); empty = contiguous (logical = physical). ``k_bsc``/``v_bsc``: the
-    fp16 block-scale bits of a 4-bit K/V store (unread otherwise)."""
+    fp16 scale bits of a 4-bit or packed K/V store (unread otherwise)."""
     n_heads, hd = qs.shape
     k8 = k.view(np.int8)
     group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.split_plan(
@@ -106,12 +106,12 @@ def _decode_core(
             if int_dot:
                 _dot_tile_int(q8, qsc, h * group, group, k8, h, t0, nt, prod, sc)
             else:
-                _stage(k, k_code, k_bsc, k_scale, h, t0, nt, tile_u, tile, bs_u, bs_f)
+                _stage(k, k_code, k_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
                 flash.dot_tile(qs, h * group, group, tile, nt, sc)
             flash.weigh_tile(
                 sc, nt, group, k_scale, k_q8, item, part_m, part_l, part_acc, v_scale, v_q8, h, t0, e_u, e_f
             )
-            _stage(v, v_code, v_bsc, v_scale, h, t0, nt, tile_u, tile, bs_u, bs_f)
+            _stage(v, v_code, v_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
             flash.axpy_tile(sc, tile, nt, group, part_acc[item])
     flash.merge(part_acc, part_m, part_l, n_splits, group, out)
 
@@ -158,12 +158,10 @@ def _run(
     if k.shape[2] != hd * _ROW_BYTES_PER_VALUE[k_code] or v.shape[2] != hd * _ROW_BYTES_PER_VALUE[v_code]:
         raise ValueError(f"head_dim mismatch: q has {hd}")
     for code, bsc in ((k_code, k_bsc), (v_code, v_bsc)):
-        if code == CODE_Q4 and (
-            bsc.shape[:2] != (n_kv, cap) or bsc.shape[2] * Q4B != hd or bsc.dtype != np.uint16
-        ):
-            raise ValueError(
-                f"4-bit block scales must be uint16 fp16 bits [n_kv, cap, {hd // Q4B}], got {bsc.shape}"
-            )
+        if code == CODE_Q4 or code > CODE_PACKED:
+            per_row = hd // Q4B if code == CODE_Q4 else 1
+            if bsc.shape != (n_kv, cap, per_row) or bsc.dtype != np.uint16:
+                raise ValueError(f"fp16 scales must be uint16 bits [n_kv, cap, {per_row}], got {bsc.shape}")
     if out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError("out must be a C-contiguous float32 array")
     # split_threads, not the step's count: the splits, hence the sums, never vary with load
@@ -227,9 +225,13 @@ def _store_arrays(store) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
     if memo is not None and memo[0] is store.data and memo[1] is store.scale:
         return memo[2]
     raw = store.data.view(torch.uint8).numpy()  # bf16 too: numpy has no bfloat16, the kernel shifts bits
-    scale = store.scale.numpy() if store.kind.row_scaled else _NO_SCALE
-    # fp16 scales as their bits: numba has no float16 arrays, the kernel converts them exactly
-    bsc = store.scale.view(torch.int16).numpy().view(np.uint16) if store.kind.int4 else _NO_BLOCK_SCALE
+    scale = store.scale.numpy() if store.kind.int8 else _NO_SCALE
+    # fp16 scales as their bits (numba has no float16 arrays, the kernel converts them exactly): a
+    # 4-bit store's per block of 32, a packed store's max_abs per row as [n_kv, cap, 1]
+    bsc = _NO_BLOCK_SCALE
+    if store.kind.int4 or store.kind.packed:
+        bsc = store.scale.view(torch.int16).numpy().view(np.uint16)
+        bsc = bsc if store.kind.int4 else bsc[:, :, None]
     views = (raw, _KIND_CODE[store.kind], scale, bsc)
     store.__dict__["_numba_views"] = (store.data, store.scale, views)
     return views

@@ -233,7 +233,7 @@ def _core(
             if pv8:
                 _pv8_tile(path, sc, v, h, t0, nt, group, vt, p8, acc8, part_acc[item])
             else:
-                _stage(v, v_code, v_bsc, v_scale, h, t0, nt, tile_u, tile, bs_u, bs_f)
+                _stage(v, v_code, v_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
                 flash.axpy_tile(sc, tile, nt, group, part_acc[item])
     flash.merge(part_acc, part_m, part_l, n_splits, group, out)
 

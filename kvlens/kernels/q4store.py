@@ -12,11 +12,10 @@ import math
 import numpy as np
 from numba import njit
 
-from .bits import absmax, signed_absmax
+from .bits import FP16_MAX, absmax, fp16_bits, signed_absmax
 
 Q4_BLOCK = 32  # kvlens.kv.modes.Q4_BLOCK (this module is a leaf: the kv layer checks they agree)
 Q4_LOW = np.float32(8.0)  # q4_0: d = (signed max) / -8, stored codes 0..15 (value (code - 8) * d)
-FP16_MAX = np.float32(65504.0)
 FP16_ZERO_MAX = np.float32(2.0**-25)  # an f32 at or below this rounds to an fp16 zero (ties to even)
 
 
@@ -42,20 +41,6 @@ def hadamard_rows(x, pre, post, span, out):  # pragma: no cover - compiled
             h *= 2
         for i in range(d):
             out[r, i] = out[r, i] * scale * post[i]
-
-
-@njit(cache=True)
-def fp16_bits(d):  # pragma: no cover - compiled
-    """The fp16 bit pattern of a finite f32 ``d`` with |d| <= 65504, rounded to nearest even (the
-    sign kept, -0 included): one rounding of the exact |d| in float64 (``m 2^e``, ``m`` in [0.5, 1):
-    11 significant bits)."""
-    sign = np.uint16(0x8000) if np.signbit(d) else np.uint16(0)
-    x = abs(np.float64(d))
-    if x < 2.0**-14:  # subnormal fp16: a multiple of 2^-24 (1024 * 2^-24 is the smallest normal)
-        return sign | np.uint16(np.rint(x * 2.0**24))
-    m, e = math.frexp(x)
-    r = np.rint(m * 2048.0)  # 1024..2048; 2048 carries into the exponent field below
-    return sign | np.uint16(((e + 14) << 10) + np.int64(r) - 1024)
 
 
 @njit(cache=True)

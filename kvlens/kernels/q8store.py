@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .bits import absmax
+from .bits import FP16_MAX, absmax, f16_f32, fp16_bits
 
 # the integer attention kernels (kernels.cpu_int) correct a +128-shifted query with the sum of each
 # 32-value block of key codes; |sum| <= 32 * 127 fits int16
@@ -62,15 +62,24 @@ def store_q8_rows(x, data, scale, start, ksum):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def store_packed_rows(x, data, scale, start, bits):  # pragma: no cover - compiled
-    """The same rule at ``bits`` (5..7: qmax ``2^(bits-1) - 1``) with the codes bit-packed as
+    """The same rule at ``bits`` (5..7: qmax ``2^(bits-1) - 1``) with an fp16 max_abs: the row's
+    max_abs rounded to fp16 (nearest even; ``scale [n_kv, cap]`` holds its uint16 bits) and the codes
+    made with that rounded value, so they decode by what is stored. The codes bit-packed as
     :func:`kvlens.kv.nbit.pack_bits` packs them: in each group of 8, code i's low ``bits`` bits
-    (two's complement) at bits ``[i*bits, i*bits + bits)`` of ``bits`` little-endian bytes."""
+    (two's complement) at bits ``[i*bits, i*bits + bits)`` of ``bits`` little-endian bytes. Returns
+    -1, or the flat index (``h * n + j``) of the first row whose max_abs exceeds the fp16 range
+    (65504), in which case nothing is stored."""
     n_kv, n, hd = x.shape
+    for h in range(n_kv):
+        for j in range(n):
+            if absmax(x[h, j]) > FP16_MAX:
+                return h * n + j
     qmax = np.float32((1 << (bits - 1)) - 1)
     mask = np.uint64((1 << bits) - 1)
     for h in range(n_kv):
         for j in range(n):
-            m, inv = row_scale(x[h, j], qmax)
+            m16 = fp16_bits(row_scale(x[h, j], qmax)[0])
+            inv = qmax / f16_f32(m16)
             for g in range(hd // 8):
                 word = np.uint64(0)
                 for i in range(8):
@@ -78,4 +87,5 @@ def store_packed_rows(x, data, scale, start, bits):  # pragma: no cover - compil
                     word |= (np.uint64(code) & mask) << np.uint64(i * bits)
                 for b in range(bits):
                     data[h, start + j, g * bits + b] = np.uint8((word >> np.uint64(8 * b)) & np.uint64(255))
-            scale[h, start + j] = m
+            scale[h, start + j] = m16
+    return -1

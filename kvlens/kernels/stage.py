@@ -2,7 +2,7 @@
 storage kind, read from the store's raw bytes (one compiled signature for all), into an L1-resident
 scratch tile. 4-bit rows are unpacked here; int8 rows are converted and their row scale folded in by
 the caller (into the score or the softmax weight); packed N-bit rows (q7h, q6h, q5h) are extracted
-here and scaled by their row's ``max_abs / qmax``."""
+here and scaled by their row's ``max_abs / qmax`` (an fp16 max_abs)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit
 
 from ..kv.modes import Q4_BLOCK, StoreKind
-from .bits import bf16_bits, int8_f32, same_bits
+from .bits import F16_MAGIC, bf16_bits, f16_f32, int8_f32, same_bits
 from .intdot import Q4_CHUNK, stage4
 
 CODE_Q8, CODE_F16, CODE_BF16, CODE_F32, CODE_Q4 = 0, 1, 2, 3, 4
@@ -31,7 +31,6 @@ Q4B = Q4_BLOCK
 # reassoc+contract let LLVM vectorize the dot-product / sum reductions (and use FMA). No nnan/ninf:
 # -inf is the "no score yet" running max of an empty split, and the merge relies on exp(-inf) = 0.
 _FM = {"reassoc", "contract", "nsz"}
-_F16_MAGIC = np.float32(2.0**112)  # (h & 0x7fff) << 13 read as f32, times 2^112, is the f16 value (exact)
 
 
 @njit(inline="always")
@@ -44,7 +43,7 @@ def q4_tile_scales(bsc, h, t0, nt, bs_u, bs_f):  # pragma: no cover - compiled
     for k in range(np.uint64(nt) * nb):
         bs_u[k] = (np.uint32(flat[k0 + k]) & np.uint32(0x7FFF)) << np.uint32(13)
     for k in range(np.uint64(nt) * nb):
-        bs_f[k] *= _F16_MAGIC
+        bs_f[k] *= F16_MAGIC
     for k in range(np.uint64(nt) * nb):
         bs_u[k] |= (np.uint32(flat[k0 + k]) & np.uint32(0x8000)) << np.uint32(16)
 
@@ -80,15 +79,15 @@ def _convert_rows(src, h, t0, nt, dst, convert):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _stage_packed(raw, bits, rsc, h, t0, nt, dst_f):  # pragma: no cover - compiled
+def _stage_packed(raw, bits, rsc16, h, t0, nt, dst_f):  # pragma: no cover - compiled
     """Packed rows (:mod:`kvlens.kv.nbit`): each group of 8 codes is ``bits`` whole bytes, read into
     one little-endian 64-bit word; code i of the group is its bits [i*N, i*N+N), sign-extended, times
-    the row's ``max_abs / qmax`` (``rsc``: the fp32 max_abs per row)."""
+    the row's ``max_abs / qmax`` (``rsc16 [n_kv, cap, 1]``: the fp16 max_abs bits of each row)."""
     mask = np.int64((1 << bits) - 1)
     half = np.int64(1 << (bits - 1))
     inv_qmax = np.float32(1.0) / np.float32(half - 1)
     for j in range(nt):
-        step = rsc[h, t0 + j] * inv_qmax
+        step = f16_f32(rsc16[h, t0 + j, 0]) * inv_qmax
         for gi in range(dst_f.shape[1] // 8):
             w = np.int64(0)
             for b in range(bits):
@@ -99,20 +98,21 @@ def _stage_packed(raw, bits, rsc, h, t0, nt, dst_f):  # pragma: no cover - compi
 
 
 @njit(fastmath=_FM, cache=True)
-def _stage(raw, code, bsc, rsc, h, t0, nt, dst_u, dst_f, bs_u, bs_f):  # pragma: no cover - compiled
+def _stage(raw, code, bsc, h, t0, nt, dst_u, dst_f, bs_u, bs_f):  # pragma: no cover - compiled
     """Rows t0..t0+nt of KV head h as f32 in dst_f (dst_u: same buffer). ``raw``: the store's bytes
     ``[n_kv, cap, row_bytes]`` — one uint8 signature for every kind means a single (cached) compile.
-    ``bsc``: fp16 block-scale bits of a 4-bit store (``bs_u``/``bs_f``: their f32 scratch); ``rsc``:
-    the fp32 max_abs per row of a packed store (read only there: int8's is folded in by the caller)."""
+    ``bsc``: the fp16 scale bits of a 4-bit store (one per block of 32; ``bs_u``/``bs_f``: their f32
+    scratch) or of a packed store (its max_abs, ``[n_kv, cap, 1]``); int8 rows' fp32 scales are folded
+    in by the caller."""
     hd = dst_f.shape[1]
     if code > CODE_PACKED:
         # one inlined copy per width, so ``bits`` is a constant there: the byte and field loops unroll
         if code == CODE_PACKED + 7:
-            _stage_packed(raw, 7, rsc, h, t0, nt, dst_f)
+            _stage_packed(raw, 7, bsc, h, t0, nt, dst_f)
         elif code == CODE_PACKED + 6:
-            _stage_packed(raw, 6, rsc, h, t0, nt, dst_f)
+            _stage_packed(raw, 6, bsc, h, t0, nt, dst_f)
         else:  # CODE_PACKED + 5: the packed codes of _KIND_CODE are 10..12
-            _stage_packed(raw, 5, rsc, h, t0, nt, dst_f)
+            _stage_packed(raw, 5, bsc, h, t0, nt, dst_f)
     elif code == CODE_Q4:
         _stage_q4(raw, bsc, h, t0, nt, dst_f, bs_u, bs_f)
     elif code == CODE_Q8:
@@ -127,6 +127,6 @@ def _stage(raw, code, bsc, rsc, h, t0, nt, dst_u, dst_f, bs_u, bs_f):  # pragma:
             for d in range(hd):
                 dst_u[j, d] = (np.uint32(s16[h, t0 + j, d]) & np.uint32(0x7FFF)) << np.uint32(13)
             for d in range(hd):
-                dst_f[j, d] *= _F16_MAGIC  # exact: also renormalizes f16 subnormals
+                dst_f[j, d] *= F16_MAGIC  # exact: also renormalizes f16 subnormals
             for d in range(hd):
                 dst_u[j, d] |= (np.uint32(s16[h, t0 + j, d]) & np.uint32(0x8000)) << np.uint32(16)

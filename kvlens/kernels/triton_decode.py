@@ -112,7 +112,7 @@ def split_kernel(
         )
         sc = tl.dot(q, kt, input_precision="ieee")  # [G_PAD, BLOCK_N]
         if K_Q8:  # K row scale folded into the score (int8 and packed rows: max_abs / qmax)
-            ks = tl.load(KS + h * stride_ksh + r, mask=nmask, other=0.0)
+            ks = tl.load(KS + h * stride_ksh + r, mask=nmask, other=0.0).to(tl.float32)  # packed: fp16
             sc = sc * (ks * (1.0 / K_QMAX))[None, :]
         sc = tl.where(nmask[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -120,7 +120,7 @@ def split_kernel(
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_Q8:  # V row scale folded into the weight
-            vs = tl.load(VS + h * stride_vsh + r, mask=nmask, other=0.0)
+            vs = tl.load(VS + h * stride_vsh + r, mask=nmask, other=0.0).to(tl.float32)
             p = p * (vs * (1.0 / V_QMAX))[None, :]
         vt = _load_rows(
             V, VS, h, r, nmask, d, dmask, stride_vh, stride_vt, stride_vsh, stride_vst, V_Q4, False, V_BITS

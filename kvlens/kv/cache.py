@@ -5,7 +5,7 @@ Layout of one layer (``cap`` = capacity, a multiple of BLOCK)::
     K.data  [n_kv_heads, cap, head_dim]     float32 / float16 / bfloat16 / int8 (q8, q8h)
             [n_kv_heads, cap, head_dim/2]   uint8, two 4-bit codes per byte (q4, q4h)
             [n_kv_heads, cap, head_dim*N/8] uint8, N-bit codes bit-packed (q7h, q6h, q5h: kv.nbit)
-    K.scale [n_kv_heads, cap]               float32 max_abs per row (q8, q8h, q7h, q6h, q5h)
+    K.scale [n_kv_heads, cap]               max_abs per row: float32 (q8, q8h), float16 (q7h, q6h, q5h)
             [n_kv_heads, cap, head_dim/32]  float16 scale per block of 32 (q4, q4h)
     K.ksum  [n_kv_heads, cap, head_dim/32]  int16 sum of each 32-code block (int8 K only: the integer
                                             attention kernels' +128 query-shift correction)
@@ -157,7 +157,7 @@ class RowStore:
 
     kind: StoreKind
     data: torch.Tensor
-    scale: torch.Tensor | None  # q8, packed: max_abs per row; q4: fp16 scale per block of 32; floats: None
+    scale: torch.Tensor | None  # max_abs per row (q8: fp32, packed: fp16); q4: fp16 per block of 32
     ksum: torch.Tensor | None = None  # code sums per 32-block, int8 K stores only (integer kernels)
     center: torch.Tensor | None = None  # K smoothing: [n_kv, 1, head_dim] f32 subtracted by basis()
 
@@ -175,8 +175,10 @@ class RowStore:
         kind.check_head_dim(head_dim)
         data = torch.zeros(n_kv, cap, kind.row_width(head_dim), dtype=kind.dtype, device=device)
         scale = ksum = None
-        if kind.row_scaled:
-            scale = torch.ones(n_kv, cap, dtype=torch.float32, device=device)
+        if kind.row_scaled:  # max_abs per row: fp32 for int8 (the seed's rule), fp16 packed
+            scale = torch.ones(
+                n_kv, cap, dtype=torch.float16 if kind.packed else torch.float32, device=device
+            )
             if with_ksum and kind.ksum_bytes(head_dim):
                 ksum = torch.zeros(n_kv, cap, head_dim // KSUM_BLOCK, dtype=torch.int16, device=device)
         elif kind.int4:

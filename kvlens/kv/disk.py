@@ -1,7 +1,7 @@
 """The disk tier of the prefix cache: evicted blocks spilled to files, restored on a later hit.
 
 A block file holds the block exactly as it sits in the pool (int8 codes and fp32 scales for q8
-stores, f16/bf16/f32 rows otherwise, every layer's K and V and mirror copies; no conversion)::
+stores, codes and fp16 scales for the 4-bit and packed ones, f16/bf16/f32 rows otherwise, every layer's K and V and mirror copies; no conversion)::
 
     MAGIC | header length (u32 LE) | header (JSON) | payload | sha256 of all before it
 
@@ -29,7 +29,7 @@ import torch
 from .cache import BLOCK
 from .pool import BlockPool
 
-MAGIC = b"KVLENS-BLOCK-2\n"  # 2: q4h rotates per 32-value block (2026-12-01)
+MAGIC = b"KVLENS-BLOCK-3\n"  # 2: q4h rotates per 32-value block; 3: packed kinds keep an fp16 max_abs
 SUFFIX = ".kvb"
 _LEN = struct.Struct("<I")
 _DIGEST = hashlib.sha256().digest_size

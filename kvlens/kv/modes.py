@@ -14,7 +14,7 @@ the CLI), into a :class:`KVMode`; everything inside takes the parsed value.
                       per block, two codes per byte (the lab's ``q4`` scheme rule); q4h rotated first
     q7h, q6h, q5h     the q8 rule with qmax 2^(N-1)-1 (63, 31, 15) after q8h's rotation: N-bit two's-
                       complement codes bit-packed little-endian (code i in bits [iN, iN+N) of the
-                      row), head_dim*N/8 bytes + one fp32 max_abs per row (kvlens.kv.nbit)
+                      row), head_dim*N/8 bytes + one fp16 max_abs per row (kvlens.kv.nbit)
     k=KIND,v=KIND     separate K and V kinds, e.g. ``k=q8h,v=q4h`` (K is the sensitive one)
 """
 
@@ -32,7 +32,7 @@ MIRROR_PREFILL = ("exact", "q8")
 class StoreKind(StrEnum):
     """How one of K or V is stored: a float type; int8 codes plus one fp32 max_abs per row (q8, q8h);
     packed 4-bit codes plus one fp16 scale per block of 32 values (q4, q4h); or N-bit codes (N = 7,
-    6, 5) bit-packed plus one fp32 max_abs per row (q7h, q6h, q5h: the q8 rule at a narrower width).
+    6, 5) bit-packed plus one fp16 max_abs per row (q7h, q6h, q5h: the q8 rule at a narrower width).
     ``h``: the row is rotated (randomized Hadamard) before it is quantized. Printed and formatted as
     its value."""
 
@@ -58,12 +58,12 @@ class StoreKind(StrEnum):
 
     @property
     def packed(self) -> bool:
-        """N-bit codes bit-packed along the row with one fp32 max_abs per row (q7h, q6h, q5h)."""
+        """N-bit codes bit-packed along the row with one fp16 max_abs per row (q7h, q6h, q5h)."""
         return self in _PACKED
 
     @property
     def row_scaled(self) -> bool:
-        """One fp32 max_abs per row, codes by the q8 rule with :attr:`qmax` (q8, q8h and the packed kinds)."""
+        """One max_abs per row, codes by the q8 rule with :attr:`qmax` (q8, q8h: fp32; the packed kinds: fp16)."""
         return self.int8 or self.packed
 
     @property
@@ -113,12 +113,12 @@ class StoreKind(StrEnum):
 
     def row_bytes(self, head_dim: int, *, with_ksum: bool = False) -> int:
         """Bytes of one stored (token, head) row, scales included: q8 codes + one fp32 max_abs, q4
-        code pairs + one fp16 scale per block of 32, packed N-bit codes + one fp32 max_abs, or
+        code pairs + one fp16 scale per block of 32, packed N-bit codes + one fp16 max_abs, or
         head_dim floats; ``with_ksum``: plus the code sums a K store keeps (:meth:`ksum_bytes`)."""
         self.check_head_dim(head_dim)
         extra = self.ksum_bytes(head_dim) if with_ksum else 0
         if self.row_scaled:
-            return self.row_width(head_dim) + 4 + extra
+            return self.row_width(head_dim) + (2 if self.packed else 4) + extra
         if self.int4:
             return head_dim // 2 + 2 * (head_dim // Q4_BLOCK)
         return head_dim * self.dtype.itemsize

@@ -1,7 +1,9 @@
 """The packed N-bit kinds (q7h, q6h, q5h): the q8 row rule at ``bits`` N, codes bit-packed.
 
 A row of ``d`` values (d a multiple of 8) is quantized by :func:`kvlens.kv.quant.quantize_q8` with
-``bits=N`` (one fp32 ``max_abs`` per row, qmax ``2^(N-1) - 1``) and stored as ``d * N / 8`` bytes:
+``bits=N`` and ``fp16_scale`` (one fp16 ``max_abs`` per row, qmax ``2^(N-1) - 1``: llama.cpp keeps
+its block scales in fp16 too; the rounding moves the scale by at most 2^-11 of itself, and the codes
+are made with the rounded value) and stored as ``d * N / 8`` bytes:
 code ``i`` as an N-bit two's-complement field in bits ``[i*N, i*N + N)`` of the row, little-endian
 (bit ``b`` of the row is bit ``b % 8`` of byte ``b // 8``). Eight codes fill exactly N bytes, so the
 packing works on groups of 8 codes held in one 64-bit word (8 * 7 = 56 bits at most).
@@ -9,6 +11,7 @@ packing works on groups of 8 codes held in one 64-bit word (8 * 7 = 56 bits at m
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..checks import check_tensor
@@ -58,15 +61,19 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def store_packed(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start: int, bits: int) -> None:
-    """Quantize ``rows [n_kv, n, d]`` by the row rule at ``bits`` into ``data[:, start:start+n]``
-    (packed uint8) and ``scale[:, start:start+n]`` (fp32 max_abs), in place; rows must be finite. On
-    the CPU one JIT pass (:func:`kvlens.kernels.q8store.store_packed_rows`, bit-identical: the same
-    float32 operations in the same order), elsewhere the torch ops."""
+    """Quantize ``rows [n_kv, n, d]`` by the row rule at ``bits`` with an fp16 max_abs into
+    ``data[:, start:start+n]`` (packed uint8) and ``scale[:, start:start+n]`` (float16), in place;
+    rows must be finite. A row whose max_abs exceeds the fp16 range is refused (ValueError) before
+    anything is stored. On the CPU one JIT pass (:func:`kvlens.kernels.q8store.store_packed_rows`,
+    bit-identical: the same float32 operations in the same order), elsewhere the torch ops."""
     if rows.device.type == "cpu":
         x = rows.detach().to(torch.float32).contiguous().numpy()
-        store_packed_rows(x, data.numpy(), scale.numpy(), start, bits)
+        bad = store_packed_rows(x, data.numpy(), scale.view(torch.int16).numpy().view(np.uint16), start, bits)
+        if bad >= 0:
+            row = x.reshape(-1, x.shape[-1])[bad]
+            raise ValueError(f"|x| up to {float(abs(row).max()):.3g} overflows the fp16 max_abs of a row")
         return
-    q, max_abs = quantize_q8(rows, check=False, bits=bits)
+    q, max_abs = quantize_q8(rows, check=False, bits=bits, fp16_scale=True)
     data[:, start : start + rows.shape[1]] = pack_bits(q, bits)
     scale[:, start : start + rows.shape[1]] = max_abs
 
@@ -74,9 +81,6 @@ def store_packed(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, st
 def dequantize_packed(
     packed: torch.Tensor, max_abs: torch.Tensor, bits: int, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Packed rows ``[..., d * bits / 8]`` and their max_abs ``[...]`` as values ``[..., d]``:
+    """Packed rows ``[..., d * bits / 8]`` and their fp16 max_abs ``[...]`` as values ``[..., d]``:
     ``code * (max_abs / qmax)`` in float32, as :func:`kvlens.kv.quant.dequantize_q8`."""
     return dequantize_q8(unpack_bits(packed, bits), max_abs, dtype, bits=bits)
-
-
-__all__ = ["GROUP", "dequantize_packed", "pack_bits", "store_packed", "unpack_bits"]

@@ -31,6 +31,7 @@ from .modes import Q4_BLOCK, row_qmax
 
 Q8_MAX = 127.0
 TINY_MAX_ABS = 1e-6
+FP16_MAX = 65504.0  # the largest finite fp16
 
 
 class NonFiniteError(ValueError):
@@ -50,20 +51,28 @@ def row_max_abs(x: torch.Tensor) -> torch.Tensor:
     return torch.where(m < TINY_MAX_ABS, torch.ones_like(m), m)
 
 
-def quantize_q8(x: torch.Tensor, *, check: bool = True, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_q8(
+    x: torch.Tensor, *, check: bool = True, bits: int = 8, fp16_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize over the last dimension. Returns ``(q int8, max_abs float32)``; max_abs lacks the last dim.
-    ``bits``: the rule with qmax :func:`row_qmax` (codes in ``-qmax..qmax``), 8 = q8's."""
+    ``bits``: the rule with qmax :func:`row_qmax` (codes in ``-qmax..qmax``), 8 = q8's. ``fp16_scale``
+    (the packed kinds): max_abs is rounded to fp16 (nearest even) and the codes are made with the
+    rounded value; returned as float16; a row whose max_abs exceeds 65504 is refused (ValueError)."""
     qmax = float(row_qmax(bits))
     x = check_tensor(x, "x", floating=True, min_dim=1).to(torch.float32)
     if check:
         check_finite(x)
     max_abs = row_max_abs(x)
+    if fp16_scale:
+        if bool((max_abs > FP16_MAX).any()):
+            raise ValueError(f"|x| up to {float(max_abs.max()):.3g} overflows the fp16 max_abs of a row")
+        max_abs = max_abs.to(torch.float16).to(torch.float32)
     # float32 127/max_abs once per row, as the C engine does. Not ``Q8_MAX / max_abs``: torch computes a
     # scalar over a tensor as reciprocal(max_abs) * 127, which is an ulp off in ~1 row of 4 and then flips
     # a code now and then against the JIT store (kernels/q8store.py), which divides.
     inv = torch.full_like(max_abs, qmax).div_(max_abs)
     q = torch.floor(x * inv.unsqueeze(-1) + 0.5).clamp_(-qmax, qmax).to(torch.int8)
-    return q, max_abs
+    return q, max_abs.to(torch.float16) if fp16_scale else max_abs
 
 
 def dequantize_q8(
@@ -118,7 +127,6 @@ def store_q8(
 # the JIT stores (kvlens-free leaves) keep their own copies of the block sizes
 assert JIT_Q4_BLOCK == Q4_BLOCK and MODES_KSUM_BLOCK == KSUM_BLOCK
 Q4_LOW = 8.0  # q4_0: the block's signed max becomes code -8 (d = max / -8), codes -8..7
-FP16_MAX = 65504.0
 
 
 def quantize_sym_blocks(xg: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
