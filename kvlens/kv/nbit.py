@@ -16,7 +16,7 @@ import torch
 
 from ..checks import check_tensor
 from ..kernels.q8store import store_packed_rows
-from .quant import dequantize_q8, quantize_q8
+from .quant import dequantize_q8, fp16_overflow, quantize_q8
 
 GROUP = 8  # codes per group of N whole bytes
 
@@ -71,7 +71,7 @@ def store_packed(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, st
         bad = store_packed_rows(x, data.numpy(), scale.view(torch.int16).numpy().view(np.uint16), start, bits)
         if bad >= 0:
             row = x.reshape(-1, x.shape[-1])[bad]
-            raise ValueError(f"|x| up to {float(abs(row).max()):.3g} overflows the fp16 max_abs of a row")
+            raise fp16_overflow(float(abs(row).max()), "max_abs of a row")
         return
     q, max_abs = quantize_q8(rows, check=False, bits=bits, fp16_scale=True)
     data[:, start : start + rows.shape[1]] = pack_bits(q, bits)
@@ -84,3 +84,6 @@ def dequantize_packed(
     """Packed rows ``[..., d * bits / 8]`` and their fp16 max_abs ``[...]`` as values ``[..., d]``:
     ``code * (max_abs / qmax)`` in float32, as :func:`kvlens.kv.quant.dequantize_q8`."""
     return dequantize_q8(unpack_bits(packed, bits), max_abs, dtype, bits=bits)
+
+
+__all__ = ["GROUP", "dequantize_packed", "pack_bits", "store_packed", "unpack_bits"]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..checks import check_tensor
+from ..kernels.bits import FP16_MAX
 from ..kernels.q4store import Q4_BLOCK as JIT_Q4_BLOCK
 from ..kernels.q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
 from ..kernels.q8store import KSUM_BLOCK, NO_KSUM, first_nonfinite_index, store_q8_rows
@@ -31,7 +32,12 @@ from .modes import Q4_BLOCK, row_qmax
 
 Q8_MAX = 127.0
 TINY_MAX_ABS = 1e-6
-FP16_MAX = 65504.0  # the largest finite fp16
+
+
+def fp16_overflow(peak: float, what: str) -> ValueError:
+    """The one error for values whose fp16 scale (``what``: "max_abs of a row", "scale of a block")
+    would overflow: ``peak`` is the largest |x| that asked for it."""
+    return ValueError(f"|x| up to {peak:.3g} overflows the fp16 {what}")
 
 
 class NonFiniteError(ValueError):
@@ -65,7 +71,7 @@ def quantize_q8(
     max_abs = row_max_abs(x)
     if fp16_scale:
         if bool((max_abs > FP16_MAX).any()):
-            raise ValueError(f"|x| up to {float(max_abs.max()):.3g} overflows the fp16 max_abs of a row")
+            raise fp16_overflow(float(max_abs.max()), "max_abs of a row")
         max_abs = max_abs.to(torch.float16).to(torch.float32)
     # float32 127/max_abs once per row, as the C engine does. Not ``Q8_MAX / max_abs``: torch computes a
     # scalar over a tensor as reciprocal(max_abs) * 127, which is an ulp off in ~1 row of 4 and then flips
@@ -135,7 +141,7 @@ def quantize_sym_blocks(xg: torch.Tensor, qmax: float) -> tuple[torch.Tensor, to
     ``q8_0`` scheme). Returns ``(codes int8, d fp16 [...])``."""
     q, d = symmetric_blocks(xg, qmax)
     if bool((d > FP16_MAX).any()):
-        raise ValueError(f"|x| up to {float(d.max()) * qmax:.3g} overflows the fp16 scale of a block")
+        raise fp16_overflow(float(d.max()) * qmax, "scale of a block")
     d16 = d.to(torch.float16)
     # a scale that underflows fp16 dequantizes to 0 whatever the codes: store 0 codes then
     q = torch.where((d16 == 0).unsqueeze(-1), torch.zeros_like(q), q)
@@ -156,7 +162,7 @@ def quantize_q4_0_blocks(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mx = torch.where(mx == 0, torch.zeros_like(mx), mx)  # C starts from +0.0f: never -0 here
     d = mx / -Q4_LOW  # exact: a power of two
     if bool((d.abs() > FP16_MAX).any()):
-        raise ValueError(f"|x| up to {float(mx.abs().max()):.3g} overflows the fp16 scale of a block")
+        raise fp16_overflow(float(mx.abs().max()), "scale of a block")
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     y = xg * inv.unsqueeze(-1)  # two f32 roundings as in C (no fused multiply-add)
     u = torch.trunc(y + 8.5).clamp_(max=15.0)  # y + 8.5 >= 0.5: the C cast truncates = floor
@@ -216,7 +222,7 @@ def check_q4_range(x: np.ndarray) -> None:
     bad = first_fp16_overflow(x.reshape(-1, x.shape[-1]))
     if bad >= 0:
         block = x.reshape(-1, Q4_BLOCK)[bad]
-        raise ValueError(f"|x| up to {float(abs(block).max()):.3g} overflows the fp16 scale of a block")
+        raise fp16_overflow(float(abs(block).max()), "scale of a block")
 
 
 def store_q4(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start: int) -> None:
