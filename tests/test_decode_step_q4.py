@@ -51,7 +51,9 @@ def test_q4_block_out_of_fp16_range_is_refused_like_the_general_path(tiny64):
     def spoil(norm: torch.Tensor) -> None:
         norm.mul_(1e7)  # layer 1's K and V: finite, far past 8 x 65504
 
-    runs = refusals_of_both_paths(llm, "q4h", ids, spoil, ValueError, "overflows the fp16 scale of a block")
+    runs = refusals_of_both_paths(
+        llm, "q4h", ids, spoil, ValueError, "overflows the fp16 searched scale of a block"
+    )
     for _, cache, before in runs:
         assert torch.equal(cache.k[1].data, before[1])
     assert runs[0][0] == runs[1][0]

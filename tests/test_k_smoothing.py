@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from test_decode_step import Spy, assert_same_steps
+from test_kv_q4_search import searched_reference
 from test_kv_rotated_q4 import q4_0_reference
 from test_q8_cache import rule
 from test_recipe_heads import paged_and_contiguous
@@ -66,7 +67,7 @@ def stored64(kind: StoreKind, rows: torch.Tensor) -> torch.Tensor:
     if kind.int8:
         out = np.array([np.array(c, np.float64) * (m / 127.0) for c, m in (rule(list(row)) for row in x)])
     elif kind.int4:
-        codes, bits = q4_0_reference(x)
+        codes, bits = (searched_reference if kind.scale_search else q4_0_reference)(x)
         scale = np.repeat(bits.view(np.float16).astype(np.float64), 32, axis=-1)
         out = (codes - 8) * scale
     else:

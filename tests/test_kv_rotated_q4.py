@@ -270,9 +270,10 @@ def make_store(kind: str, n_kv: int, cap: int, hd: int, length: int, gen: torch.
     rows = torch.randn(n_kv, length, hd, generator=gen) * torch.rand(n_kv, length, 1, generator=gen) * 4
     rows[..., 5] *= 8
     store.write(0, rows)
-    if store.kind.int4:  # q4_0: every block's max is code -8 (nibble 0), so every kernel reads it
+    if store.kind.int4:  # code -8 (nibble 0): q4_0 puts every block's max there, q4h's search some
         raw = store.data[:, :length].numpy().reshape(n_kv, length, hd // 32, 16)
-        assert (((raw & 15) == 0) | ((raw >> 4) == 0)).any(-1).all()
+        low = (((raw & 15) == 0) | ((raw >> 4) == 0)).any(-1)
+        assert low.all() if store.kind == StoreKind.Q4 else low.any()
     if cap > length:  # would dominate (or overflow) the softmax if read
         store.data[:, length:] = 0xFF if store.kind.int4 or store.kind.packed else 127
         if store.scale is not None:
@@ -362,7 +363,8 @@ def test_rotated_cache_error_is_the_quantization_step(mode):
         amax = xr.abs().amax(-1, keepdim=True)
         if kind.int8:
             elem = (amax / 127 / 2).expand_as(xr)
-        else:  # q4_0: half a step, or up to a step where +8 clipped to +7 (step |max| / 8)
+        else:  # q4_0: half a step, or up to a step where +8 clipped to +7 (step |max| / 8); q4h: its
+            # searched steps lose no more per block than q4_0 (test_kv_q4_search), so the same bound
             step = (xr.reshape(2, 50, -1, 32).abs().amax(-1) / 8).repeat_interleave(32, -1)
             elem = torch.maximum(step / 2, xr.abs() - 7 * step)
         err = ((got.double() @ r.T) - x.double()).norm(dim=-1)

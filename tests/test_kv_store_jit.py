@@ -132,7 +132,7 @@ def test_cache_write_stores_the_reference_rules_bits(mode):
         span = store.kind.rotation_span(64)
         basis = rotate_rows_torch(rows, span) if span else rows
         if store.kind.int4:
-            codes, d16 = quantize_q4(basis)
+            codes, d16 = quantize_q4(basis, search=store.kind.scale_search)
             assert torch.equal(store.data[:, 3:23], pack_q4(codes))
             assert torch.equal(store.scale[:, 3:23], d16)
         else:

@@ -88,7 +88,7 @@ def forward_fused(
         check_kv_finite(bad, start, k, v)
         for store, rows in ((cache.k[bad], k), (cache.v[bad], v)):
             if store.kind.int4:
-                check_q4_range(store.basis(rows).numpy())
+                check_q4_range(store.basis(rows).numpy(), store.kind.scale_search)
         raise AssertionError(f"the fused step stopped at layer {bad} on finite K/V in range")
     cache.length = max(cache.length, start + 1)
     return rms_norm(x, model.w.norm, model.cfg.rms_eps)

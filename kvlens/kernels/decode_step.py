@@ -174,7 +174,7 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
     cache). ``rope``: (cos, sin) rows of the token's position.
     ``at``: (K code, V code, 1/sqrt(d) as f32, length, then flash.plan_call's splits, serial, tiles, table,
     then K's and V's rotation spans (0: not rotated), then the layer's K centers ``[n_kv, d]``, an empty array for
-    none). ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then :func:`_attend`'s, then the
+    none, then whether K's and V's 4-bit steps are searched (q4h)). ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then :func:`_attend`'s, then the
     rotation's (signs, ones, q, k, v, o in the stored bases, K less its centers).
     Returns ``step_kv.FP16_OVERFLOW`` where a 4-bit block's scale overflows (nothing stored)."""
     kind, path = literally(kind), literally(path)
@@ -194,7 +194,7 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
     k_span, v_span = at[8], at[9]
     kc = center_rows(k, at[10], k_cen)  # K smoothing: less the centers, before the rotation
     bad = store_kv(ks, vs, to_basis(kc, k_span, signs, ones, k_rot),
-                   to_basis(v, v_span, signs, ones, v_rot), pos)  # fmt: skip
+                   to_basis(v, v_span, signs, ones, v_rot), pos, at[11], at[12])  # fmt: skip
     if bad != -1:
         return bad
     _attend(kind, path, to_basis(q, k_span, signs, ones, q_rot), ks, vs, at, buf[1], o)
@@ -246,7 +246,8 @@ def _span(store) -> int:
 
 
 def fused_stores(cache) -> list[tuple] | None:
-    """Per layer of a KVCache: (K tuple, V tuple, K code, V code, K span, V span, K centers) for
+    """Per layer of a KVCache: (K tuple, V tuple, K code, V code, K span, V span, K centers, K search,
+    V search) for
     :meth:`FusedDecoder.run`, or None if a layer's kind is not written here. Memoized on the cache while its stores keep their tensors
     (they grow all together: :meth:`kvlens.kv.cache.KVCache.reserve`)."""
     first, last = (getattr(s, "data", s) for s in (cache.k[0], cache.v[-1]))
@@ -260,7 +261,8 @@ def fused_stores(cache) -> list[tuple] | None:
             stores = None
             break
         center = _NO_CENTER if ks.center is None else ks.center[:, 0].contiguous().numpy()
-        stores.append((kt, vt, _KIND_CODE[ks.kind], _KIND_CODE[vs.kind], _span(ks), _span(vs), center))
+        spans, search = (_span(ks), _span(vs)), (ks.kind.scale_search, vs.kind.scale_search)
+        stores.append((kt, vt, _KIND_CODE[ks.kind], _KIND_CODE[vs.kind], *spans, center, *search))
     cache.__dict__["_step_stores"] = (first, last, stores)
     return stores
 
@@ -336,8 +338,9 @@ class FusedDecoder:
         )
         row = pos if table.shape[0] == 0 else int(table[pos // flash.TILE]) * flash.TILE + pos % flash.TILE
         for i, (lw, layer) in enumerate(zip(self.layers, stores, strict=True)):
-            ks, vs, k_code, v_code, k_span, v_span, center = layer
-            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, tiles, table, k_span, v_span, center)  # fmt: skip
+            ks, vs, k_code, v_code, k_span, v_span, center, k_search, v_search = layer
+            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, tiles, table, k_span, v_span, center,
+                  k_search, v_search)  # fmt: skip
             args = (*attn, x, lw, ks, vs, row, rope, at, self.buf, self.min_work)
             entry = self._entry.get((i, *attn, k_code, v_code)) or self._compile(i, args)
             if entry(*args) != -1:

@@ -17,6 +17,12 @@ from .bits import FP16_MAX, absmax, fp16_bits, signed_absmax
 Q4_BLOCK = 32  # kvlens.kv.modes.Q4_BLOCK (this module is a leaf: the kv layer checks they agree)
 Q4_LOW = np.float32(8.0)  # q4_0: d = (signed max) / -8, stored codes 0..15 (value (code - 8) * d)
 FP16_ZERO_MAX = np.float32(2.0**-25)  # an f32 at or below this rounds to an fp16 zero (ties to even)
+# q4h's scale search (llama.cpp's make_qx_quants, nmax 8): the candidate steps |max| / (8 + 0.1 is), in
+# its order is = 0, -9..-1, 1..9, each ``nmax + 0.1f * is`` in f32 as C computes it
+GROUP_MAX_EPS = np.float32(1e-15)  # make_qx_quants: a block with a smaller |max| is all zero (no 1/max)
+Q4_SEARCH = np.array(
+    [np.float32(8.0) + np.float32(0.1) * np.float32(i) for i in [0, *range(-9, 0), *range(1, 10)]], np.float32
+)
 
 
 @njit(cache=True)
@@ -44,26 +50,70 @@ def hadamard_rows(x, pre, post, span, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def first_fp16_overflow(x):  # pragma: no cover - compiled
-    """Flat index of the first 32-block of rows ``x [m, d]`` whose scale ``|max| / 8`` exceeds the
-    fp16 range, or -1."""
+def searched_block(xb, codes):  # pragma: no cover - compiled
+    """q4h's block rule on one f32 block ``xb [32]``: llama.cpp's ``make_qx_quants(32, 8, x, L, ·,
+    weights 1)`` (the search its q4_0 runs with importance weights), plain squared error. For each
+    candidate ``iscale = -Q4_SEARCH[c] / max`` (f32, ``max`` the signed block max): codes
+    ``l = clamp(rint(iscale * x), -8, 7)``, the least-squares step ``sum(l x) / sum(l²)`` and the
+    error it removes ``sum(l x)² / sum(l²)``; the first candidate removing the most wins. Sums in
+    float64, exact here (each nonzero ``l x`` has |x| ≥ |max| / 18 and 28 significant bits), so any
+    summation order gives the same choice. Writes the stored codes ``l + 8`` (0..15) into ``codes``
+    and returns the step as f32 (0, codes 8, for a block whose |max| is under GROUP_MAX_EPS)."""
+    mx = signed_absmax(xb)
+    if abs(mx) < GROUP_MAX_EPS:
+        codes[:] = 8
+        return np.float32(0.0)
+    best, best_lx, best_l2 = -1.0, 0.0, 1.0
+    for c in range(Q4_SEARCH.size):
+        iscale = -Q4_SEARCH[c] / mx
+        lx, l2 = 0.0, 0.0
+        for i in range(Q4_BLOCK):
+            q = min(max(np.rint(iscale * xb[i]), np.float32(-8.0)), np.float32(7.0))
+            lx += np.float64(q) * np.float64(xb[i])
+            l2 += np.float64(q) * np.float64(q)
+        gain = lx * lx / l2  # l2 >= 64: the block max maps to |l| >= 7
+        if gain > best:
+            best, best_lx, best_l2 = gain, lx, l2
+            for i in range(Q4_BLOCK):
+                codes[i] = np.int32(min(max(np.rint(iscale * xb[i]), np.float32(-8.0)), np.float32(7.0))) + 8
+    return np.float32(best_lx / best_l2)
+
+
+@njit(cache=True)
+def block_step(xb, search, codes):  # pragma: no cover - compiled
+    """The block's step before its fp16 rounding, codes into ``codes`` when ``search`` (q4h's rule:
+    :func:`searched_block`), else q4_0's ``max / -8`` (codes left to the caller)."""
+    if search:
+        return searched_block(xb, codes)
+    return signed_absmax(xb) / -Q4_LOW
+
+
+@njit(cache=True)
+def first_fp16_overflow(x, search):  # pragma: no cover - compiled
+    """Flat index of the first 32-block of rows ``x [m, d]`` whose step (``|max| / 8``, or the
+    searched one) exceeds the fp16 range, or -1."""
     m, d = x.shape
+    codes = np.empty(Q4_BLOCK, np.int32)
     for r in range(m):
         for b in range(d // Q4_BLOCK):
-            if absmax(x[r, b * Q4_BLOCK : (b + 1) * Q4_BLOCK]) / Q4_LOW > FP16_MAX:
+            xb = x[r, b * Q4_BLOCK : (b + 1) * Q4_BLOCK]
+            step = block_step(xb, search, codes) if search else absmax(xb) / Q4_LOW
+            if abs(step) > FP16_MAX:
                 return r * (d // Q4_BLOCK) + b
     return -1
 
 
 @njit(cache=True)
-def store_q4_rows(x, data, bits, start):  # pragma: no cover - compiled
-    """The q4 rule over rows ``x [n_kv, n, d]`` (f32, finite, scales in range: the caller checks with
-    :func:`first_fp16_overflow`) into ``data [n_kv, cap, d/2]`` (uint8 code pairs, llama.cpp's q4_0
-    order: byte i of a block holds elements i and i + 16) and ``bits [n_kv, cap, d/32]`` (the fp16
-    scales' bits), at positions ``start ..``. Per block, llama.cpp's ``quantize_row_q4_0_ref``:
-    ``max`` the first element of largest |x| with its sign, ``d = max / -8``, ``id = d ? 1/d : 0``,
-    stored code ``min(15, (int)(x * id + 8.5f))``; a scale that rounds to fp16 zero stores code 8
-    (value 0; :func:`kvlens.kv.quant.quantize_q4_0_blocks` is the torch rule, bit-identical)."""
+def store_q4_rows(x, data, bits, start, search):  # pragma: no cover - compiled
+    """The q4 rule, or with ``search`` q4h's (:func:`searched_block`), over rows ``x [n_kv, n, d]``
+    (f32, finite, scales in range: the caller checks with :func:`first_fp16_overflow`) into
+    ``data [n_kv, cap, d/2]`` (uint8 code pairs, llama.cpp's q4_0 order: byte i of a block holds
+    elements i and i + 16) and ``bits [n_kv, cap, d/32]`` (the fp16 scales' bits), at positions
+    ``start ..``. q4, per block, is llama.cpp's ``quantize_row_q4_0_ref``: ``max`` the first element
+    of largest |x| with its sign, ``d = max / -8``, ``id = d ? 1/d : 0``, stored code
+    ``min(15, (int)(x * id + 8.5f))``. Either rule: a scale that rounds to fp16 zero stores code 8
+    (value 0). :func:`kvlens.kv.quant.quantize_q4_0_blocks` and
+    :func:`kvlens.kv.quant.quantize_q4_search_blocks` are the torch rules, bit-identical."""
     n_kv, n, hd = x.shape
     half = Q4_BLOCK // 2
     codes = np.empty(Q4_BLOCK, np.int32)
@@ -71,16 +121,15 @@ def store_q4_rows(x, data, bits, start):  # pragma: no cover - compiled
         for j in range(n):
             for b in range(hd // Q4_BLOCK):
                 o = b * Q4_BLOCK
-                d = signed_absmax(x[h, j, o : o + Q4_BLOCK]) / -Q4_LOW
-                inv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
-                zero = abs(d) <= FP16_ZERO_MAX
-                for i in range(Q4_BLOCK):
-                    if zero:  # (1/d may even overflow: no cast of inf or NaN)
-                        codes[i] = 8
-                        continue
-                    y = x[h, j, o + i] * inv
-                    # y + 8.5 >= 0.5 (|y| <= 8 + an ulp): C's cast truncates, = floor here
-                    codes[i] = min(np.int32(y + np.float32(8.5)), 15)
+                d = block_step(x[h, j, o : o + Q4_BLOCK], search, codes)
+                if abs(d) <= FP16_ZERO_MAX:  # (1/d may even overflow: no cast of inf or NaN)
+                    codes[:] = 8
+                elif not search:
+                    inv = np.float32(1.0) / d
+                    for i in range(Q4_BLOCK):
+                        y = x[h, j, o + i] * inv
+                        # y + 8.5 >= 0.5 (|y| <= 8 + an ulp): C's cast truncates, = floor here
+                        codes[i] = min(np.int32(y + np.float32(8.5)), 15)
                 for i in range(half):
                     data[h, start + j, b * half + i] = np.uint8(codes[i] | (codes[i + half] << 4))
                 bits[h, start + j, b] = fp16_bits(d)

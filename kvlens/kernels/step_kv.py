@@ -21,20 +21,21 @@ Q_BLOCK = 32  # the 8-bit query's block (cpu_int's 8-bit rule: kernels.cpu.QBLOC
 FP16_OVERFLOW = -2  # store_kv's answer when a 4-bit block's scale would overflow fp16
 
 
-def store_row(s, rows, pos):  # pragma: no cover - replaced by the overload in compiled code
-    """Store one position's K or V rows ``[n_kv, 1, d]`` (f32) at row ``pos`` of store tuple ``s``."""
+def store_row(s, rows, pos, search):  # pragma: no cover - replaced by the overload in compiled code
+    """Store one position's K or V rows ``[n_kv, 1, d]`` (f32) at row ``pos`` of store tuple ``s``
+    (``search``: a 4-bit store's step is q4h's searched one)."""
     raise NotImplementedError
 
 
 @overload(store_row)
-def _store_row(s, rows, pos):
+def _store_row(s, rows, pos, search):
     if len(s) == 3:  # int8 codes, max_abs scale, code sums per 32-block (empty: none)
-        return lambda s, rows, pos: store_q8_rows(rows, s[0], s[1], pos, s[2])
+        return lambda s, rows, pos, search: store_q8_rows(rows, s[0], s[1], pos, s[2])
     if len(s) == 2:  # 4-bit: packed code pairs, fp16 block-scale bits (range checked: store_kv)
-        return lambda s, rows, pos: store_q4_rows(rows, s[0], s[1], pos)
+        return lambda s, rows, pos, search: store_q4_rows(rows, s[0], s[1], pos, search)
     if s[0].dtype == types.uint16:  # f16 bits
-        return lambda s, rows, pos: _store_f16(rows, s[0], pos)
-    return lambda s, rows, pos: _store_f32(rows, s[0], pos)
+        return lambda s, rows, pos, search: _store_f16(rows, s[0], pos)
+    return lambda s, rows, pos, search: _store_f32(rows, s[0], pos)
 
 
 @njit(cache=True)
@@ -98,14 +99,17 @@ def to_basis(rows, span, signs, ones, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def store_kv(ks, vs, k, v, pos):  # pragma: no cover - compiled
-    """Store one position's K and V rows ``[n_kv, d]`` (finite, in the stores' bases) at row ``pos``;
-    returns -1, or :data:`FP16_OVERFLOW` (nothing stored) where a 4-bit store's block scale would
-    overflow fp16 (``kv.quant.store_q4`` raises then; the caller does)."""
-    if len(ks) == 2 and first_fp16_overflow(k) >= 0 or len(vs) == 2 and first_fp16_overflow(v) >= 0:
+def store_kv(ks, vs, k, v, pos, k_search, v_search):  # pragma: no cover - compiled
+    """Store one position's K and V rows ``[n_kv, d]`` (finite, in the stores' bases) at row ``pos``
+    (``k_search``/``v_search``: that side's 4-bit step is q4h's searched one); returns -1, or
+    :data:`FP16_OVERFLOW` (nothing stored) where a 4-bit store's block scale would overflow fp16
+    (``kv.quant.store_q4`` raises then; the caller does)."""
+    if len(ks) == 2 and first_fp16_overflow(k, k_search) >= 0:
         return FP16_OVERFLOW
-    store_row(ks, k.reshape(k.shape[0], 1, k.shape[1]), pos)
-    store_row(vs, v.reshape(v.shape[0], 1, v.shape[1]), pos)
+    if len(vs) == 2 and first_fp16_overflow(v, v_search) >= 0:
+        return FP16_OVERFLOW
+    store_row(ks, k.reshape(k.shape[0], 1, k.shape[1]), pos, k_search)
+    store_row(vs, v.reshape(v.shape[0], 1, v.shape[1]), pos, v_search)
     return -1
 
 

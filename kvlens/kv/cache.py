@@ -231,7 +231,7 @@ class RowStore:
         if self.kind.int8:
             store_q8(rows, self.data, self.scale, start, self.ksum)
         elif self.kind.int4:
-            store_q4(rows, self.data, self.scale, start)
+            store_q4(rows, self.data, self.scale, start, self.kind.scale_search)
         elif self.kind.packed:
             store_packed(rows, self.data, self.scale, start, self.kind.bits)
         else:

@@ -29,7 +29,7 @@ import torch
 from .cache import BLOCK
 from .pool import BlockPool
 
-MAGIC = b"KVLENS-BLOCK-3\n"  # 2: q4h rotates per 32-value block; 3: packed kinds keep an fp16 max_abs
+MAGIC = b"KVLENS-BLOCK-4\n"  # 2: q4h rotates per 32-value block; 3: packed fp16 max_abs; 4: q4h searched
 SUFFIX = ".kvb"
 _LEN = struct.Struct("<I")
 _DIGEST = hashlib.sha256().digest_size

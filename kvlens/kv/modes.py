@@ -12,6 +12,7 @@ the CLI), into a :class:`KVMode`; everything inside takes the parsed value.
     q8h               q8 after a fixed randomized Hadamard rotation of each row (kvlens.kv.quant)
     q4, q4h           llama.cpp's q4_0: 4-bit codes -8..7 in blocks of 32 along head_dim, fp16 scale
                       per block, two codes per byte (the lab's ``q4`` scheme rule); q4h rotated first
+                      within each block, its step searched (llama.cpp's make_qx_quants)
     q7h, q6h, q5h     the q8 rule with qmax 2^(N-1)-1 (63, 31, 15) after q8h's rotation: N-bit two's-
                       complement codes bit-packed little-endian (code i in bits [iN, iN+N) of the
                       row), head_dim*N/8 bytes + one fp16 max_abs per row (kvlens.kv.nbit)
@@ -82,6 +83,11 @@ class StoreKind(StrEnum):
     def int4(self) -> bool:
         """packed 4-bit codes with one fp16 scale per block of Q4_BLOCK values (q4, q4h)."""
         return self in (StoreKind.Q4, StoreKind.Q4H)
+
+    @property
+    def scale_search(self) -> bool:
+        """The 4-bit step is searched (llama.cpp's make_qx_quants, least squares: q4h), not |max| / 8."""
+        return self == StoreKind.Q4H
 
     @property
     def rotated(self) -> bool:

@@ -23,8 +23,8 @@ import torch
 
 from ..checks import check_tensor
 from ..kernels.bits import FP16_MAX
+from ..kernels.q4store import GROUP_MAX_EPS, Q4_SEARCH, first_fp16_overflow, hadamard_rows, store_q4_rows
 from ..kernels.q4store import Q4_BLOCK as JIT_Q4_BLOCK
-from ..kernels.q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
 from ..kernels.q8store import KSUM_BLOCK, NO_KSUM, first_nonfinite_index, store_q8_rows
 from ..models.blockquant import symmetric_blocks
 from .modes import KSUM_BLOCK as MODES_KSUM_BLOCK
@@ -171,14 +171,43 @@ def quantize_q4_0_blocks(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), d16
 
 
-def quantize_q4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The q4 rule (llama.cpp's q4_0, :func:`quantize_q4_0_blocks`) over rows ``x [..., d]`` in blocks
-    of Q4_BLOCK: ``(codes int8 [..., d] in -8..7, scale fp16 [..., d / Q4_BLOCK], signed)``."""
+def quantize_q4_search_blocks(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4h's block rule on f32 groups ``xg [..., 32]``: llama.cpp's scale search (``make_qx_quants``
+    with weights 1: :func:`kvlens.kernels.q4store.searched_block`, the JIT one, bit-identical). Per
+    candidate ``iscale = -Q4_SEARCH[c] / max``: codes ``clamp(round(iscale * x), -8, 7)`` (half to
+    even), the least-squares step ``sum(l x) / sum(l²)``; the first candidate removing the most
+    squared error wins, its step is stored as fp16 (through f32). Codes -8..7 (value = code * d);
+    a block whose |max| is under GROUP_MAX_EPS, or whose step rounds to an fp16 zero, gets codes 0."""
+    at = xg.abs().argmax(dim=-1, keepdim=True)
+    mx = xg.gather(-1, at)
+    nonzero = mx.abs() >= float(GROUP_MAX_EPS)
+    iscale = -torch.from_numpy(Q4_SEARCH) / torch.where(nonzero, mx, torch.ones_like(mx))  # [..., 19]
+    codes = torch.round(iscale.unsqueeze(-1) * xg.unsqueeze(-2)).clamp_(-8.0, 7.0)  # [..., 19, 32]
+    wide = codes.double()
+    lx = (wide * xg.double().unsqueeze(-2)).sum(-1)  # exact in float64: the order does not matter
+    l2 = (wide * wide).sum(-1)
+    best = (lx * lx / l2).argmax(dim=-1, keepdim=True)  # the first of equals, as C's strict ``>``
+    d = (lx.gather(-1, best) / l2.gather(-1, best)).squeeze(-1).to(torch.float32)
+    d = torch.where(nonzero.squeeze(-1), d, torch.zeros_like(d))
+    over = d.abs() > FP16_MAX
+    if bool(over.any()):
+        raise fp16_overflow(float(mx.squeeze(-1).abs()[over].max()), "searched scale of a block")
+    q = codes.gather(-2, best.unsqueeze(-1).expand(*best.shape, Q4_BLOCK)).squeeze(-2)
+    d16 = d.to(torch.float16)
+    q = torch.where((d16 == 0).unsqueeze(-1), torch.zeros_like(q), q)
+    return q.to(torch.int8), d16
+
+
+def quantize_q4(x: torch.Tensor, search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q4 rule (llama.cpp's q4_0, :func:`quantize_q4_0_blocks`), or with ``search`` q4h's
+    (:func:`quantize_q4_search_blocks`), over rows ``x [..., d]`` in blocks of Q4_BLOCK:
+    ``(codes int8 [..., d] in -8..7, scale fp16 [..., d / Q4_BLOCK], signed)``."""
     x = check_tensor(x, "x", floating=True, min_dim=1).to(torch.float32)
     d = x.shape[-1]
     if d % Q4_BLOCK:
         raise ValueError(f"q4 needs a last dimension divisible by {Q4_BLOCK}, got {d}")
-    q, d16 = quantize_q4_0_blocks(x.reshape(*x.shape[:-1], d // Q4_BLOCK, Q4_BLOCK))
+    rule = quantize_q4_search_blocks if search else quantize_q4_0_blocks
+    q, d16 = rule(x.reshape(*x.shape[:-1], d // Q4_BLOCK, Q4_BLOCK))
     return q.reshape(x.shape), d16
 
 
@@ -215,28 +244,34 @@ def dequantize_q4(
     return blocks.reshape(codes.shape).to(dtype)
 
 
-def check_q4_range(x: np.ndarray) -> None:
-    """ValueError unless every 32-block of the f32 rows ``x [..., d]`` has an fp16 scale (|max| / 8)."""
+def check_q4_range(x: np.ndarray, search: bool = False) -> None:
+    """ValueError unless every 32-block of the f32 rows ``x [..., d]`` has an fp16 scale (|max| / 8,
+    or with ``search`` q4h's searched step)."""
     if x.shape[-1] % Q4_BLOCK:
         raise ValueError(f"q4 needs a last dimension divisible by {Q4_BLOCK}, got {x.shape[-1]}")
-    bad = first_fp16_overflow(x.reshape(-1, x.shape[-1]))
+    bad = first_fp16_overflow(x.reshape(-1, x.shape[-1]), search)
     if bad >= 0:
         block = x.reshape(-1, Q4_BLOCK)[bad]
-        raise fp16_overflow(float(abs(block).max()), "scale of a block")
+        raise fp16_overflow(
+            float(abs(block).max()), "searched scale of a block" if search else "scale of a block"
+        )
 
 
-def store_q4(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start: int) -> None:
-    """Quantize ``rows [n_kv, n, d]`` by the q4 rule into ``data[:, start:start+n]`` (packed uint8)
-    and ``scale[:, start:start+n]`` (fp16 per block), in place. On the CPU one JIT pass
-    (:func:`kvlens.kernels.q4store.store_q4_rows`, bit-identical to the torch ops)."""
+def store_q4(
+    rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, start: int, search: bool = False
+) -> None:
+    """Quantize ``rows [n_kv, n, d]`` by the q4 rule (``search``: q4h's) into
+    ``data[:, start:start+n]`` (packed uint8) and ``scale[:, start:start+n]`` (fp16 per block), in
+    place. On the CPU one JIT pass (:func:`kvlens.kernels.q4store.store_q4_rows`, bit-identical to
+    the torch ops)."""
     if rows.device.type != "cpu":
-        codes, d16 = quantize_q4(rows)
+        codes, d16 = quantize_q4(rows, search)
         data[:, start : start + rows.shape[1]] = pack_q4(codes)
         scale[:, start : start + rows.shape[1]] = d16
         return
     x = rows.detach().to(torch.float32).contiguous().numpy()
-    check_q4_range(x)
-    store_q4_rows(x, data.numpy(), scale.view(torch.int16).numpy().view(np.uint16), start)
+    check_q4_range(x, search)
+    store_q4_rows(x, data.numpy(), scale.view(torch.int16).numpy().view(np.uint16), start, search)
 
 
 # -- the rotation of the h kinds (q8h, q4h) ---------------------------------------------------------
