@@ -80,12 +80,19 @@ def searched_block(xb, codes):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def block_step(xb, search, codes):  # pragma: no cover - compiled
-    """The block's step before its fp16 rounding, codes into ``codes`` when ``search`` (q4h's rule:
-    :func:`searched_block`), else q4_0's ``max / -8`` (codes left to the caller)."""
-    if search:
-        return searched_block(xb, codes)
-    return signed_absmax(xb) / -Q4_LOW
+def block_codes(xb, search, codes):  # pragma: no cover - compiled
+    """One block's step before its fp16 rounding, its stored codes (0..15) into ``codes``: q4h's
+    search (:func:`searched_block`) or q4_0's ``max / -8`` with ``min(15, (int)(x * id + 8.5f))``;
+    code 8 (value 0) throughout where the step rounds to an fp16 zero."""
+    d = searched_block(xb, codes) if search else signed_absmax(xb) / -Q4_LOW
+    if abs(d) <= FP16_ZERO_MAX:  # (1/d may even overflow: no cast of inf or NaN)
+        codes[:] = 8
+    elif not search:
+        inv = np.float32(1.0) / d
+        for i in range(Q4_BLOCK):
+            # x * inv + 8.5 >= 0.5 (|x * inv| <= 8 + an ulp): C's cast truncates, = floor here
+            codes[i] = min(np.int32(xb[i] * inv + np.float32(8.5)), 15)
+    return d
 
 
 @njit(cache=True)
@@ -97,7 +104,7 @@ def first_fp16_overflow(x, search):  # pragma: no cover - compiled
     for r in range(m):
         for b in range(d // Q4_BLOCK):
             xb = x[r, b * Q4_BLOCK : (b + 1) * Q4_BLOCK]
-            step = block_step(xb, search, codes) if search else absmax(xb) / Q4_LOW
+            step = block_codes(xb, search, codes) if search else absmax(xb) / Q4_LOW
             if abs(step) > FP16_MAX:
                 return r * (d // Q4_BLOCK) + b
     return -1
@@ -105,31 +112,30 @@ def first_fp16_overflow(x, search):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def store_q4_rows(x, data, bits, start, search):  # pragma: no cover - compiled
-    """The q4 rule, or with ``search`` q4h's (:func:`searched_block`), over rows ``x [n_kv, n, d]``
-    (f32, finite, scales in range: the caller checks with :func:`first_fp16_overflow`) into
-    ``data [n_kv, cap, d/2]`` (uint8 code pairs, llama.cpp's q4_0 order: byte i of a block holds
-    elements i and i + 16) and ``bits [n_kv, cap, d/32]`` (the fp16 scales' bits), at positions
-    ``start ..``. q4, per block, is llama.cpp's ``quantize_row_q4_0_ref``: ``max`` the first element
-    of largest |x| with its sign, ``d = max / -8``, ``id = d ? 1/d : 0``, stored code
-    ``min(15, (int)(x * id + 8.5f))``. Either rule: a scale that rounds to fp16 zero stores code 8
-    (value 0). :func:`kvlens.kv.quant.quantize_q4_0_blocks` and
+    """The q4 rule, or with ``search`` q4h's (:func:`block_codes`), over rows ``x [n_kv, n, d]`` (f32,
+    finite) into ``data [n_kv, cap, d/2]`` (uint8 code pairs, llama.cpp's q4_0 order: byte i of a
+    block holds elements i and i + 16) and ``bits [n_kv, cap, d/32]`` (the fp16 scales' bits), at
+    positions ``start ..``. Returns -1, or the flat index (as :func:`first_fp16_overflow`'s) of the
+    first block whose step is past fp16: nothing is stored then. The blocks are coded into scratch
+    first, so each is searched once. :func:`kvlens.kv.quant.quantize_q4_0_blocks` and
     :func:`kvlens.kv.quant.quantize_q4_search_blocks` are the torch rules, bit-identical."""
     n_kv, n, hd = x.shape
-    half = Q4_BLOCK // 2
+    nb, half = hd // Q4_BLOCK, Q4_BLOCK // 2
+    steps = np.empty((n_kv, n, nb), np.float32)
+    packed = np.empty((n_kv, n, hd // 2), np.uint8)
     codes = np.empty(Q4_BLOCK, np.int32)
     for h in range(n_kv):
         for j in range(n):
-            for b in range(hd // Q4_BLOCK):
-                o = b * Q4_BLOCK
-                d = block_step(x[h, j, o : o + Q4_BLOCK], search, codes)
-                if abs(d) <= FP16_ZERO_MAX:  # (1/d may even overflow: no cast of inf or NaN)
-                    codes[:] = 8
-                elif not search:
-                    inv = np.float32(1.0) / d
-                    for i in range(Q4_BLOCK):
-                        y = x[h, j, o + i] * inv
-                        # y + 8.5 >= 0.5 (|y| <= 8 + an ulp): C's cast truncates, = floor here
-                        codes[i] = min(np.int32(y + np.float32(8.5)), 15)
+            for b in range(nb):
+                d = block_codes(x[h, j, b * Q4_BLOCK : (b + 1) * Q4_BLOCK], search, codes)
+                if abs(d) > FP16_MAX:
+                    return (h * n + j) * nb + b
+                steps[h, j, b] = d
                 for i in range(half):
-                    data[h, start + j, b * half + i] = np.uint8(codes[i] | (codes[i + half] << 4))
-                bits[h, start + j, b] = fp16_bits(d)
+                    packed[h, j, b * half + i] = np.uint8(codes[i] | (codes[i + half] << 4))
+    for h in range(n_kv):
+        for j in range(n):
+            data[h, start + j, :] = packed[h, j, :]
+            for b in range(nb):
+                bits[h, start + j, b] = fp16_bits(steps[h, j, b])
+    return -1

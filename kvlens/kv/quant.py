@@ -204,8 +204,7 @@ def quantize_q4(x: torch.Tensor, search: bool = False) -> tuple[torch.Tensor, to
     ``(codes int8 [..., d] in -8..7, scale fp16 [..., d / Q4_BLOCK], signed)``."""
     x = check_tensor(x, "x", floating=True, min_dim=1).to(torch.float32)
     d = x.shape[-1]
-    if d % Q4_BLOCK:
-        raise ValueError(f"q4 needs a last dimension divisible by {Q4_BLOCK}, got {d}")
+    _check_q4_width(d)
     rule = quantize_q4_search_blocks if search else quantize_q4_0_blocks
     q, d16 = rule(x.reshape(*x.shape[:-1], d // Q4_BLOCK, Q4_BLOCK))
     return q.reshape(x.shape), d16
@@ -247,9 +246,17 @@ def dequantize_q4(
 def check_q4_range(x: np.ndarray, search: bool = False) -> None:
     """ValueError unless every 32-block of the f32 rows ``x [..., d]`` has an fp16 scale (|max| / 8,
     or with ``search`` q4h's searched step)."""
-    if x.shape[-1] % Q4_BLOCK:
-        raise ValueError(f"q4 needs a last dimension divisible by {Q4_BLOCK}, got {x.shape[-1]}")
-    bad = first_fp16_overflow(x.reshape(-1, x.shape[-1]), search)
+    _check_q4_width(x.shape[-1])
+    _raise_q4_overflow(x, first_fp16_overflow(x.reshape(-1, x.shape[-1]), search), search)
+
+
+def _check_q4_width(d: int) -> None:
+    if d % Q4_BLOCK:
+        raise ValueError(f"q4 needs a last dimension divisible by {Q4_BLOCK}, got {d}")
+
+
+def _raise_q4_overflow(x: np.ndarray, bad: int, search: bool) -> None:
+    """The fp16 range error for flat block ``bad`` of rows ``x`` (none when ``bad`` < 0)."""
     if bad >= 0:
         block = x.reshape(-1, Q4_BLOCK)[bad]
         raise fp16_overflow(
@@ -262,16 +269,17 @@ def store_q4(
 ) -> None:
     """Quantize ``rows [n_kv, n, d]`` by the q4 rule (``search``: q4h's) into
     ``data[:, start:start+n]`` (packed uint8) and ``scale[:, start:start+n]`` (fp16 per block), in
-    place. On the CPU one JIT pass (:func:`kvlens.kernels.q4store.store_q4_rows`, bit-identical to
-    the torch ops)."""
+    place; nothing is stored if a block's scale is past fp16 (ValueError). On the CPU one JIT pass
+    (:func:`kvlens.kernels.q4store.store_q4_rows`, bit-identical to the torch ops)."""
     if rows.device.type != "cpu":
         codes, d16 = quantize_q4(rows, search)
         data[:, start : start + rows.shape[1]] = pack_q4(codes)
         scale[:, start : start + rows.shape[1]] = d16
         return
     x = rows.detach().to(torch.float32).contiguous().numpy()
-    check_q4_range(x, search)
-    store_q4_rows(x, data.numpy(), scale.view(torch.int16).numpy().view(np.uint16), start, search)
+    _check_q4_width(x.shape[-1])
+    bad = store_q4_rows(x, data.numpy(), scale.view(torch.int16).numpy().view(np.uint16), start, search)
+    _raise_q4_overflow(x, bad, search)
 
 
 # -- the rotation of the h kinds (q8h, q4h) ---------------------------------------------------------
