@@ -21,40 +21,46 @@ from .quant import dequantize_q8, fp16_overflow, quantize_q8
 GROUP = 8  # codes per group of N whole bytes
 
 
-def _check_bits(bits: int) -> None:
+def _checked_width(t: torch.Tensor, name: str, dtype: torch.dtype, bits: int) -> int:
+    """The last dimension of ``t``, once ``bits`` is a packable width (2..8) and ``t`` a ``dtype``
+    tensor of at least one dimension (the argument checks of :func:`pack_bits` and :func:`unpack_bits`)."""
     if not 2 <= bits <= 8:
         raise ValueError(f"packed codes are 2..8 bits wide, got {bits}")
+    check_tensor(t, name, dtypes=(dtype,), min_dim=1)
+    return t.shape[-1]
+
+
+def _shifts(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packing layout as int64 shifts: ``(field, byte)``, code i's field at bit ``field[i]`` of its
+    group's 64-bit word (i < GROUP) and byte j of that word at bit ``byte[j]`` (j < ``bits``)."""
+    field = torch.arange(GROUP, device=device, dtype=torch.int64) * bits
+    byte = torch.arange(bits, device=device, dtype=torch.int64) * 8
+    return field, byte
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes ``int8 [..., d]`` (each in ``-2^(N-1) .. 2^(N-1)-1``, d a multiple of 8) as
     ``uint8 [..., d * bits / 8]``: code i's two's-complement low ``bits`` bits at row bits [i*N, i*N+N)."""
-    _check_bits(bits)
-    check_tensor(codes, "codes", dtypes=(torch.int8,), min_dim=1)
-    d = codes.shape[-1]
+    d = _checked_width(codes, "codes", torch.int8, bits)
     if d % GROUP:
         raise ValueError(f"pack_bits needs a last dimension divisible by {GROUP}, got {d}")
     half = 1 << (bits - 1)
     if bool(((codes < -half) | (codes >= half)).any()):
         raise ValueError(f"{bits}-bit codes must lie in {-half}..{half - 1}")
+    shifts, byte_shifts = _shifts(bits, codes.device)
     u = codes.to(torch.int64) & ((1 << bits) - 1)
-    shifts = torch.arange(GROUP, device=codes.device, dtype=torch.int64) * bits
     words = (u.unflatten(-1, (d // GROUP, GROUP)) << shifts).sum(-1)  # disjoint bit fields: sum = or
-    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
     out = (words.unsqueeze(-1) >> byte_shifts) & 255
     return out.to(torch.uint8).flatten(-2)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``uint8 [..., d * bits / 8]`` -> codes ``int8 [..., d]``."""
-    _check_bits(bits)
-    check_tensor(packed, "packed", dtypes=(torch.uint8,), min_dim=1)
-    n = packed.shape[-1]
+    n = _checked_width(packed, "packed", torch.uint8, bits)
     if n % bits:
         raise ValueError(f"a packed row of {bits}-bit codes is a multiple of {bits} bytes, got {n}")
-    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    shifts, byte_shifts = _shifts(bits, packed.device)
     words = (packed.to(torch.int64).unflatten(-1, (n // bits, bits)) << byte_shifts).sum(-1)
-    shifts = torch.arange(GROUP, device=packed.device, dtype=torch.int64) * bits
     u = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     half = 1 << (bits - 1)
     return ((u ^ half) - half).to(torch.int8).flatten(-2)  # sign-extend the N-bit field
