@@ -96,11 +96,8 @@ class StoreKind(StrEnum):
 
     def rotation_span(self, head_dim: int) -> int:
         """How many values one Hadamard block of the rotation mixes (kvlens.kv.quant.rotation's
-        ``span``), 0 where the kind is not rotated. q4h rotates within each 32-value block (one fp16
-        scale each): the blocks keep their own scales, an outlier is spread only over its block,
-        which measured ~0.6× the attention error of a whole-row rotation on both models (llama.cpp
-        rotates V by blocks of 64 for the same reason). The row-scaled kinds (one max_abs per row)
-        rotate the whole row."""
+        ``span``), 0 where the kind is not rotated: q4h within each 32-value block, so each block keeps
+        its own scale (why: docs/beyond-q8.md); the row-scaled kinds (one max_abs per row) the whole row."""
         if not self.rotated:
             return 0
         return Q4_BLOCK if self.int4 else head_dim
