@@ -8,34 +8,10 @@ from pathlib import Path
 
 import pytest
 
-
-def _own_numba_cache_per_xdist_worker() -> None:
-    """Under pytest-xdist (``-n 2``), each worker compiles into its own numba cache folder.
-
-    numba's cache is not safe for two processes saving one function at once: each reads the index,
-    picks the first free data-file number and writes both without a lock, so a worker's entry can
-    be lost or, worse, point at the data file of another signature (``IndexDataCacheFile.save``;
-    numba issue 10128 is a related race). kvlens now locks those saves
-    (``kernels/jitcache.lock_numba_cache``, tested in ``test_jitcache.py``); the per-worker folders
-    stay so that the suite's own runs do not lean on that lock. One folder per worker, set in the environment before
-    numba loads, also covers the subprocesses a test starts (CLI runs). The folder sits inside kvlens' own, named by the kernels' sources
-    (``kernels/jitcache.py``, loaded from its file: importing ``kvlens`` would load numba first)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if not worker:
-        return
-    if "NUMBA_CACHE_DIR" in os.environ:
-        base = Path(os.environ["NUMBA_CACHE_DIR"])
-    else:
-        package = Path(importlib.util.find_spec("kvlens").origin).parent  # finds, does not import
-        spec = importlib.util.spec_from_file_location("_kvlens_jitcache", package / "kernels" / "jitcache.py")
-        jitcache = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(jitcache)
-        base = jitcache.cache_dir()
-    os.environ["NUMBA_CACHE_DIR"] = str(base / f"xdist-{worker}")
-
-
-_own_numba_cache_per_xdist_worker()
-
+# Both xdist workers share one numba cache folder (kvlens' own, named by the kernels' sources), so a
+# kernel one worker compiled the other loads instead of compiling it again. numba's cache saves are
+# not safe for two processes on their own; kvlens locks them (kernels/jitcache.lock_numba_cache,
+# installed at import; tests/test_jitcache.py), and the suite relies on that lock.
 # kvlens before torch and numba: its OpenMP defaults and numba's cache folder (named by the kernels'
 # sources: numba's own per-file check misses edits to helpers other kernel files inline) are read
 # when those load
