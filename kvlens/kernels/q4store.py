@@ -17,9 +17,9 @@ from .bits import FP16_MAX, absmax, fp16_bits, signed_absmax
 Q4_BLOCK = 32  # kvlens.kv.modes.Q4_BLOCK (this module is a leaf: the kv layer checks they agree)
 Q4_LOW = np.float32(8.0)  # q4_0: d = (signed max) / -8, stored codes 0..15 (value (code - 8) * d)
 FP16_ZERO_MAX = np.float32(2.0**-25)  # an f32 at or below this rounds to an fp16 zero (ties to even)
+GROUP_MAX_EPS = np.float32(1e-15)  # make_qx_quants: a block with a smaller |max| is all zero (no 1/max)
 # q4h's scale search (llama.cpp's make_qx_quants, nmax 8): the candidate steps |max| / (8 + 0.1 is), in
 # its order is = 0, -9..-1, 1..9, each ``nmax + 0.1f * is`` in f32 as C computes it
-GROUP_MAX_EPS = np.float32(1e-15)  # make_qx_quants: a block with a smaller |max| is all zero (no 1/max)
 Q4_SEARCH = np.array(
     [np.float32(8.0) + np.float32(0.1) * np.float32(i) for i in [0, *range(-9, 0), *range(1, 10)]], np.float32
 )
@@ -71,7 +71,7 @@ def searched_block(xb, codes):  # pragma: no cover - compiled
             q = min(max(np.rint(iscale * xb[i]), np.float32(-8.0)), np.float32(7.0))
             lx += np.float64(q) * np.float64(xb[i])
             l2 += np.float64(q) * np.float64(q)
-        gain = lx * lx / l2  # l2 >= 64: the block max maps to |l| >= 7
+        gain = lx * lx / l2  # l2 >= 49: the block max maps to |l| >= 7
         if gain > best:
             best, best_lx, best_l2 = gain, lx, l2
             for i in range(Q4_BLOCK):
