@@ -144,3 +144,18 @@ def test_the_cache_searches_for_q4h_only(kind):
     assert torch.equal(unpack_q4(store.data[:, :24]), codes)
     assert torch.equal(store.scale[:, :24].view(torch.int16), d16.view(torch.int16))
     assert kind.scale_search == (kind == StoreKind.Q4H)
+
+
+def test_a_searched_step_is_at_most_a_quarter_of_the_block_max():
+    """The range pre-check (kernels.q4store.first_fp16_overflow) skips the search for blocks under
+    4 x 65504: that holds only if no searched step exceeds |max| / 4. The step is an average of
+    x_i / l_i, each at most 1.5 / |iscale| (a value that rounds to l = ±1 from 1.5) or |max| / 7
+    (clipped): blocks built to push it there, and random ones."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3000, 32, generator=gen) * torch.rand(3000, 1, generator=gen).pow(4)
+    lone = torch.zeros(200, 32)
+    lone[:, 0] = 7.1  # the max, with values near 1.5 / iscale: l = ±1 carries a ratio near |max| / 4.7
+    lone[:, 1:] = torch.linspace(1.2, 1.55, 200).unsqueeze(1) * torch.tensor([1.0, -1.0] * 15 + [1.0])
+    _, d16 = quantize_q4(torch.cat((x, lone)), search=True)
+    peak = torch.cat((x, lone)).abs().amax(-1)
+    assert (d16.float().squeeze(-1).abs() <= peak / 4).all()

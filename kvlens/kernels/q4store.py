@@ -17,6 +17,7 @@ from .bits import FP16_MAX, absmax, fp16_bits, signed_absmax
 Q4_BLOCK = 32  # kvlens.kv.modes.Q4_BLOCK (this module is a leaf: the kv layer checks they agree)
 Q4_LOW = np.float32(8.0)  # q4_0: d = (signed max) / -8, stored codes 0..15 (value (code - 8) * d)
 FP16_ZERO_MAX = np.float32(2.0**-25)  # an f32 at or below this rounds to an fp16 zero (ties to even)
+SEARCHED_STEP_MAX = np.float32(4.0)  # |searched step| <= |max| / 4 (first_fp16_overflow)
 GROUP_MAX_EPS = np.float32(1e-15)  # make_qx_quants: a block with a smaller |max| is all zero (no 1/max)
 # q4h's scale search (llama.cpp's make_qx_quants, nmax 8): the candidate steps |max| / (8 + 0.1 is), in
 # its order is = 0, -9..-1, 1..9, each ``nmax + 0.1f * is`` in f32 as C computes it
@@ -98,13 +99,18 @@ def block_codes(xb, search, codes):  # pragma: no cover - compiled
 @njit(cache=True)
 def first_fp16_overflow(x, search):  # pragma: no cover - compiled
     """Flat index of the first 32-block of rows ``x [m, d]`` whose step (``|max| / 8``, or the
-    searched one) exceeds the fp16 range, or -1."""
+    searched one) exceeds the fp16 range, or -1. A searched step is at most |max| / 4 (it is an
+    average of ``x_i / l_i`` weighted by ``l_i²``, each at most ``1.5 / |iscale|`` ≤ |max| / 4.7 where
+    ``l_i`` is rounded, |max| / 7 where it is clipped), so a block under 4 × 65504 needs no search."""
     m, d = x.shape
     codes = np.empty(Q4_BLOCK, np.int32)
     for r in range(m):
         for b in range(d // Q4_BLOCK):
             xb = x[r, b * Q4_BLOCK : (b + 1) * Q4_BLOCK]
-            step = block_codes(xb, search, codes) if search else absmax(xb) / Q4_LOW
+            peak = absmax(xb)
+            if search and peak / SEARCHED_STEP_MAX <= FP16_MAX:
+                continue
+            step = block_codes(xb, search, codes) if search else peak / Q4_LOW
             if abs(step) > FP16_MAX:
                 return r * (d // Q4_BLOCK) + b
     return -1
