@@ -69,15 +69,21 @@ def searched_block(xb, codes):  # pragma: no cover - compiled
         iscale = -Q4_SEARCH[c] / mx
         lx, l2 = 0.0, 0.0
         for i in range(Q4_BLOCK):
-            q = min(max(np.rint(iscale * xb[i]), np.float32(-8.0)), np.float32(7.0))
+            q = _search_code(iscale, xb[i])
             lx += np.float64(q) * np.float64(xb[i])
             l2 += np.float64(q) * np.float64(q)
         gain = lx * lx / l2  # l2 >= 49: the block max maps to |l| >= 7
-        if gain > best:
+        if gain > best:  # the winner's codes, computed again rather than kept for every candidate
             best, best_lx, best_l2 = gain, lx, l2
             for i in range(Q4_BLOCK):
-                codes[i] = np.int32(min(max(np.rint(iscale * xb[i]), np.float32(-8.0)), np.float32(7.0))) + 8
+                codes[i] = np.int32(_search_code(iscale, xb[i])) + 8
     return np.float32(best_lx / best_l2)
+
+
+@njit(inline="always")
+def _search_code(iscale, v):  # pragma: no cover - compiled
+    """A candidate's code for value ``v``: ``clamp(rint(iscale * v), -8, 7)`` (f32)."""
+    return min(max(np.rint(iscale * v), np.float32(-8.0)), np.float32(7.0))
 
 
 @njit(cache=True)
