@@ -45,6 +45,32 @@ def test_warning_names_other_load():
     assert "pytest 12 0.8" in line and "python 40 0.5" in line
 
 
+def test_warning_names_steal():
+    """Time the hypervisor gave other guests (Linux steal) is named when no process of ours saw load."""
+    stolen = OtherLoad(cpus=2, load_avg_1m=2.1, other_cpus=0.1, steal_cpus=0.4)
+    line = spread_warning("q8 tok/s", Spread(30.0, 40.0, 45.0), stolen)
+    assert "likely cause: the hypervisor" in line and "steal 0.40 CPUs" in line
+    assert "no other load seen" not in line
+    # below 5% of the CPUs steal is reported, not blamed
+    little = OtherLoad(cpus=2, load_avg_1m=2.1, other_cpus=0.1, steal_cpus=0.09)
+    line = spread_warning("q8 tok/s", Spread(30.0, 40.0, 45.0), little)
+    assert "no other load seen" in line and "steal 0.09 CPUs" in line and "hypervisor" not in line
+    # other processes' load wins over steal as the named cause
+    both = OtherLoad(cpus=2, load_avg_1m=9.0, other_cpus=1.3, steal_cpus=0.4)
+    assert "likely cause: other load" in spread_warning("q8 tok/s", Spread(30.0, 40.0, 45.0), both)
+
+
+def test_load_meter_counts_steal(monkeypatch):
+    """The meter's steal is the machine-wide steal delta over the wall time (CPUs' worth)."""
+    import kvlens.bench.spread as sp
+
+    clock, steal = iter([100.0, 102.0]), iter([50.0, 50.6])
+    monkeypatch.setattr(sp.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(sp, "_steal_seconds", lambda: next(steal))
+    monkeypatch.setattr(sp, "_cpu_seconds", dict)
+    assert sp.LoadMeter().read().steal_cpus == pytest.approx(0.3)
+
+
 def test_warning_without_other_load_points_inside():
     line = spread_warning("f16 tok/s", Spread(36.0, 47.4, 60.3), IDLE)
     assert "67%" in line and "no other load seen" in line and "other load on the machine" not in line

@@ -4,7 +4,9 @@ likely cause when the rounds disagree by more than a threshold.
 A speed that moves from round to round is usually somebody else's: other processes on the machine
 take cores from the benchmark's threads. The run therefore records how much CPU every *other*
 process used while it ran (psutil, whole-run deltas of their CPU times) beside the 1-minute load
-average, so the warning can say which it was.
+average, so the warning can say which it was. On a virtual machine the hypervisor can also run
+other guests on this guest's CPUs; Linux counts that time as *steal* (``/proc/stat``), which no
+process of the guest sees, so the run records it too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import psutil
 
 WIDE_SPREAD = 0.10  # max/min - 1 above this prints a warning
 BUSY_FRACTION = 0.25  # other processes using this share of the CPUs count as "other load"
+STOLEN_FRACTION = 0.05  # steal above this share of the CPUs is named as the likely cause
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class OtherLoad:
     load_avg_1m: float
     other_cpus: float  # CPUs' worth of time other processes used (1.0 = one core all along)
     top: list[tuple[str, float]] = field(default_factory=list)  # (name pid, CPUs' worth), busiest first
+    steal_cpus: float = 0.0  # CPUs' worth of time the hypervisor gave other guests (Linux steal)
 
 
 def _cpu_seconds() -> dict[int, tuple[str, float]]:
@@ -63,11 +67,16 @@ def _cpu_seconds() -> dict[int, tuple[str, float]]:
     return out
 
 
+def _steal_seconds() -> float:
+    """Machine-wide steal time so far (0 where the OS does not count it)."""
+    return float(getattr(psutil.cpu_times(), "steal", 0.0))
+
+
 class LoadMeter:
     """Measures :class:`OtherLoad` between construction and :meth:`read`."""
 
     def __init__(self) -> None:
-        self.t0, self.before = time.monotonic(), _cpu_seconds()
+        self.t0, self.before, self.steal0 = time.monotonic(), _cpu_seconds(), _steal_seconds()
 
     def read(self, n_top: int = 3) -> OtherLoad:
         wall = max(time.monotonic() - self.t0, 1e-9)
@@ -77,7 +86,8 @@ class LoadMeter:
             if sec > prev:
                 used.append((name, (sec - prev) / wall))
         used.sort(key=lambda x: -x[1])
-        return OtherLoad(psutil.cpu_count() or 1, os.getloadavg()[0], sum(u for _, u in used), used[:n_top])
+        others, steal = sum(u for _, u in used), max(_steal_seconds() - self.steal0, 0.0) / wall
+        return OtherLoad(psutil.cpu_count() or 1, os.getloadavg()[0], others, used[:n_top], steal)
 
 
 def spread_warning(
@@ -96,8 +106,11 @@ def spread_warning(
         return line + "the machine's load was not measured"
     busy = f"other processes used {load.other_cpus:.1f} of {load.cpus} CPUs during the run, load average {load.load_avg_1m:.1f}"
     top = ", ".join(f"{n} {c:.1f}" for n, c in load.top if c >= 0.05)
+    busy += f", steal {load.steal_cpus:.2f} CPUs"
     if load.other_cpus >= BUSY_FRACTION * load.cpus:
         return line + f"likely cause: other load on the machine ({busy}{': ' + top if top else ''})"
+    if load.steal_cpus >= STOLEN_FRACTION * load.cpus:
+        return line + f"likely cause: the hypervisor ran other guests on this machine's CPUs ({busy})"
     line += f"no other load seen ({busy}): the cause is in this process or the machine (frequency, memory)"
     if machine is not None:
         line += (
