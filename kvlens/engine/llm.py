@@ -83,6 +83,14 @@ class LLM:
                 f"{n_tokens} tokens do not fit in the model's context of {self.config.max_ctx} tokens"
             )
 
+    def _check_decode_args(self, n_before: int, max_new_tokens: int, sampling: SamplingParams | None) -> None:
+        """The arguments of a decode after ``n_before`` positions: a count ≥ 0 of new tokens that fits in
+        the context, and a SamplingParams or None."""
+        check_int(max_new_tokens, "max_new_tokens", minimum=0)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        self.check_fits(n_before + max_new_tokens)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -198,10 +206,7 @@ class LLM:
         Given a ``cache``, or with sparse decode or cache options the paged pool does not implement
         (keep-sink/recent), it runs this LLM's own loop over a contiguous cache instead."""
         prompt_ids = self.check_ids(prompt_ids)
-        check_int(max_new_tokens, "max_new_tokens", minimum=0)
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        self.check_fits(len(prompt_ids) + max_new_tokens)
+        self._check_decode_args(len(prompt_ids), max_new_tokens, sampling)
         if cache is not None or not self.servable:
             cache = cache or self.new_cache(len(prompt_ids) + max_new_tokens)
             logits = self.prefill(prompt_ids, cache, prefill_chunk)
@@ -235,10 +240,7 @@ class LLM:
         stop_at_eos: bool = True,
     ) -> Iterator[int]:
         """Decode after a prefill: ``logits`` of the last prompt position, ``pos`` = prompt length."""
-        check_int(max_new_tokens, "max_new_tokens", minimum=0)
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        self.check_fits(pos + max_new_tokens)
+        self._check_decode_args(pos, max_new_tokens, sampling)
         sample = Sampler(sampling or SamplingParams())
         for i in range(max_new_tokens):
             tok = sample(logits)
