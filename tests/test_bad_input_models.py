@@ -82,6 +82,22 @@ def test_the_unbroken_files_load(tiny):
     assert load_model(gguf_path).config.n_layers == load_model(hf_dir).config.n_layers == 2
 
 
+def test_viewed_gguf_reader_reads_what_gguf_reads(tiny):
+    """kvlens reads GGUFs through a plain-ndarray view of gguf's memory map (for speed): the same
+    fields and tensor bytes as gguf's own reader, no copy of the file, and read-only."""
+    from kvlens.models.gguf_loader import gguf_reader_class, read_metadata
+
+    path = tiny[2]
+    ours, theirs = gguf_reader_class()(path), gguf.gguf_reader.GGUFReader(path)  # gguf's, unpatched
+    assert type(ours.data) is np.ndarray and isinstance(ours.data.base, np.memmap)  # a view, not a copy
+    assert not ours.data.flags.writeable and np.array_equal(ours.data, theirs.data)
+    assert read_metadata(ours) == read_metadata(theirs)
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert a.tensor_type == b.tensor_type and np.array_equal(a.data, b.data)
+        assert np.shares_memory(a.data, ours.data)
+
+
 # -- GGUF: the header and the tensors must agree, both ways ------------------------------------------
 def test_gguf_header_says_fewer_layers_than_the_file_holds(tiny, tmp_path):
     bad = rewrite_gguf(tiny[2], tmp_path / "b.gguf", meta={"llama.block_count": (1, GT.UINT32)})

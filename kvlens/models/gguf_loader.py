@@ -8,6 +8,7 @@ that here so the transformer uses one RoPE convention for every source.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -114,16 +115,35 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return meta
 
 
-def open_gguf(path: str | Path) -> tuple[Any, dict[str, Any]]:
+@functools.cache
+def gguf_reader_class() -> type:
+    """``gguf.GGUFReader`` reading through a plain ndarray view of its memory map (no copy: the
+    view shares the mapping, and tensors are still read lazily). The reader slices its buffer a few
+    times per metadata value, about a million times for SmolLM2's 49K-token vocabulary and merges; on
+    an ``np.memmap`` every slice runs numpy's Python-level ``memmap.__getitem__`` and
+    ``__array_finalize__``, which made up most of a model's load time (docs/testing.md)."""
     import gguf
 
+    class ViewedGGUFReader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._viewed
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:  # the base __init__ assigns its np.memmap here
+            self._viewed = mapped.view(np.ndarray)
+
+    return ViewedGGUFReader
+
+
+def open_gguf(path: str | Path) -> tuple[Any, dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"model file not found: {path}")
     if check_readable(path).stat().st_size == 0:
         raise ModelLoadError(f"{path} is empty (0 bytes); not a GGUF file")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = gguf_reader_class()(path)
         return reader, read_metadata(reader)
     except Exception as e:  # the gguf package raises ValueError/IndexError/struct errors on damage
         raise ModelLoadError(f"cannot read GGUF file {path} (truncated or corrupt?): {e}") from e
