@@ -217,7 +217,7 @@ def decode_attention_float(
     return _run(q, kb, kc, _NO_SCALE, vb, vc, _NO_SCALE, length, out, n_splits)
 
 
-def _store_arrays(store) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+def store_arrays(store) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
     """Zero-copy numpy views of a RowStore: (row bytes, storage code, row scales, block-scale bits),
     memoized on the store for as long as its tensors are the same objects (a cache that grows gets
     new ones)."""
@@ -258,8 +258,8 @@ def decode_attention(
     ``table [n_blocks]`` (int32): a paged cache's block table, logical block j of the sequence stored
     at physical block ``table[j]`` of the stores (``blocks`` then name logical blocks); read in place.
     """
-    k, kc, ks, kb = _store_arrays(k_store)
-    v, vc, vs, vb = _store_arrays(v_store)
+    k, kc, ks, kb = store_arrays(k_store)
+    v, vc, vs, vb = store_arrays(v_store)
     if int_dot and kc != CODE_Q8:
         raise ValueError("int_dot needs an int8 K store")
     qn = q.detach().numpy() if q.dtype == torch.float32 else q.detach().float().numpy()

@@ -30,7 +30,7 @@ from numba import literally, njit, prange
 
 from ..kv.modes import StoreKind
 from . import flash, intdot, q4int
-from .cpu import CODE_Q8, _store_arrays, quantize_query_blocks
+from .cpu import CODE_Q8, quantize_query_blocks, store_arrays
 from .q4int import lane_offsets, lane_scales, permute_query
 from .q8store import KSUM_BLOCK
 from .stage import CODE_Q4, _stage
@@ -289,8 +289,8 @@ def decode_attention_int(
     shifted = spec.qbits == 8 and path in ("vnni512", "vnni256") and not k4
     if shifted and k_store.ksum is None:
         raise ValueError("integer attention with an 8-bit query on a VNNI path needs the K store's ksum")
-    k, kc, ks, k_bsc = _store_arrays(k_store)
-    v, vc, vs, v_bsc = _store_arrays(v_store)
+    k, kc, ks, k_bsc = store_arrays(k_store)
+    v, vc, vs, v_bsc = store_arrays(v_store)
     n_kv, cap = k.shape[:2]
     qn = q.detach().to(torch.float32).numpy()
     n_heads, hd = qn.shape

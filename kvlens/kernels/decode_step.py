@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-import torch
 from llvmlite import ir
 from numba import literally, njit, types
 from numba.core import cgutils
@@ -37,7 +36,7 @@ from ..kv.modes import StoreKind
 from ..kv.quant import rotation_signs
 from . import flash, intdot
 from .bits import absmax
-from .cpu import _decode_core
+from .cpu import _decode_core, store_arrays
 from .cpu_int import _NO_KSUM, Q16_MAX, IntAttn
 from .cpu_int import _core as _int_core
 from .q4store import hadamard_rows
@@ -138,11 +137,8 @@ def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
     threads = _get_threads()
     if serial and threads > 1:
         _set_threads(1)
-    k_scale = ks[1] if len(ks) == 3 else no_sc
-    v_scale = vs[1] if len(vs) == 3 else no_sc
-    k_bsc = ks[1] if len(ks) == 2 else no_bsc  # a 4-bit store's fp16 block-scale bits
-    v_bsc = vs[1] if len(vs) == 2 else no_bsc
-    k_raw, v_raw = ks[0].view(np.uint8), vs[0].view(np.uint8)
+    k_raw, k_scale, k_bsc = ks[:3]  # row bytes, int8 max_abs, 4-bit fp16 scale bits (dummies if unused)
+    v_raw, v_scale, v_bsc = vs[:3]
     if kind == ATTN_FLOAT:
         for hq in range(q.shape[0]):
             for d in range(q.shape[1]):
@@ -170,8 +166,8 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
 
     ``kind``, ``path``: literal attention kind and integer-kernel path (one specialization each).
     ``lw``: (attn_norm, ffn_norm, eps, wqkv, bqkv, wo, w_gate_up, w_down), weights as tuples.
-    ``ks``/``vs``: the layer's K and V store tuples, written at row ``pos`` (physical, in a paged
-    cache). ``rope``: (cos, sin) rows of the token's position.
+    ``ks``/``vs``: the layer's K and V store tuples (:func:`store_tuple`: one type for every kind, so
+    the kinds add no specializations), written at row ``pos`` (physical, in a paged cache). ``rope``: (cos, sin) rows of the token's position.
     ``at``: (K code, V code, 1/sqrt(d) as f32, length, then flash.plan_call's splits, serial, tiles, table,
     then K's and V's rotation spans (0: not rotated), then the layer's K centers ``[n_kv, d]``, an empty array for
     none, then whether K's and V's 4-bit steps are searched (q4h)). ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then :func:`_attend`'s, then the
@@ -193,7 +189,7 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
         return bad
     k_span, v_span = at[8], at[9]
     kc = center_rows(k, at[10], k_cen)  # K smoothing: less the centers, before the rotation
-    bad = store_kv(ks, vs, to_basis(kc, k_span, signs, ones, k_rot),
+    bad = store_kv(ks, vs, at[0], at[1], to_basis(kc, k_span, signs, ones, k_rot),
                    to_basis(v, v_span, signs, ones, v_rot), pos, at[11], at[12])  # fmt: skip
     if bad != -1:
         return bad
@@ -219,23 +215,19 @@ _STORE_KINDS = (StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H, StoreK
 
 
 def store_tuple(store) -> tuple[np.ndarray, ...] | None:
-    """A RowStore as :func:`step_kv.store_row` takes it (zero-copy views), or None for a kind not
-    written here (bf16) and for a layer stored per KV head (kv.cache.HeadSplitStore). Memoized on the
-    store while its tensors are the same objects."""
+    """A RowStore as :func:`step_kv.store_row` takes it, or None for a kind not written here (bf16,
+    the packed N-bit kinds) and for a layer stored per KV head (kv.cache.HeadSplitStore): zero-copy
+    views (row bytes, int8 max_abs, 4-bit fp16 scale bits, int8 code sums), the same numba type for
+    every kind (the storage code travels beside it). Memoized on the store while its tensors are the
+    same objects."""
     if not hasattr(store, "data") or store.kind not in _STORE_KINDS:  # a per-head split store too
         return None
     memo = store.__dict__.get("_step_tuple")
     if memo is not None and memo[0] is store.data:
         return memo[1]
-    if store.kind.int8:
-        ksum = NO_KSUM if store.ksum is None else store.ksum.numpy()
-        arrays = (store.data.numpy(), store.scale.numpy(), ksum)
-    elif store.kind.int4:
-        arrays = (store.data.numpy(), store.scale.view(torch.int16).numpy().view(np.uint16))
-    elif store.kind == StoreKind.F16:
-        arrays = (store.data.view(torch.int16).numpy().view(np.uint16),)
-    else:
-        arrays = (store.data.numpy(),)
+    raw, _, scale, bsc = store_arrays(store)
+    ksum = NO_KSUM if store.ksum is None else store.ksum.numpy()
+    arrays = (raw, scale, bsc, ksum)
     store.__dict__["_step_tuple"] = (store.data, arrays)
     return arrays
 

@@ -4,38 +4,37 @@ attention reads: each the same float32 operations, in the same order, as the gen
 logits are bit-identical to it (tests/test_decode_step.py).
 
 Store tuples (zero-copy numpy views of a RowStore; :func:`kvlens.kernels.decode_step.store_tuple`):
-int8 (codes, max_abs, code sums), 4-bit (packed codes, fp16 scale bits), f16 (bits,), f32 (rows,).
+(row bytes, int8 max_abs, 4-bit fp16 scale bits, int8 code sums), one numba type for every kind
+(the unused members are dummies), with the storage code beside them read at run time.
 A rotated kind (q8h, q4h) is stored like its plain one after the rows' rotation (:func:`to_basis`).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
 from .q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
 from .q8store import row_code, row_scale, store_q8_rows
+from .stage import CODE_F16, CODE_Q4, CODE_Q8
 
 Q_BLOCK = 32  # the 8-bit query's block (cpu_int's 8-bit rule: kernels.cpu.QBLOCK)
 FP16_OVERFLOW = -2  # store_kv's answer when a 4-bit block's scale would overflow fp16
 
 
-def store_row(s, rows, pos, search):  # pragma: no cover - replaced by the overload in compiled code
-    """Store one position's K or V rows ``[n_kv, 1, d]`` (f32) at row ``pos`` of store tuple ``s``
-    (``search``: a 4-bit store's step is q4h's searched one)."""
-    raise NotImplementedError
-
-
-@overload(store_row)
-def _store_row(s, rows, pos, search):
-    if len(s) == 3:  # int8 codes, max_abs scale, code sums per 32-block (empty: none)
-        return lambda s, rows, pos, search: store_q8_rows(rows, s[0], s[1], pos, s[2])
-    if len(s) == 2:  # 4-bit: packed code pairs, fp16 block-scale bits (range checked: store_kv)
-        return lambda s, rows, pos, search: store_q4_rows(rows, s[0], s[1], pos, search)
-    if s[0].dtype == types.uint16:  # f16 bits
-        return lambda s, rows, pos, search: _store_f16(rows, s[0], pos)
-    return lambda s, rows, pos, search: _store_f32(rows, s[0], pos)
+@njit(cache=True)
+def store_row(code, s, rows, pos, search):  # pragma: no cover - compiled
+    """Store one position's K or V rows ``[n_kv, 1, d]`` (f32) at row ``pos`` of store tuple ``s`` of
+    storage ``code`` (``search``: a 4-bit store's step is q4h's searched one). The code is read at run
+    time, so one compiled step serves every mix of stored kinds."""
+    if code == CODE_Q8:  # int8 codes, max_abs scale, code sums per 32-block (empty: none)
+        store_q8_rows(rows, s[0].view(np.int8), s[1], pos, s[3])
+    elif code == CODE_Q4:  # packed code pairs, fp16 block-scale bits (range checked: store_kv)
+        store_q4_rows(rows, s[0], s[2], pos, search)
+    elif code == CODE_F16:
+        _store_f16(rows, s[0].view(np.uint16), pos)
+    else:
+        _store_f32(rows, s[0].view(np.float32), pos)
 
 
 @njit(cache=True)
@@ -99,17 +98,17 @@ def to_basis(rows, span, signs, ones, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def store_kv(ks, vs, k, v, pos, k_search, v_search):  # pragma: no cover - compiled
+def store_kv(ks, vs, k_code, v_code, k, v, pos, k_search, v_search):  # pragma: no cover - compiled
     """Store one position's K and V rows ``[n_kv, d]`` (finite, in the stores' bases) at row ``pos``
-    (``k_search``/``v_search``: that side's 4-bit step is q4h's searched one); returns -1, or
+    of store tuples ``ks``/``vs`` of storage codes ``k_code``/``v_code`` (``k_search``/``v_search``: that side's 4-bit step is q4h's searched one); returns -1, or
     :data:`FP16_OVERFLOW` (nothing stored) where a 4-bit store's block scale would overflow fp16
     (``kv.quant.store_q4`` raises then; the caller does)."""
-    if len(ks) == 2 and first_fp16_overflow(k, k_search) >= 0:
+    if k_code == CODE_Q4 and first_fp16_overflow(k, k_search) >= 0:
         return FP16_OVERFLOW
-    if len(vs) == 2 and first_fp16_overflow(v, v_search) >= 0:
+    if v_code == CODE_Q4 and first_fp16_overflow(v, v_search) >= 0:
         return FP16_OVERFLOW
-    store_row(ks, k.reshape(k.shape[0], 1, k.shape[1]), pos, k_search)
-    store_row(vs, v.reshape(v.shape[0], 1, v.shape[1]), pos, v_search)
+    store_row(k_code, ks, k.reshape(k.shape[0], 1, k.shape[1]), pos, k_search)
+    store_row(v_code, vs, v.reshape(v.shape[0], 1, v.shape[1]), pos, v_search)
     return -1
 
 
