@@ -18,8 +18,12 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print ratios
 @bench_app.command("attention")
 def bench_attention(
     ctx: str = Option("1k,4k,16k,64k", help="Contexts (4k = 4096).", callback=cb.sizes_option()),
-    shape: str = Option("smollm2,8b", help="Head shapes: smollm2 (9/3, hd 64), 8b (32/8, hd 128)."),
-    kv: str = Option("f32,f16,q8", help="Cache modes (f32, f16, bf16, q8, q8-k, q8-v)."),
+    shape: str = Option(
+        "smollm2,8b", help="Head shapes: smollm2 (9/3, hd 64), 8b (32/8, hd 128), gemma3 (4/1, hd 256)."
+    ),
+    kv: str = Option(
+        "f32,f16,q8", help="Cache modes (f32, f16, bf16, q8, q8-k, q8-v, q8h, q4, q4h, q7h, q6h, q5h)."
+    ),
     backend: str | None = Option(
         None, help="numba, numba-intdot, numba-int[16][:PATH], torch-sdpa, dequant-sdpa, triton"
     ),

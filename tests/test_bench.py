@@ -67,3 +67,24 @@ def test_bad_input():
 def test_prefill_read():
     res = ba.time_prefill_read("smollm2", history=64, chunk=8, reps=1)
     assert set(res) == {"f32", "f16", "q8"} and all(r > 0 and s > 0 for r, s in res.values())
+
+
+def test_gemma3_shape_times_4bit_k_with_the_8bit_query_kernel():
+    rows, _ = ba.run_attention_bench(
+        [64], ["gemma3"], ["q8", "q4h"], ["numba", "numba-int", "numba-int16"], reps=1, bw_bytes=2**20,
+        min_round_s=0.0, llc=1,
+    )  # fmt: skip
+    cells = {(r.mode, r.backend) for r in rows}
+    # the 16-bit query scores int8 K only; the 8-bit one int8 or 4-bit K
+    assert cells == {
+        ("q8", "numba"),
+        ("q8", "numba-int"),
+        ("q8", "numba-int16"),
+        ("q4h", "numba"),
+        ("q4h", "numba-int"),
+    }
+    # one KV head, 64 rows of K and V: q8 codes + f32 max_abs (as test_rows), q4h code pairs + an fp16
+    # scale per 32 values
+    hd = 256
+    per_row = {"q8": 2 * (hd + 4), "q4h": 2 * (hd // 2 + 2 * hd // 32)}
+    assert {r.mode: r.bytes_read for r in rows} == {m: 64 * b for m, b in per_row.items()}

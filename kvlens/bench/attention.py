@@ -48,7 +48,8 @@ from ..kv.modes import MODES, KVMode, StoreKind
 from .bandwidth import Bandwidth, MiB, llc_bytes, machine_line, measure_bandwidth, sync
 from .spread import OtherLoad, Spread, spread, spread_warning
 
-SHAPES: dict[str, tuple[int, int, int]] = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}  # heads, kv, hd
+# heads, KV heads, head_dim: SmolLM2-135M, Llama-3-8B, Gemma-3-270M
+SHAPES: dict[str, tuple[int, int, int]] = {"smollm2": (9, 3, 64), "8b": (32, 8, 128), "gemma3": (4, 1, 256)}
 CPU_BACKENDS = ("numba", "numba-intdot", "numba-int", "numba-int16", "torch-sdpa", "dequant-sdpa")
 ALL_BACKENDS = (*CPU_BACKENDS, "triton")
 
@@ -126,7 +127,9 @@ def make_call(backend: str, layers, q: torch.Tensor, ctx: int) -> Callable[[int]
     kinds, q3 = (layers[0][0].kind, layers[0][1].kind), q[:, None, :]
     spec = IntAttn.parse(backend)
     if spec is not None:
-        return (lambda i: decode_attention_int(q, *layers[i], ctx, spec=spec)) if kinds[0] == "q8" else None
+        return (
+            (lambda i: decode_attention_int(q, *layers[i], ctx, spec=spec)) if spec.scores(kinds[0]) else None
+        )
     calls = {
         "numba": lambda i: decode_attention(q, *layers[i], ctx),
         "numba-intdot": lambda i: decode_attention(q, *layers[i], ctx, int_dot=True),
@@ -180,7 +183,8 @@ def check_cells(
     here) and the device the triton backend runs on (None: nowhere)."""
     bad_mode = next((m for m in modes if m not in MODES or MODES[m].mirror), None)
     if bad_mode:
-        raise ValueError(f"mode {bad_mode!r}: bench attention takes f32, f16, bf16, q8, q8-k, q8-v")
+        named = ", ".join(m for m, mode in MODES.items() if not mode.mirror)
+        raise ValueError(f"mode {bad_mode!r}: bench attention takes {named}")
     if any(s not in SHAPES for s in shapes):
         raise ValueError(f"unknown shape in {shapes}; choose from {', '.join(SHAPES)}")
     tdev = triton_device()
