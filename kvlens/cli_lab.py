@@ -109,7 +109,10 @@ def lab_plan(
     corpus: str | None = opt.CORPUS,
     ctx: int = Option(512, min=4, help="Tokens per chunk; the second half of each is scored."),
     calib_chunks: int = Option(2, min=1, help="Chunks measuring per-layer sensitivity."),
-    heldout_chunks: int = Option(4, min=1, help="Later chunks verifying the recipe."),
+    heldout_chunks: int = Option(4, min=1, help="Other chunks verifying the recipe (after, or between)."),
+    calib_spread: bool = Option(
+        False, "--calib-spread/--calib-first", help="Calibration chunks spread through the text, or first."
+    ),
     candidates: str = Option("q8h,q4h", help="Kinds tried per layer for K and V (f16 is the fallback)."),
     per_head: bool = Option(True, "--per-head/--per-layer", help="Choose kinds per KV head or per layer."),
     calib_target: float = Option(1.0, help="Share of the budget the recipe may cost on calibration text."),

@@ -18,6 +18,12 @@ on held-out text.
    it: with ``reuse`` a choice then costs only the calibration checks, so a bytes-vs-budget curve
    takes one run per budget and only the chosen point needs the held-out passes.
 
+``calib_spread`` (``--calib-spread``): the calibration chunks are spread evenly through the first
+``calib + heldout`` chunks of the text (every third of twelve: 0, 3, 6, 9) and the held-out ones are
+the rest, so both samples cover the whole text; by default the calibration chunks come first and the
+held-out ones after them. Either way the two sets are disjoint. A text whose later parts are harder
+than its opening makes the first-chunks layout under-predict the held-out KLD.
+
 ``smooth_k`` (``--smooth-k``): K smoothing (:attr:`kvlens.kv.modes.KVMode.k_center`). The f32 passes
 over the calibration chunks give the mean post-RoPE key per (layer, KV head); every probe of 1, the
 choice's checks in 2 and the recipe verified in 3 carry those centers, and the recipe file holds them
@@ -31,7 +37,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..engine.llm import LLM
 from ..kv.modes import MODES, KVMode, StoreKind
@@ -74,6 +80,7 @@ class PlanConfig(KldBudget, CompareConfig):
     reuse: str | None = None  # a earlier ``lab plan --json`` output: its sensitivities, not measured again
     verify: bool = True  # run the held-out verification (False: choose and check on calibration text only)
     smooth_k: bool = True  # K smoothing: subtract the calibration's mean key per (layer, KV head)
+    calib_spread: bool = False  # calibration chunks spread through the text (else the first ones)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -214,6 +221,8 @@ class PlanResult:
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of each stage
     passes: int = 0  # calibration passes (sensitivity and choice), f32 base passes excluded
     smooth_k: bool = False  # K centers (the calibration's mean key) in every probe and the recipe
+    calib_index: list[int] = field(default_factory=list)  # the calibration chunks' places in the text
+    heldout_index: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "recipe"}
@@ -228,18 +237,28 @@ def sensitivity_key(text: str) -> tuple:
     return (*map(int, parts[:-2]), parts[-2], StoreKind(parts[-1]))
 
 
-def load_measurements(
-    path: str, model: str, corpus: str, ctx: int | None
-) -> tuple[dict[tuple, float], int, int, bool]:
-    """(sensitivity table, calibration chunks, ctx, smooth_k) of a ``lab plan --json`` output, refused
-    when it was measured on another model or corpus, or (``ctx`` given) another ctx. An output from
-    before K smoothing has ``smooth_k`` false."""
+class Measurements(NamedTuple):
+    """What a ``lab plan --json`` output measured: the sensitivity table, the calibration chunks'
+    places in the text (an output from before they were written: the first ``calib_chunks``), the
+    ctx, and whether with K smoothing (an output from before it: without)."""
+
+    table: dict[tuple, float]
+    calib_index: list[int]
+    ctx: int
+    smooth_k: bool
+
+
+def load_measurements(path: str, model: str, corpus: str, ctx: int | None) -> Measurements:
+    """A ``lab plan --json`` output's :class:`Measurements`, refused when it was measured on another
+    model or corpus, or (``ctx`` given) another ctx."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         table = {sensitivity_key(k): float(v) for k, v in data["sensitivity"].items()}
         got = (data["model"], data["corpus"], int(data["ctx"]))
-        calib = int(data["calib_chunks"])
+        index = [int(i) for i in data.get("calib_index") or range(int(data["calib_chunks"]))]
+        if not index or min(index) < 0 or len(set(index)) != len(index):
+            raise ValueError(f"calib_index {index} does not name distinct chunks")
         smooth = data.get("smooth_k", False)
         if not isinstance(smooth, bool):
             raise ValueError(f"smooth_k is {smooth!r}, not true or false")
@@ -249,18 +268,33 @@ def load_measurements(
         raise ValueError(
             f"{path} was measured on {got[0]}, {got[1]}, ctx {got[2]}; this run is {model}, {corpus}, ctx {ctx}"
         )
-    return table, calib, got[2], smooth
+    return Measurements(table, index, got[2], smooth)
 
 
-def plan_chunks(llm: LLM, text: str, cfg: PlanConfig) -> tuple[list[list[int]], list[list[int]]]:
-    """Calibration chunks, then the held-out chunks after them (disjoint text)."""
+def chunk_layout(calib: int, heldout: int, spread: bool) -> tuple[list[int], list[int]]:
+    """The calibration and held-out chunks' places among the text's first ``calib + heldout`` chunks:
+    the calibration ones first, or (``spread``) evenly through them; the held-out ones are the rest."""
+    need = calib + heldout
+    first = [i * need // calib for i in range(calib)] if spread else list(range(calib))
+    return first, [i for i in range(need) if i not in first]
+
+
+def plan_chunks(
+    llm: LLM, text: str, cfg: PlanConfig, calib_index: list[int] | None = None
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Calibration chunks and held-out chunks of the text (disjoint), as :func:`chunk_layout` places
+    them, or the calibration chunks at ``calib_index`` (a reused measurement's; no held-out ones)."""
     tok = llm.tokenizer
     bos = tok.bos_prefix[0] if tok.bos_prefix else None
     chunks = make_chunks(tok.encode(text), cfg.ctx, None, bos)
-    need = cfg.calib_chunks + cfg.heldout_chunks
+    if calib_index is None:
+        calib_index, held_index = chunk_layout(cfg.calib_chunks, cfg.heldout_chunks, cfg.calib_spread)
+    else:
+        held_index = []
+    need = max(calib_index + held_index) + 1
     if len(chunks) < need:
         raise ValueError(f"the corpus holds {len(chunks)} chunks of {cfg.ctx} tokens; the plan needs {need}")
-    return chunks[: cfg.calib_chunks], chunks[cfg.calib_chunks : need]
+    return [chunks[i] for i in calib_index], [chunks[i] for i in held_index]
 
 
 def verify(llm: LLM, chunks: list[list[int]], cfg: PlanConfig, recipe: KVMode) -> list[dict[str, Any]]:
@@ -307,12 +341,14 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     llm, _, text, label = load_compare(cfg)
     c = llm.config
     calib, held = plan_chunks(llm, text, cfg)
+    calib_index, heldout_index = chunk_layout(cfg.calib_chunks, cfg.heldout_chunks, cfg.calib_spread)
     t0 = time.perf_counter()
     if cfg.reuse:
-        table, n_calib, _, smooth = load_measurements(cfg.reuse, model_name(llm), label, cfg.ctx)
-        if n_calib != len(calib):
+        table, reused_index, _, smooth = load_measurements(cfg.reuse, model_name(llm), label, cfg.ctx)
+        if reused_index != calib_index:
             raise ValueError(
-                f"{cfg.reuse} was measured on {n_calib} calibration chunks; this run has {len(calib)}"
+                f"{cfg.reuse} was measured on calibration chunks {reused_index}; this run's are {calib_index} "
+                "(--calib-chunks, --heldout-chunks, --calib-spread)"
             )
         if smooth != cfg.smooth_k:
             said = ("with", "--smooth-k") if smooth else ("without", "--no-smooth-k")
@@ -331,7 +367,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
         model_name(llm), label, cfg.kld_budget, cfg.ctx, len(calib), len(held) if cfg.verify else 0, recipe,
         predicted, measured, rounds, c.n_kv_heads, bpt, bpt / _bytes(MODES["q8"], llm),
         sensitivity={".".join(map(str, key)): v for key, v in table.items()}, passes=sens.passes,
-        smooth_k=cfg.smooth_k,
+        smooth_k=cfg.smooth_k, calib_index=calib_index, heldout_index=heldout_index if cfg.verify else [],
     )  # fmt: skip
     result.seconds = {"sensitivity": t1 - t0, "choice": t2 - t1}
     if cfg.verify:
