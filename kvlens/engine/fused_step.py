@@ -11,7 +11,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.decode_step import ATTN_INT8, ATTN_INT16, FusedDecoder, StepShape, attention_kind, fused_stores
+from ..kernels.decode_step import (
+    ATTN_INT8,
+    ATTN_INT16,
+    FusedDecoder,
+    StepShape,
+    attention_kind,
+    fused_stores,
+    weight_tuple,
+)
 from ..kernels.q4int import Q4_VALUES
 from ..kernels.stage import CODE_Q4, CODE_Q8
 from ..kv.cache import KVCache, check_kv_finite
@@ -41,7 +49,10 @@ def fused_decoder(model: Transformer) -> FusedDecoder | None:
         if any(m is None for m in mats):
             return None
         bias = np.zeros(0, np.float32) if L.bqkv is None else L.bqkv.numpy()
-        layers.append((L.attn_norm.numpy(), L.ffn_norm.numpy(), cfg.rms_eps, mats[0], bias, *mats[1:]))
+        wqkv, wo, w_gate_up, w_down = map(weight_tuple, mats)
+        layers.append(
+            (L.attn_norm.numpy(), L.ffn_norm.numpy(), cfg.rms_eps, wqkv, bias, wo, w_gate_up, w_down)
+        )
     n_qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
     shape = StepShape(cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn, n_qkv)
     return FusedDecoder(layers, shape, PARALLEL_MIN_WORK)

@@ -10,9 +10,10 @@ same kernels run back to back inside one compiled function, on buffers allocated
   ``qkernels``, ``q8store``, the attention cores of ``cpu`` / ``cpu_int``) in the same order, and
   the glue (residual adds, 1/sqrt(d) into q, the 16-bit query) without fastmath, as numpy/torch do
   it — so logits are bit-identical to the unfused path (tested);
-* weights are tuples of the layer's numpy arrays, one layout per kind (:func:`matvec` picks the
-  kernel from the tuple's type at compile time); K/V stores likewise (:func:`store_row`: int8 rows
-  with scale and code sums, f32, or f16 bits);
+* weights and K/V stores are tuples of numpy arrays of one numba type whatever their kind
+  (:func:`weight_tuple`, :func:`store_tuple`), the kind read at run time (:func:`matvec`,
+  :func:`step_kv.store_row`): a model's weight kinds and a cache's stored kinds add no compiled
+  specializations (each is ~1 MB of machine code and ~12 s of compiling);
 * the compiled specialization is looked up once per signature (:class:`LayerCall`): calling the
   dispatcher would re-type ~30 arguments every layer, and a literal (the attention kind) every call.
 
@@ -30,7 +31,7 @@ import numpy as np
 from llvmlite import ir
 from numba import literally, njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from ..kv.modes import StoreKind
 from ..kv.quant import rotation_signs
@@ -52,22 +53,39 @@ from .threads import split_threads
 ATTN_FLOAT, ATTN_INT16, ATTN_INT8 = 0, 1, 2
 
 
-def matvec(w, x, out):  # pragma: no cover - replaced by the overload in compiled code
-    """``out [1, n] = x [1, k] @ W.T`` for a weight tuple ``w`` (see :func:`weight_arrays`)."""
-    raise NotImplementedError
+# the kinds of a weight tuple (:func:`weight_tuple`): one numba type for all, the kind read at run time
+W_F32, W_BF16, W_INT8, W_INT4 = 0, 1, 2, 3
+_NO_F32_2D, _NO_F32_3D = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0), np.float32)
+_NO_U16_3D, _NO_I8_3D, _NO_U8_3D = (np.zeros((0, 0, 0), t) for t in (np.uint16, np.int8, np.uint8))
 
 
-@overload(matvec)
-def _matvec(w, x, out):
-    if not isinstance(w, types.BaseTuple):
-        return None
-    if len(w) == 3:  # int4: packed codes, scales, mins
-        return lambda w, x, out: _mv_int4(x, w[0], w[1], w[2], out)
-    if len(w) == 2:  # int8: codes, scales
-        return lambda w, x, out: _mv_int8(x, w[0], w[1], out)
-    if w[0].dtype == types.uint16:  # bf16 bits
-        return lambda w, x, out: _mv_bf16(x, w[0], out)
-    return lambda w, x, out: _mv_f32(w[0], x, out)  # f32 [n, k]
+def weight_tuple(arrays: tuple[np.ndarray, ...]) -> tuple:
+    """A weight matrix's CPU kernel arrays (``(W,)`` for f32 ``[n, k]``, else
+    :attr:`kvlens.models.qlinear.QLinear.kernel_arrays`: bf16 bits; int8 codes, scales; int4 packed
+    codes, scales, mins) as the fused step's weight tuple (kind, f32 W, bf16 bits, int8 codes, int4
+    codes, scales, mins): the same numba type whatever the kind (the unused members empty), so the
+    weight kinds add no compiled specializations of the step."""
+    if len(arrays) == 3:
+        return (W_INT4, _NO_F32_2D, _NO_U16_3D, _NO_I8_3D, *arrays)
+    if len(arrays) == 2:
+        return (W_INT8, _NO_F32_2D, _NO_U16_3D, arrays[0], _NO_U8_3D, arrays[1], _NO_F32_3D)
+    if arrays[0].dtype == np.uint16:
+        return (W_BF16, _NO_F32_2D, arrays[0], _NO_I8_3D, _NO_U8_3D, _NO_F32_3D, _NO_F32_3D)
+    return (W_F32, arrays[0], _NO_U16_3D, _NO_I8_3D, _NO_U8_3D, _NO_F32_3D, _NO_F32_3D)
+
+
+@njit(cache=True)
+def matvec(w, x, out):  # pragma: no cover - compiled
+    """``out [1, n] = x [1, k] @ W.T`` for a weight tuple ``w`` (:func:`weight_tuple`)."""
+    kind = w[0]
+    if kind == W_INT4:
+        _mv_int4(x, w[4], w[5], w[6], out)
+    elif kind == W_INT8:
+        _mv_int8(x, w[3], w[5], out)
+    elif kind == W_BF16:
+        _mv_bf16(x, w[2], out)
+    else:
+        _mv_f32(w[1], x, out)
 
 
 # numba's own get/set_num_threads reach the threading layer through ctypes pointers, which numba
@@ -285,7 +303,7 @@ class FusedDecoder:
     """The layers of one-token decode steps as one :func:`decode_layer` call each.
 
     ``layers``: per layer (attn_norm, ffn_norm, eps, wqkv, bqkv, wo, w_gate_up, w_down) with numpy
-    arrays and weight tuples (:func:`matvec`). Scratch buffers live here, reused by every step (one
+    arrays and weight tuples (:func:`weight_tuple`). Scratch buffers live here, reused by every step (one
     decoder serves one step at a time)."""
 
     def __init__(self, layers: list[tuple], shape: StepShape, min_work: int) -> None:
