@@ -151,7 +151,7 @@ def _quantize_q16(q, inv_sqrt, q16, s16):  # pragma: no cover - compiled
 def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
     """Decode attention of ``q [H, d]`` (cpu / cpu_int's cores); ``at``: see :func:`decode_layer`."""
     k_code, v_code, inv_sqrt, length, n_splits, serial, tiles, table = at[:8]
-    qs, q16, s16, no_q8, no_sc, no_bsc, no_ksum, no_i32, q8, qp, qoff, q4s = buf
+    qs, q16, s16, no_q8, no_sc, no_ksum, no_i32, q8, qp, qoff, q4s = buf
     threads = _get_threads()
     if serial and threads > 1:
         _set_threads(1)
@@ -316,7 +316,7 @@ class FusedDecoder:
              np.empty((1, s.ffn), f32)),
             (np.empty((s.n_heads, s.head_dim), f32), np.empty((s.n_heads, s.head_dim), np.int16),
              np.empty(s.n_heads, f32), np.zeros((1, 1), np.int8), np.ones((1, 1), f32),
-             np.ones((1, 1, 1), np.uint16), _NO_KSUM, np.zeros((1, 1), np.int32),
+             _NO_KSUM, np.zeros((1, 1), np.int32),
              np.empty((s.n_heads, s.head_dim), np.int8), np.empty((s.n_heads, s.head_dim), np.int8),
              np.empty((s.n_heads, s.head_dim // 8), np.int32), np.empty((s.n_heads, s.head_dim // 8), f32)),
             self._rotation_buffers(),
