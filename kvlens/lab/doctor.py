@@ -179,7 +179,7 @@ def run_doctor(cfg: DoctorConfig) -> DoctorResult:
     candidates = usable([StoreKind.Q8H, StoreKind.Q4H], c.head_dim) or [StoreKind.Q8]
     pcfg = PlanConfig(model=cfg.model, corpus=cfg.corpus, kv="f32", ctx=ctx, calib_chunks=len(calib), heldout_chunks=0,
                       kld_budget=cfg.kld_budget, candidates=candidates)  # fmt: skip
-    chunks = plan_chunks(llm, text, pcfg, calib)[0]
+    chunks = plan_chunks(llm, text, pcfg, (calib, []))[0]
     # the f32 pass also captures the window's Q, K, V (and, for a smoothed plan's recipe, mean keys)
     sens = Sensitivity(llm, chunks, ctx, capture=True, smooth_k=smooth)
     findings = layout_findings(c.head_dim)

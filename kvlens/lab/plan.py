@@ -280,17 +280,14 @@ def chunk_layout(calib: int, heldout: int, spread: bool) -> tuple[list[int], lis
 
 
 def plan_chunks(
-    llm: LLM, text: str, cfg: PlanConfig, calib_index: list[int] | None = None
+    llm: LLM, text: str, cfg: PlanConfig, layout: tuple[list[int], list[int]] | None = None
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Calibration chunks and held-out chunks of the text (disjoint), as :func:`chunk_layout` places
-    them, or the calibration chunks at ``calib_index`` (a reused measurement's; no held-out ones)."""
+    """Calibration chunks and held-out chunks of the text (disjoint) at the places ``layout`` names
+    (calibration, held-out), by default :func:`chunk_layout`'s for ``cfg``."""
     tok = llm.tokenizer
     bos = tok.bos_prefix[0] if tok.bos_prefix else None
     chunks = make_chunks(tok.encode(text), cfg.ctx, None, bos)
-    if calib_index is None:
-        calib_index, held_index = chunk_layout(cfg.calib_chunks, cfg.heldout_chunks, cfg.calib_spread)
-    else:
-        held_index = []
+    calib_index, held_index = layout or chunk_layout(cfg.calib_chunks, cfg.heldout_chunks, cfg.calib_spread)
     need = max(calib_index + held_index) + 1
     if len(chunks) < need:
         raise ValueError(f"the corpus holds {len(chunks)} chunks of {cfg.ctx} tokens; the plan needs {need}")
@@ -340,8 +337,8 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     """Measure, choose, write ``cfg.out``, verify on held-out chunks (unless ``cfg.verify`` is off)."""
     llm, _, text, label = load_compare(cfg)
     c = llm.config
-    calib, held = plan_chunks(llm, text, cfg)
     calib_index, heldout_index = chunk_layout(cfg.calib_chunks, cfg.heldout_chunks, cfg.calib_spread)
+    calib, held = plan_chunks(llm, text, cfg, (calib_index, heldout_index))
     t0 = time.perf_counter()
     if cfg.reuse:
         table, reused_index, _, smooth = load_measurements(cfg.reuse, model_name(llm), label, cfg.ctx)
