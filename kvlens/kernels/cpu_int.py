@@ -10,11 +10,11 @@ The query is quantized once per call, then every K row is read as its int8 codes
 
 The K row scale is folded into the score, then softmax and P·V run as in the float kernel (same
 online softmax, V scale folded into the weights, Flash-Decoding splits and exact merge). Only the
-scores are integer; P·V stays f32 (the integer P·V of issue 14 is not built).
+scores are integer; P·V stays f32 unless ``pv8`` (weights as u8 per tile, exact int32 sums).
 
-A kernel family: one compiled core per (path, qbits) — both compile-time constants of the same
-source, cached on disk — built on first use: a path whose instructions the CPU lacks is never
-compiled (LLVM would fail with "Cannot select").
+A kernel family: one compiled core per path — a compile-time constant of the same source, cached
+on disk (``qbits`` and ``pv8`` are read at run time) — built on first use: a path whose instructions
+the CPU lacks is never compiled (LLVM would fail with "Cannot select").
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from numba import literally, njit, prange
+from numba import literally, njit, prange, types
 
 from ..kv.modes import StoreKind
 from . import flash, intdot, q4int
@@ -148,7 +148,7 @@ def quantize_query(q: np.ndarray, qbits: int, path: str, k4: bool = False) -> Qu
 @njit(fastmath=_FM, cache=True)
 def _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, hq0, group, sc):  # pragma: no cover - compiled
     """Raw scores (f32, 1/sqrt(hd) in) of tile rows t0..t0+nt for query heads hq0..hq0+group-1.
-    ``path``, ``qbits``: compile-time constants (one specialization per path: see :func:`_core`)."""
+    ``path``: a compile-time constant (one specialization per path: see :func:`_core`); ``qbits`` 8 or 16."""
     qu, q8, ls, bs, q16, s16, _, _ = qc
     hd = k8.shape[2]
     shifted = path <= 1  # vnni512 / vnni256: the query went in as q + 128
@@ -202,10 +202,11 @@ def _core(
     n_splits, out,
 ):  # pragma: no cover  # fmt: skip
     """cpu._decode_core with integer scores (and with ``pv8``, integer P.V); compiled once per
-    literal (path, qbits, pv8). ``tiles`` and ``table`` (a paged cache's block table; empty =
+    literal ``path`` (its instructions), ``qbits`` and ``pv8`` read at run time (one branch per tile,
+    the same every tile: a quarter of the compiling of one specialization each). ``tiles`` and ``table`` (a paged cache's block table; empty =
     contiguous) as there. ``k_code``: CODE_Q8, or CODE_Q4 (scores by :func:`.q4int.score_tile_q4`,
     ``k_bsc`` its fp16 block-scale bits; 8-bit query only)."""
-    path, qbits, pv8 = literally(path), literally(qbits), literally(pv8)
+    path = literally(path)
     n_heads, hd = out.shape
     k8 = k.view(np.int8)
     group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.split_plan(
@@ -238,19 +239,21 @@ def _core(
     flash.merge(part_acc, part_m, part_l, n_splits, group, out)
 
 
-_ENTRY: dict[tuple[int, int, int], object] = {}
+_ENTRY: dict[int, object] = {}
 
 
 def _compiled_core(args: tuple):
-    """The compiled specialization of :func:`_core` for ``args``' literal (path, qbits). Calling the
+    """The compiled specialization of :func:`_core` for ``args``' literal path. Calling the
     dispatcher itself would re-run literal typing on every call (~0.1 s); the entry point does not."""
-    key = args[:3]
-    if key not in _ENTRY:
+    path = args[0]
+    if path not in _ENTRY:
         _core(*args)  # compiles (or loads from the disk cache) the specialization, and runs it once
         for sig, cres in _core.overloads.items():
-            if tuple(t.literal_value for t in sig[:3]) == key:
-                _ENTRY[key] = cres.entry_point
-    return _ENTRY[key]
+            # the one typed from Python: qbits and pv8 plain integers (a jitted caller's constants
+            # may have typed others with literal values folded in)
+            if sig[0].literal_value == path and not isinstance(sig[1], types.Literal):
+                _ENTRY[path] = cres.entry_point
+    return _ENTRY[path]
 
 
 _NO_KSUM = np.zeros((1, 1, 1), np.int16)
