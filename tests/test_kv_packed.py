@@ -24,7 +24,8 @@ from kvlens.kv.modes import MODES, KVMode, StoreKind
 from kvlens.kv.nbit import pack_bits, store_packed, unpack_bits
 from kvlens.kv.quant import quantize_q8
 from kvlens.kv.recipe import load_recipe, save_recipe
-from kvlens.lab.plan import PlanConfig, choose
+from kvlens.lab.plan import PlanConfig
+from kvlens.lab.recipe_search import choose
 
 TINY_MODEL = ("qwen3", 3)  # conftest's tiny_dir / tiny: 2 layers, 2 KV heads, head_dim 32
 PACKED = ["q7h", "q6h", "q5h"]

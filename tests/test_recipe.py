@@ -13,7 +13,8 @@ import torch
 import kvlens
 from kvlens.kv.modes import MODES, KVMode, StoreKind
 from kvlens.kv.recipe import RecipeError, load_recipe, recipe_mode, save_recipe
-from kvlens.lab.plan import SEARCH_ROUNDS, Checked, PlanConfig, choose, run_plan, search_working_budget
+from kvlens.lab.plan import PlanConfig, run_plan
+from kvlens.lab.recipe_search import SEARCH_ROUNDS, Checked, choose, search_working_budget
 
 F16, Q8H, Q4H, F32 = StoreKind.F16, StoreKind.Q8H, StoreKind.Q4H, StoreKind.F32
 

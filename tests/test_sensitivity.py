@@ -11,8 +11,9 @@ import torch
 
 from kvlens.kv.modes import StoreKind
 from kvlens.lab.doctor import DoctorConfig, run_doctor
-from kvlens.lab.plan import SEARCH_ROUNDS, PlanConfig, choice_mode, choose, run_plan
+from kvlens.lab.plan import PlanConfig, run_plan
 from kvlens.lab.ppl import BaseLogProbs, chunk_metrics, scored_logits, scored_span
+from kvlens.lab.recipe_search import SEARCH_ROUNDS, choice_mode, choose
 from kvlens.lab.sensitivity import Sensitivity, kld_rows, probe_mode
 
 Q4H, Q8H = StoreKind.Q4H, StoreKind.Q8H

@@ -197,6 +197,62 @@ def check_cells(
     return backends, tdev
 
 
+def _time_shape(shape, ctx, modes, backends, devices, tdev, reps, min_round_s, llc, mem_gib):
+    """Build each device's layer caches for one (shape, ctx) and time every (mode, backend) cell:
+    (times per cell, layers per cell, device per cell)."""
+    n_heads, n_kv, hd = SHAPES[shape]
+    cpu = torch.device("cpu")
+    # torch-sdpa is the baseline of every row: it needs the f32 cache even if f32 is not listed
+    store_modes = modes + (["f32"] if "torch-sdpa" in backends and "f32" not in modes else [])
+    cells, n_layers, device_of, stores = {}, {}, {}, {}
+    for dev in devices:
+        dev_llc = llc or (
+            torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else llc_bytes()
+        )
+        dev_modes = store_modes if dev.type == "cpu" else modes
+        plan = plan_layers(dev_modes, n_kv, ctx, hd, dev_llc, mem_gib)
+        for m in dev_modes:
+            stores[dev.type, m] = build_layers(m, plan[m], n_kv, ctx, hd, dev)
+    q = torch.randn(n_heads, hd, generator=torch.Generator().manual_seed(1))
+    for m in store_modes:
+        for b in backends:
+            if m not in modes and b != "torch-sdpa":
+                continue
+            dev = tdev if b == "triton" else cpu
+            call = make_call(b, stores[dev.type, m], q.to(dev), ctx)
+            if call is not None:
+                cells[m, b] = call
+                n_layers[m, b] = len(stores[dev.type, m])
+                device_of[m, b] = dev
+    return time_cells(cells, n_layers, reps, device_of, min_round_s), n_layers, device_of
+
+
+def _rows(shape, ctx, modes, times, n_layers, device_of, bandwidth, threads) -> list[AttnRow]:
+    """One row per timed cell of a listed mode: best µs, GB/s against the device's bandwidth, and
+    the speed-ups over f32 torch SDPA and over dequantize-then-SDPA of the same mode."""
+    _, n_kv, hd = SHAPES[shape]
+    best = {key: min(ts) for key, ts in times.items()}
+    sdpa = best.get(("f32", "torch-sdpa"))
+    rows = []
+    for (m, b), ts in times.items():
+        if m not in modes:
+            continue
+        t = best[m, b]
+        nbytes = layer_bytes(m, n_kv, ctx, hd)
+        bw = bandwidth[device_of[m, b].type]
+        base = best.get((m, "dequant-sdpa")) if m != "f32" else sdpa
+        gbs = nbytes / t / 1e9
+        rows.append(
+            AttnRow(
+                shape, ctx, m, b, 1e6 * t, 1e6 * spread(ts).median, 1e6 * max(ts), nbytes, gbs,
+                gbs / bw.copy_gb_per_s, gbs / bw.read_gb_per_s,
+                sdpa / t if sdpa else None, base / t if base else None,
+                n_layers[m, b], threads, device_of[m, b].type,
+            )
+        )  # fmt: skip
+    return rows
+
+
 def run_attention_bench(
     contexts: list[int],
     shapes: list[str],
@@ -214,8 +270,7 @@ def run_attention_bench(
 
     ``llc`` overrides the last-level cache size the working set is sized from (tests: 1 = one layer)."""
     backends, tdev = check_cells(modes, shapes, backends)
-    cpu = torch.device("cpu")
-    devices = {cpu} | ({tdev} if "triton" in backends else set())
+    devices = {torch.device("cpu")} | ({tdev} if "triton" in backends else set())
     bandwidth = dict(bandwidth or {})
     for dev in devices:
         if dev.type not in bandwidth:
@@ -223,50 +278,10 @@ def run_attention_bench(
     threads = numba.get_num_threads()
     rows: list[AttnRow] = []
     for shape in shapes:
-        n_heads, n_kv, hd = SHAPES[shape]
         for ctx in contexts:
-            # torch-sdpa is the baseline of every row: it needs the f32 cache even if f32 is not listed
-            store_modes = modes + (["f32"] if "torch-sdpa" in backends and "f32" not in modes else [])
-            cells, n_layers, device_of, stores = {}, {}, {}, {}
-            for dev in devices:
-                dev_llc = llc or (
-                    torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else llc_bytes()
-                )
-                dev_modes = store_modes if dev.type == "cpu" else modes
-                plan = plan_layers(dev_modes, n_kv, ctx, hd, dev_llc, mem_gib)
-                for m in dev_modes:
-                    stores[dev.type, m] = build_layers(m, plan[m], n_kv, ctx, hd, dev)
-            q = torch.randn(n_heads, hd, generator=torch.Generator().manual_seed(1))
-            for m in store_modes:
-                for b in backends:
-                    if m not in modes and b != "torch-sdpa":
-                        continue
-                    dev = tdev if b == "triton" else cpu
-                    call = make_call(b, stores[dev.type, m], q.to(dev), ctx)
-                    if call is not None:
-                        cells[m, b] = call
-                        n_layers[m, b] = len(stores[dev.type, m])
-                        device_of[m, b] = dev
-            times = time_cells(cells, n_layers, reps, device_of, min_round_s)
-            del cells, stores
-            best = {key: min(ts) for key, ts in times.items()}
-            sdpa = best.get(("f32", "torch-sdpa"))
-            for (m, b), ts in times.items():
-                if m not in modes:
-                    continue
-                t = best[m, b]
-                nbytes = layer_bytes(m, n_kv, ctx, hd)
-                bw = bandwidth[device_of[m, b].type]
-                base = best.get((m, "dequant-sdpa")) if m != "f32" else sdpa
-                gbs = nbytes / t / 1e9
-                rows.append(
-                    AttnRow(
-                        shape, ctx, m, b, 1e6 * t, 1e6 * spread(ts).median, 1e6 * max(ts), nbytes, gbs,
-                        gbs / bw.copy_gb_per_s, gbs / bw.read_gb_per_s,
-                        sdpa / t if sdpa else None, base / t if base else None,
-                        n_layers[m, b], threads, device_of[m, b].type,
-                    )
-                )  # fmt: skip
+            times, n_layers, device_of = _time_shape(shape, ctx, modes, backends, devices, tdev, reps,
+                                                     min_round_s, llc, mem_gib)  # fmt: skip
+            rows += _rows(shape, ctx, modes, times, n_layers, device_of, bandwidth, threads)
             if progress:
                 progress(f"{shape} ctx {ctx} done")
     return rows, bandwidth

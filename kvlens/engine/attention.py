@@ -17,7 +17,7 @@ Backends:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -195,6 +195,34 @@ def _refuse_packed(backend: str, cache: KVCache | PagedKV) -> None:
         )
 
 
+def _check_int_backend(backend: str, cache: KVCache | PagedKV) -> None:
+    """Refuse an integer backend (numba-int...) over a cache whose K it cannot score."""
+    spec = IntAttn.parse(backend)
+    if spec is None:
+        return
+    _refuse_packed(backend, cache)
+    if not all(spec.scores(ks.kind) for ks in cache.k):
+        four = ", or 4-bit with numba-int (q4, q4h)" if spec.qbits == 8 and not spec.pv8 else ""
+        raise BackendError(
+            f"the {backend} backend needs an int8 K cache (q8, q8h, q8-k, q8+mirror){four}, not {cache.mode.name}"
+        )
+
+
+def _windowed_step(
+    cache: KVCache, layer: int, q: torch.Tensor, start: int, win: int, kernel: Callable | None
+) -> torch.Tensor:
+    """A windowed decode step reads only the rows its window reaches, not all of them: with a CPU
+    ``kernel`` exactly those (a query at end - 1 sees positions end - win ..), on torch a block more
+    (the mask selects)."""
+    end = start + 1
+    if kernel is not None and cache.k[layer].data.device.type == "cpu":
+        ks, vs = cache.k[layer].span(end - win, end), cache.v[layer].span(end - win, end)
+        return kernel(q[:, 0], ks, vs, win).unsqueeze(1)
+    lo = max(0, end - win - BLOCK)
+    k_win, v_win = cache.k[layer].read(lo, end), cache.v[layer].read(lo, end)
+    return sdpa_attention(q, k_win, v_win, torch.arange(start - lo, end - lo, device=q.device), win)
+
+
 def make_attend(
     cache: KVCache | PagedKV,
     prefill: bool,
@@ -211,14 +239,7 @@ def make_attend(
     only the selected blocks: the fused kernels read just those blocks, the torch path masks the rest.
     """
     kernel = _fused_kernel(backend)
-    spec = IntAttn.parse(backend)
-    if spec is not None:
-        _refuse_packed(backend, cache)
-    if spec is not None and not all(spec.scores(ks.kind) for ks in cache.k):
-        four = ", or 4-bit with numba-int (q4, q4h)" if spec.qbits == 8 and not spec.pv8 else ""
-        raise BackendError(
-            f"the {backend} backend needs an int8 K cache (q8, q8h, q8-k, q8+mirror){four}, not {cache.mode.name}"
-        )
+    _check_int_backend(backend, cache)
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
     use_kernel = kernel is not None and not cache.options.keeps_exact
     windows = window if isinstance(window, Sequence) else None
@@ -256,15 +277,7 @@ def make_attend(
             and blocks is None
             and not (paged or split or cache.options.keeps_exact)
         ):
-            # a windowed decode step reads only the rows its window reaches, not all `end` rows: on
-            # the CPU kernels exactly those (a query at end - 1 sees positions end - win ..), on torch
-            # a block more (the mask selects)
-            if use_kernel and cache.k[layer].data.device.type == "cpu":
-                ks, vs = cache.k[layer].span(end - win, end), cache.v[layer].span(end - win, end)
-                return kernel(q[:, 0], ks, vs, win).unsqueeze(1)
-            lo = max(0, end - win - BLOCK)
-            k_win, v_win = cache.k[layer].read(lo, end), cache.v[layer].read(lo, end)
-            return sdpa_attention(q, k_win, v_win, torch.arange(start - lo, end - lo, device=q.device), win)
+            return _windowed_step(cache, layer, q, start, win, kernel if use_kernel else None)
         k_all, v_all = cache.read(layer, end, prefill=prefill)
         q_pos = torch.arange(start, end, device=q.device)
         kv_mask = None if blocks is None else blocks_to_mask(blocks, end, BLOCK)

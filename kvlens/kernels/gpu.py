@@ -103,6 +103,27 @@ def _block_lists(
     return selected, page, n_sel
 
 
+def _check_call(
+    q: torch.Tensor, k_store, v_store, length: int, block_n: int, table: torch.Tensor | None
+) -> None:
+    """Refuse shapes, lengths and block sizes the kernel cannot read, and a CPU run outside the interpreter."""
+    k, v = k_store.data, v_store.data
+    n_kv, cap = k.shape[:2]
+    hd, n_heads = k_store.head_dim, q.shape[0]
+    if q.shape != (n_heads, hd) or n_heads % n_kv or v.shape[:2] != k.shape[:2] or v_store.head_dim != hd:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("K/V rows must be contiguous")
+    if not 1 <= length <= (cap if table is None else BLOCK * len(table)):
+        raise ValueError(f"length {length} outside [1, cap={cap}] or the block table")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError("block_n must be a power of 2 >= 16")
+    if k.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise TritonUnavailableError(
+            "Triton kernels need a GPU, or TRITON_INTERPRET=1 for the CPU interpreter"
+        )
+
+
 def decode_attention_triton(
     q: torch.Tensor,
     k_store,
@@ -124,22 +145,11 @@ def decode_attention_triton(
     the stores; ``blocks`` then name logical blocks), read in place.
     """
     kernel = _kernels()
+    _check_call(q, k_store, v_store, length, block_n, table)
     k, v = k_store.data, v_store.data
     n_kv, cap = k.shape[:2]
     hd = k_store.head_dim
     n_heads = q.shape[0]
-    if q.shape != (n_heads, hd) or n_heads % n_kv or v.shape[:2] != k.shape[:2] or v_store.head_dim != hd:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("K/V rows must be contiguous")
-    if not 1 <= length <= (cap if table is None else BLOCK * len(table)):
-        raise ValueError(f"length {length} outside [1, cap={cap}] or the block table")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError("block_n must be a power of 2 >= 16")
-    if k.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise TritonUnavailableError(
-            "Triton kernels need a GPU, or TRITON_INTERPRET=1 for the CPU interpreter"
-        )
     group = n_heads // n_kv
     g_pad, d_pad = _next_pow2(group, 16), _next_pow2(hd, 16)
     dev = k.device

@@ -37,7 +37,8 @@ from ..kv.modes import StoreKind
 from ..kv.recipe import mix, recipe_json, recipe_mode
 from ..report import md_table, print_table, write_markdown
 from .common import LabConfig, load_lab, model_name
-from .plan import KldBudget, PlanConfig, choose_verified, load_measurements, plan_chunks
+from .plan import KldBudget, PlanConfig, load_measurements, plan_chunks
+from .recipe_search import choose_verified
 from .sensitivity import Sensitivity
 
 OUTLIER_RATIO = 6.0

@@ -133,6 +133,64 @@ def check_structure(cfg: ModelConfig, found: Shapes, label: Callable[[str], str]
             )
 
 
+class _Getter:
+    """Tensors by HF name, on the target device and dtype, with the loader's errors."""
+
+    def __init__(self, get, dtype, device, mode_for, get_codes) -> None:
+        self.get, self.dtype, self.device = get, dtype, device
+        self.codes = get_codes or (lambda _name: None)
+        self._matrix = None if mode_for is None else make_matrix(mode_for, self.need, self.codes, device)
+
+    def need(self, name: str) -> torch.Tensor:
+        t = self.get(name)
+        if t is None:
+            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def opt(self, name: str) -> torch.Tensor | None:
+        t = self.get(name)
+        return None if t is None else t.to(device=self.device, dtype=self.dtype)
+
+    def matrix(self, names: list[str]) -> Matrix:
+        if self._matrix is not None:
+            return self._matrix(names)
+        return (
+            torch.cat([self.need(n) for n in names]).contiguous() if len(names) > 1 else self.need(names[0])
+        )
+
+    def checked(self, what: str, names: list[str], shape: tuple[int, int]) -> Matrix:
+        w = self.matrix(names)
+        if tuple(w.shape) != shape:
+            raise ModelLoadError(f"{what} has shape {tuple(w.shape)}, config implies {shape}")
+        return w
+
+
+def _layer_weights(cfg: ModelConfig, i: int, g: _Getter) -> LayerWeights:
+    p = f"model.layers.{i}."
+    biases = [g.opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+    bqkv = torch.cat(biases) if cfg.qkv_bias and all(b is not None for b in biases) else None
+    if cfg.qkv_bias and bqkv is None:
+        raise ModelLoadError(f"layer {i}: {cfg.arch} needs q/k/v biases, the checkpoint lacks them")
+    qkv_rows = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    return LayerWeights(
+        attn_norm=g.need(p + "input_layernorm.weight"),
+        wqkv=g.checked(
+            f"layer {i} q/k/v_proj (fused)",
+            [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+            (qkv_rows, cfg.hidden),
+        ),
+        bqkv=bqkv,
+        wo=g.matrix([p + "self_attn.o_proj.weight"]),
+        q_norm=g.need(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+        k_norm=g.need(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+        ffn_norm=g.need(p + ffn_norm_name(cfg)),
+        w_gate_up=g.matrix([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+        w_down=g.matrix([p + "mlp.down_proj.weight"]),
+        post_attn_norm=g.need(p + POST_ATTN_NORM) if cfg.sandwich_norms else None,
+        post_ffn_norm=g.need(p + POST_FFN_NORM) if cfg.sandwich_norms else None,
+    )
+
+
 def build_weights(
     cfg: ModelConfig,
     get: Callable[[str], torch.Tensor | None],
@@ -147,68 +205,18 @@ def build_weights(
     (bf16/int8/int4, :mod:`.qlinear`); ``get_codes(name)`` may hand over already-quantized codes
     (repacked GGUF blocks), which ``get`` then need not return.
     """
-
-    def need(name: str) -> torch.Tensor:
-        t = get(name)
-        if t is None:
-            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
-        return t.to(device=device, dtype=dtype)
-
-    def opt(name: str) -> torch.Tensor | None:
-        t = get(name)
-        return None if t is None else t.to(device=device, dtype=dtype)
-
-    codes = get_codes or (lambda _name: None)
-    if mode_for is None:
-
-        def matrix(names: list[str]) -> Matrix:
-            return torch.cat([need(n) for n in names]).contiguous() if len(names) > 1 else need(names[0])
-
-    else:
-        matrix = make_matrix(mode_for, need, codes, device)
-
-    def checked(what: str, names: list[str], shape: tuple[int, int]) -> Matrix:
-        w = matrix(names)
-        if tuple(w.shape) != shape:
-            raise ModelLoadError(f"{what} has shape {tuple(w.shape)}, config implies {shape}")
-        return w
-
-    layers = []
-    d = cfg.head_dim
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-        bqkv = torch.cat(biases) if cfg.qkv_bias and all(b is not None for b in biases) else None
-        if cfg.qkv_bias and bqkv is None:
-            raise ModelLoadError(f"layer {i}: {cfg.arch} needs q/k/v biases, the checkpoint lacks them")
-        qkv_rows = (cfg.n_heads + 2 * cfg.n_kv_heads) * d
-        layers.append(
-            LayerWeights(
-                attn_norm=need(p + "input_layernorm.weight"),
-                wqkv=checked(
-                    f"layer {i} q/k/v_proj (fused)",
-                    [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
-                    (qkv_rows, cfg.hidden),
-                ),
-                bqkv=bqkv,
-                wo=matrix([p + "self_attn.o_proj.weight"]),
-                q_norm=need(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
-                k_norm=need(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
-                ffn_norm=need(p + ffn_norm_name(cfg)),
-                w_gate_up=matrix([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                w_down=matrix([p + "mlp.down_proj.weight"]),
-                post_attn_norm=need(p + POST_ATTN_NORM) if cfg.sandwich_norms else None,
-                post_ffn_norm=need(p + POST_FFN_NORM) if cfg.sandwich_norms else None,
-            )
-        )
-    embed = checked("embedding", ["model.embed_tokens.weight"], (cfg.vocab, cfg.hidden))
+    g = _Getter(get, dtype, device, mode_for, get_codes)
+    layers = [_layer_weights(cfg, i, g) for i in range(cfg.n_layers)]
+    embed = g.checked("embedding", ["model.embed_tokens.weight"], (cfg.vocab, cfg.hidden))
     lm_head = embed  # tied (some checkpoints tie without saying so)
-    if not cfg.tied_embeddings and (get("lm_head.weight") is not None or codes("lm_head.weight") is not None):
-        lm_head = matrix(["lm_head.weight"])
+    if not cfg.tied_embeddings and (
+        get("lm_head.weight") is not None or g.codes("lm_head.weight") is not None
+    ):
+        lm_head = g.matrix(["lm_head.weight"])
     factors = get("rope_freqs")
     return Weights(
         embed=embed,
-        norm=need("model.norm.weight"),
+        norm=g.need("model.norm.weight"),
         lm_head=lm_head,
         layers=layers,
         rope_freq_factors=None if factors is None else factors.to(device=device, dtype=torch.float32),

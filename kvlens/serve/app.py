@@ -10,7 +10,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -154,6 +154,27 @@ class _Shapes:
         yield "data: [DONE]\n\n"
 
 
+def _authorizer(api_key: str | None) -> Callable[[Request], None]:
+    """The endpoints' dependency: with an API key, a request must carry it as a Bearer token."""
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+
+    return authorize
+
+
+def _check_model(name: str, served: str) -> None:
+    if name != served:
+        raise APIError(
+            404, f"The model '{name}' does not exist; this server has '{served}'",
+            code="model_not_found", param="model",
+        )  # fmt: skip
+
+
 def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
     """The server around an engine; the engine thread runs for the app's lifespan."""
     aengine = AsyncEngine(engine)
@@ -169,19 +190,7 @@ def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
     app = FastAPI(title="kvlens", lifespan=lifespan)
     _install_error_handlers(app, metrics)
 
-    def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
-
-    def check_model(name: str) -> None:
-        if name != config.model_name:
-            raise APIError(
-                404, f"The model '{name}' does not exist; this server has '{config.model_name}'",
-                code="model_not_found", param="model",
-            )  # fmt: skip
+    authorize = _authorizer(config.api_key)
 
     async def respond(request: Request, shapes: _Shapes, job: Job, body: Any) -> Response:
         if body.stream:
@@ -205,7 +214,7 @@ def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        _check_model(body.model, config.model_name)
         tok = llm.tokenizer
         ids = list(body.prompt) if isinstance(body.prompt, list) else tok.encode(body.prompt)
         job = await runner.submit("completions", new_id("cmpl"), ids, body.max_tokens, body, body.logprobs)
@@ -213,7 +222,7 @@ def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat(body: ChatRequest, request: Request) -> Response:
-        check_model(body.model)
+        _check_model(body.model, config.model_name)
         messages = [m.for_template() for m in body.messages]
         try:  # the template writes any BOS itself
             ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_bos=False)
