@@ -246,3 +246,22 @@ def test_packed_kinds_run_the_general_path(tiny_dirs, kv):
     assert spy.calls == 0 and all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))
     decode_steps(llm, list(range(3, 30)), "q8h", 2, True)
     assert spy.calls == 2
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("backend, kv", [("numba", "q8"), ("numba-int16", "q8"), ("numba-int", "q4")])
+def test_fused_and_general_paths_share_the_compiled_core(tmp_path, backend, kv):
+    """The fused step calls the attention core the general path calls (cpu._decode_core, or
+    cpu_int._core whose only compile-time argument is the CPU path), not a second specialization
+    typed from literal flags: each one costs every process 15-20 s more of compiling."""
+    from numba import types
+
+    from kvlens.kernels import cpu, cpu_int
+
+    write_hf("llama", tmp_path, seed=7, hidden_size=256, num_attention_heads=4)  # head_dim 64: every kernel
+    llm = kvlens.load(tmp_path, kv=kv, weights="f32", attn_backend=backend)
+    assert_same_steps(llm, list(range(3, 40)), kv, steps=2)
+    core, n_literal = (cpu._decode_core, 0) if backend == "numba" else (cpu_int._core, 1)
+    assert core.overloads
+    for sig in core.overloads:
+        assert not any(isinstance(t, types.Literal) for t in sig[n_literal:]), sig

@@ -149,7 +149,9 @@ def _quantize_q16(q, inv_sqrt, q16, s16):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
-    """Decode attention of ``q [H, d]`` (cpu / cpu_int's cores); ``at``: see :func:`decode_layer`."""
+    """Decode attention of ``q [H, d]`` (cpu / cpu_int's cores); ``at``: see :func:`decode_layer`.
+    The cores' flags go in as np.int64 / np.bool_ values, not literal constants: a literal would type a
+    second specialization of the core beside the one the Python callers use (each 15-20 s to compile)."""
     k_code, v_code, inv_sqrt, length, n_splits, serial, tiles, table = at[:8]
     qs, q16, s16, no_q8, no_sc, no_ksum, no_i32, q8, qp, qoff, q4s = buf
     threads = _get_threads()
@@ -161,17 +163,17 @@ def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
         for hq in range(q.shape[0]):
             for d in range(q.shape[1]):
                 qs[hq, d] = q[hq, d] * inv_sqrt
-        _decode_core(qs, no_q8, no_sc, False, k_raw, k_code, k_scale, k_bsc, v_raw, v_code, v_scale, v_bsc,
+        _decode_core(qs, no_q8, no_sc, np.bool_(False), k_raw, k_code, k_scale, k_bsc, v_raw, v_code, v_scale, v_bsc,
                      length, tiles, table, n_splits, out)  # fmt: skip
     elif kind == ATTN_INT8:
         quantize_query_q4(q, inv_sqrt, q8, qp, qoff, q4s)
         codes = (no_q8.view(np.uint8), no_q8, q4s, no_sc, q16, s16, qp, qoff)
-        _int_core(path, 8, 0, codes, k_raw, k_code, k_scale, k_bsc, no_ksum, v_raw, v_code, v_scale, v_bsc, length,
+        _int_core(path, np.int64(8), np.int64(0), codes, k_raw, k_code, k_scale, k_bsc, no_ksum, v_raw, v_code, v_scale, v_bsc, length,
                   tiles, table, n_splits, out)  # fmt: skip
     else:
         _quantize_q16(q, inv_sqrt, q16, s16)
         codes = (no_q8.view(np.uint8), no_q8, no_sc, no_sc, q16, s16, no_q8, no_i32)
-        _int_core(path, 16, 0, codes, k_raw, k_code, k_scale, k_bsc, no_ksum, v_raw, v_code, v_scale, v_bsc, length,
+        _int_core(path, np.int64(16), np.int64(0), codes, k_raw, k_code, k_scale, k_bsc, no_ksum, v_raw, v_code, v_scale, v_bsc, length,
                   tiles, table, n_splits, out)  # fmt: skip
     if serial and threads > 1:
         _set_threads(threads)
