@@ -271,12 +271,8 @@ def make_attend(
             run = functools.partial(split_kernel, kernel) if isinstance(ks, HeadSplitStore) else kernel
             return run(q[:, 0], ks, vs, end, blocks=blocks, table=table).unsqueeze(1)
         split = isinstance(cache.k[layer], HeadSplitStore) or isinstance(cache.v[layer], HeadSplitStore)
-        if (
-            decode
-            and win is not None
-            and blocks is None
-            and not (paged or split or cache.options.keeps_exact)
-        ):
+        contiguous_rows = not (paged or split or cache.options.keeps_exact)
+        if decode and win is not None and blocks is None and contiguous_rows:
             return _windowed_step(cache, layer, q, start, win, kernel if use_kernel else None)
         k_all, v_all = cache.read(layer, end, prefill=prefill)
         q_pos = torch.arange(start, end, device=q.device)

@@ -41,6 +41,23 @@ def _fmt(p: dict[str, Any], key: str, short: bool = False) -> str:
     return f"{s} ± {sd:.2g}"
 
 
+# the one-point table: (label, measured key, predicted key or None)
+_POINT_ROWS = (
+    ("max|Δ|", "max_abs_diff", None),
+    ("mean|Δ|", "mean_abs_diff", "predicted_mean_abs_diff"),
+    ("rel L2 ‖Δ‖/‖out‖", "rel_l2", "predicted_rel_l2"),
+    ("cosine(out_f, out_q)", "cosine", None),
+    ("mean signed Δ", "mean_signed_diff", None),
+    ("  t-statistic (pooled)", "signed_t", None),
+    ("  fraction Δ > 0", "frac_positive", None),
+    ("K step mean", "k_step_mean", None),
+    ("V step mean", "v_step_mean", None),
+    ("KL(w ‖ ŵ) attention weights", "kl_weights", None),
+    ("effective keys 1/Σw²", "eff_keys", None),
+    ("rms(out_f)", "out_rms", None),
+)
+
+
 def render(result: UnitResult, console: Any = None) -> None:
     """Print the seed line(s) and a table (rows = metrics for one point; one row per L for sweeps)."""
     from rich.console import Console
@@ -67,20 +84,7 @@ def render(result: UnitResult, console: Any = None) -> None:
         t = Table(title=title)
         for col in ("metric", "measured", "predicted (1st order)"):
             t.add_column(col)
-        rows = [
-            ("max|Δ|", "max_abs_diff", None),
-            ("mean|Δ|", "mean_abs_diff", "predicted_mean_abs_diff"),
-            ("rel L2 ‖Δ‖/‖out‖", "rel_l2", "predicted_rel_l2"),
-            ("cosine(out_f, out_q)", "cosine", None),
-            ("mean signed Δ", "mean_signed_diff", None),
-            ("  t-statistic (pooled)", "signed_t", None),
-            ("  fraction Δ > 0", "frac_positive", None),
-            ("K step mean", "k_step_mean", None),
-            ("V step mean", "v_step_mean", None),
-            ("KL(w ‖ ŵ) attention weights", "kl_weights", None),
-            ("effective keys 1/Σw²", "eff_keys", None),
-            ("rms(out_f)", "out_rms", None),
-        ]
+        rows = list(_POINT_ROWS)
         if "kernel_rel_l2" in p:
             rows.append((f"rel L2 {c.attn_backend} vs reference, same K/V", "kernel_rel_l2", None))
         for label, key, pred in rows:
