@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import numba
 import torch
@@ -197,20 +198,39 @@ def check_cells(
     return backends, tdev
 
 
-def _time_shape(shape, ctx, modes, backends, devices, tdev, reps, min_round_s, llc, mem_gib):
-    """Build each device's layer caches for one (shape, ctx) and time every (mode, backend) cell:
-    (times per cell, layers per cell, device per cell)."""
+@dataclass(frozen=True)
+class _Sizing:
+    """Rounds, least seconds per round, LLC size the working set fits (None: the device's), cache cap."""
+
+    reps: int
+    min_round_s: float
+    llc: int | None
+    mem_gib: float
+
+
+class _Timed(NamedTuple):
+    """One (shape, ctx)'s cells, per (mode, backend): seconds per round, layers swept, device."""
+
+    times: dict
+    n_layers: dict
+    device_of: dict
+
+
+def _time_shape(
+    shape: str, ctx: int, modes: list[str], backends: list[str], devices: set, tdev, sizing: _Sizing
+) -> _Timed:
+    """Build each device's layer caches for one (shape, ctx) and time every (mode, backend) cell."""
     n_heads, n_kv, hd = SHAPES[shape]
     cpu = torch.device("cpu")
     # torch-sdpa is the baseline of every row: it needs the f32 cache even if f32 is not listed
     store_modes = modes + (["f32"] if "torch-sdpa" in backends and "f32" not in modes else [])
     cells, n_layers, device_of, stores = {}, {}, {}, {}
     for dev in devices:
-        dev_llc = llc or (
+        dev_llc = sizing.llc or (
             torch.cuda.get_device_properties(dev).L2_cache_size if dev.type == "cuda" else llc_bytes()
         )
         dev_modes = store_modes if dev.type == "cpu" else modes
-        plan = plan_layers(dev_modes, n_kv, ctx, hd, dev_llc, mem_gib)
+        plan = plan_layers(dev_modes, n_kv, ctx, hd, dev_llc, sizing.mem_gib)
         for m in dev_modes:
             stores[dev.type, m] = build_layers(m, plan[m], n_kv, ctx, hd, dev)
     q = torch.randn(n_heads, hd, generator=torch.Generator().manual_seed(1))
@@ -224,22 +244,27 @@ def _time_shape(shape, ctx, modes, backends, devices, tdev, reps, min_round_s, l
                 cells[m, b] = call
                 n_layers[m, b] = len(stores[dev.type, m])
                 device_of[m, b] = dev
-    return time_cells(cells, n_layers, reps, device_of, min_round_s), n_layers, device_of
+    return _Timed(
+        time_cells(cells, n_layers, sizing.reps, device_of, sizing.min_round_s), n_layers, device_of
+    )
 
 
-def _rows(shape, ctx, modes, times, n_layers, device_of, bandwidth, threads) -> list[AttnRow]:
+def _rows(
+    shape: str, ctx: int, modes: list[str], timed: _Timed, bandwidth: dict[str, Bandwidth], threads: int
+) -> list[AttnRow]:
     """One row per timed cell of a listed mode: best µs, GB/s against the device's bandwidth, and
     the speed-ups over f32 torch SDPA and over dequantize-then-SDPA of the same mode."""
     _, n_kv, hd = SHAPES[shape]
-    best = {key: min(ts) for key, ts in times.items()}
+    best = {key: min(ts) for key, ts in timed.times.items()}
     sdpa = best.get(("f32", "torch-sdpa"))
     rows = []
-    for (m, b), ts in times.items():
+    for (m, b), ts in timed.times.items():
         if m not in modes:
             continue
         t = best[m, b]
         nbytes = layer_bytes(m, n_kv, ctx, hd)
-        bw = bandwidth[device_of[m, b].type]
+        dev = timed.device_of[m, b]
+        bw = bandwidth[dev.type]
         base = best.get((m, "dequant-sdpa")) if m != "f32" else sdpa
         gbs = nbytes / t / 1e9
         rows.append(
@@ -247,7 +272,7 @@ def _rows(shape, ctx, modes, times, n_layers, device_of, bandwidth, threads) -> 
                 shape, ctx, m, b, 1e6 * t, 1e6 * spread(ts).median, 1e6 * max(ts), nbytes, gbs,
                 gbs / bw.copy_gb_per_s, gbs / bw.read_gb_per_s,
                 sdpa / t if sdpa else None, base / t if base else None,
-                n_layers[m, b], threads, device_of[m, b].type,
+                timed.n_layers[m, b], threads, dev.type,
             )
         )  # fmt: skip
     return rows
@@ -276,12 +301,12 @@ def run_attention_bench(
         if dev.type not in bandwidth:
             bandwidth[dev.type] = measure_bandwidth(bw_bytes, device=dev.type)
     threads = numba.get_num_threads()
+    sizing = _Sizing(reps, min_round_s, llc, mem_gib)
     rows: list[AttnRow] = []
     for shape in shapes:
         for ctx in contexts:
-            times, n_layers, device_of = _time_shape(shape, ctx, modes, backends, devices, tdev, reps,
-                                                     min_round_s, llc, mem_gib)  # fmt: skip
-            rows += _rows(shape, ctx, modes, times, n_layers, device_of, bandwidth, threads)
+            timed = _time_shape(shape, ctx, modes, backends, devices, tdev, sizing)
+            rows += _rows(shape, ctx, modes, timed, bandwidth, threads)
             if progress:
                 progress(f"{shape} ctx {ctx} done")
     return rows, bandwidth

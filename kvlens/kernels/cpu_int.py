@@ -202,9 +202,9 @@ def _core(
     n_splits, out,
 ):  # pragma: no cover  # fmt: skip
     """cpu._decode_core with integer scores (and with ``pv8``, integer P.V); compiled once per
-    literal ``path`` (its instructions), ``qbits`` and ``pv8`` read at run time (one branch per tile,
-    the same every tile: a quarter of the compiling of one specialization each). ``tiles`` and ``table`` (a paged cache's block table; empty =
-    contiguous) as there. ``k_code``: CODE_Q8, or CODE_Q4 (scores by :func:`.q4int.score_tile_q4`,
+    literal ``path`` (its instructions); ``qbits`` and ``pv8`` are read at run time, one branch per
+    tile, so a path is one specialization, not four. ``tiles`` and ``table`` (a paged cache's block
+    table; empty = contiguous) as there. ``k_code``: CODE_Q8, or CODE_Q4 (scores by :func:`.q4int.score_tile_q4`,
     ``k_bsc`` its fp16 block-scale bits; 8-bit query only)."""
     path = literally(path)
     n_heads, hd = out.shape
