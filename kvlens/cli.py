@@ -104,6 +104,7 @@ def serve(
     port: int = typer.Option(8000, min=0, max=65535),
     api_key: str = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1/*."),
     graceful_s: float = typer.Option(10.0, help="On SIGTERM: seconds in-flight requests get to finish."),
+    warmup: bool = typer.Option(True, help="Run tiny requests before listening (compiles the kernels)."),
 ) -> None:
     """An OpenAI-compatible HTTP server (completions, chat, SSE streaming) with continuous batching."""
     from .serve.cli import ServeConfig

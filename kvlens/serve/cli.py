@@ -6,6 +6,7 @@ import logging
 import re
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class ServeConfig:
     port: int = 8000
     api_key: str | None = None
     graceful_s: float = 10.0
+    warmup: bool = True  # run tiny requests before listening, so the first client's does not compile
 
     def engine_config(self):
         from ..engine.serving import EngineConfig
@@ -89,6 +91,28 @@ def prefix_summary(config: ServeConfig) -> str:
     return f"prefix cache: on (reuse in whole chunks of {config.prefill_chunk} tokens){disk}"
 
 
+WARMUP_POOL_BYTES = 64 << 20  # the throwaway engine's pool: a few blocks of any supported model
+
+
+def warm_up(llm) -> float:
+    """Seconds spent running tiny requests through a throwaway engine (its own small pool, no prefix
+    cache): one alone, then two together (one of them a one-token prompt, whose prefill is a single-row
+    step), each through prefill and decode. Every kernel the server's steps call is then compiled (or
+    loaded from numba's cache) before the first client arrives; the served engine's pool, prefix cache
+    and counters are untouched."""
+    from ..engine.serving import Engine, EngineConfig, Request
+
+    t0 = time.perf_counter()
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=WARMUP_POOL_BYTES, max_batch=2))
+    ids = llm.encode_prompt("Warm up.")
+    for batch in ([ids], [ids, ids[:1]]):
+        for i, prompt in enumerate(batch):
+            engine.add_request(Request(f"warmup-{len(batch)}-{i}", prompt, max_tokens=3))
+        while engine.has_unfinished():
+            engine.step()
+    return time.perf_counter() - t0
+
+
 def serve(config: ServeConfig) -> None:
     import uvicorn
 
@@ -102,6 +126,8 @@ def serve(config: ServeConfig) -> None:
     engine = Engine(llm, engine_config)
     print(budget_summary(engine.stats(), config.kv), flush=True)
     print(prefix_summary(config), flush=True)
+    if config.warmup:
+        print(f"warm-up: {warm_up(llm):.1f} s (the kernels compiled or loaded before listening)", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
     app = build_app(llm, engine, AppConfig(model_id(config.model), config.api_key))
     _exit_cleanly_on_signals()
