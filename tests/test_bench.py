@@ -7,6 +7,7 @@ import math
 import pytest
 
 from kvlens.bench import attention as ba
+from kvlens.bench import prefill_read
 
 KEYS = {"shape", "ctx", "mode", "backend", "us_per_call", "gb_per_s", "frac_of_copy_bw"}
 
@@ -65,7 +66,7 @@ def test_bad_input():
 
 
 def test_prefill_read():
-    res = ba.time_prefill_read("smollm2", history=64, chunk=8, reps=1)
+    res = prefill_read.time_prefill_read("smollm2", history=64, chunk=8, reps=1)
     assert set(res) == {"f32", "f16", "q8"} and all(r > 0 and s > 0 for r, s in res.values())
 
 

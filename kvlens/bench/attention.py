@@ -312,30 +312,6 @@ def run_attention_bench(
     return rows, bandwidth
 
 
-def time_prefill_read(shape: str = "smollm2", history: int = 4096, chunk: int = 32, reps: int = 20):
-    """The engine's prefill over a cache: per layer and ``chunk``-token sub-chunk, ms to read the whole
-    history as f32 (``KVCache.read``: dequantize int8 / widen f16) vs ms of the SDPA that follows.
-
-    Returns ``{mode: (read_ms, sdpa_ms)}`` for f32, f16 and q8 (min over ``reps``)."""
-    n_heads, n_kv, hd = SHAPES[shape]
-    end = history + chunk
-    q = torch.randn(n_heads, chunk, hd)
-    q_pos = torch.arange(history, end)
-    out = {}
-    for m in ("f32", "f16", "q8"):
-        ks, vs = build_layers(m, 1, n_kv, end, hd, torch.device("cpu"))[0]
-        t_read, t_sdpa = [], []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            k, v = ks.read(0, end), vs.read(0, end)
-            t1 = time.perf_counter()
-            sdpa_attention(q, k, v, q_pos)
-            t_sdpa.append(time.perf_counter() - t1)
-            t_read.append(t1 - t0)
-        out[m] = (1e3 * min(t_read), 1e3 * min(t_sdpa))
-    return out
-
-
 def render(rows: list[AttnRow], bw: dict[str, Bandwidth]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -356,13 +332,6 @@ def render(rows: list[AttnRow], bw: dict[str, Bandwidth]) -> None:
                   f"{r.us_median:.0f}", f"{r.us_max:.0f}", f"{r.spread.rel:.0%}", f"{r.gb_per_s:.2f}", f"{100 * r.frac_of_copy_bw:.0f}",
                   f"{100 * r.frac_of_read_bw:.0f}", x(r.x_vs_sdpa_f32), x(r.x_vs_dequant_sdpa))  # fmt: skip
     Console(width=max(Console().width, 130)).print(t)
-
-
-def render_prefill(shape: str, history: int, chunk: int, res: dict[str, tuple[float, float]]) -> None:
-    print(f"\nprefill over a cache ({shape}, one layer, {chunk}-token sub-chunk after {history} positions):")
-    print("| mode | read history as f32 (ms) | SDPA (ms) | read / SDPA |\n|---|---|---|---|")
-    for m, (rd, sd) in res.items():
-        print(f"| {m} | {rd:.3f} | {sd:.3f} | {rd / sd:.2f} |")
 
 
 @dataclass
@@ -387,6 +356,7 @@ def main(cfg: AttentionBenchConfig, json_out: bool = False) -> None:
     """The body of ``kvlens bench attention`` (``--sparse``: :mod:`.sparse`)."""
     from ..report import CommandOutput, run_command
     from . import sparse
+    from .prefill_read import render_prefill, time_prefill_read
     from .spread import LoadMeter
 
     set_threads(cfg.threads)
