@@ -91,20 +91,22 @@ def prefix_summary(config: ServeConfig) -> str:
     return f"prefix cache: on (reuse in whole chunks of {config.prefill_chunk} tokens){disk}"
 
 
-WARMUP_POOL_BYTES = 64 << 20  # the throwaway engine's pool: a few blocks of any supported model
-
-
 def warm_up(llm) -> float:
-    """Seconds spent running tiny requests through a throwaway engine (its own small pool, no prefix
-    cache): one alone, then two together (one of them a one-token prompt, whose prefill is a single-row
-    step), each through prefill and decode. Every kernel the server's steps call is then compiled (or
-    loaded from numba's cache) before the first client arrives; the served engine's pool, prefix cache
-    and counters are untouched."""
+    """Seconds spent running tiny requests through a throwaway engine (its own pool of a few
+    blocks, no prefix cache): one alone, then two together (one of them a one-token prompt, whose
+    prefill is a single-row step), each through prefill and decode. Every kernel the server's steps
+    call is then compiled (or loaded from numba's cache) before the first client arrives; the served
+    engine's pool, prefix cache and counters are untouched."""
     from ..engine.serving import Engine, EngineConfig, Request
+    from ..kv.cache import BLOCK
+    from ..kv.pool import kv_bytes_per_token
 
     t0 = time.perf_counter()
-    engine = Engine(llm, EngineConfig(kv_budget_bytes=WARMUP_POOL_BYTES, max_batch=2))
     ids = llm.encode_prompt("Warm up.")
+    c = llm.config
+    blocks = 2 * -(-(len(ids) + 3) // BLOCK)  # two sequences of the prompt and 3 new tokens
+    pool_bytes = blocks * BLOCK * kv_bytes_per_token(llm.kv, c.n_layers, c.n_kv_heads, c.head_dim)
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=pool_bytes, max_batch=2))
     for batch in ([ids], [ids, ids[:1]]):
         for i, prompt in enumerate(batch):
             engine.add_request(Request(f"warmup-{len(batch)}-{i}", prompt, max_tokens=3))
