@@ -46,7 +46,7 @@ def server(smol_path):
         ["--model", str(smol_path), "--kv", KV, "--weights", "f32", "--kv-budget", "64MiB",
          "--max-batch", str(MAX_BATCH), "--max-waiting", str(MAX_WAITING), "--api-key", KEY,
          "--graceful-s", "30"],
-        start_timeout=180,
+        start_timeout=420,  # a cold cache: the warm-up compiles the kernels before /health answers
     )  # fmt: skip
     yield srv
     try:
@@ -81,6 +81,14 @@ def _assert_verified(ref, record: dict) -> None:
 
 def _ref_text(ref, prompt: str, n: int, chat: bool = False) -> str:
     return ref.generate(prompt, n, chat=chat)
+
+
+def test_a_started_server_has_served_nothing(server):
+    """Its warm-up ran on a throwaway engine: the served one's counters and pool start at zero."""
+    assert "warm-up:" in server.output()
+    m = server.metrics()
+    assert m["kvlens_prompt_tokens_total"] == 0 and m["kvlens_generation_tokens_total"] == 0
+    assert m["kvlens_kv_blocks_used"] == 0 and m["kvlens_time_to_first_token_seconds_count"] == 0
 
 
 def test_models_lists_the_served_model(client, smol_path):

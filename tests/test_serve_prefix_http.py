@@ -28,7 +28,7 @@ def server(smol_path, tmp_path_factory):
         ["--model", str(smol_path), "--kv", "q8", "--weights", "f32", "--kv-budget", "6MiB",
          "--prefill-chunk", str(CHUNK), "--kv-disk", str(disk), "--kv-disk-budget", "64MiB",
          "--max-batch", "2"],
-        start_timeout=180,
+        start_timeout=420,  # a cold cache: the warm-up compiles the kernels first
     )  # fmt: skip
     yield srv, disk
     code, output = srv.stop(), srv.output()

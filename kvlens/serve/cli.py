@@ -9,6 +9,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..engine.llm import LLM
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
@@ -91,7 +95,7 @@ def prefix_summary(config: ServeConfig) -> str:
     return f"prefix cache: on (reuse in whole chunks of {config.prefill_chunk} tokens){disk}"
 
 
-def warm_up(llm) -> float:
+def warm_up(llm: LLM) -> float:
     """Seconds spent running tiny requests through a throwaway engine (its own pool of a few
     blocks, no prefix cache): one alone, then two together (one of them a one-token prompt, whose
     prefill is a single-row step), each through prefill and decode. Every kernel the server's steps
