@@ -253,7 +253,7 @@ def test_packed_kinds_run_the_general_path(tiny_dirs, kv):
 def test_fused_and_general_paths_share_the_compiled_core(tmp_path, backend, kv):
     """The fused step calls the attention core the general path calls (cpu._decode_core, or
     cpu_int._core whose only compile-time argument is the CPU path), not a second specialization
-    typed from literal flags: each one costs every process 15-20 s more of compiling."""
+    typed from literal flags, which every process would compile again (docs/testing.md)."""
     from numba import types
 
     from kvlens.kernels import cpu, cpu_int

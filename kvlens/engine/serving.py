@@ -1,7 +1,16 @@
 """The serving engine's public interface (used by kvlens.serve and the benchmarks)."""
 
 from .sampling import SamplingParams
-from .scheduler import Engine, EngineConfig, EngineStats, QueueFullError, Request, TokenEvent
+from .scheduler import (
+    Engine,
+    EngineConfig,
+    EngineStats,
+    QueueFullError,
+    Request,
+    TokenEvent,
+    run_alone,
+    run_batch,
+)
 
 __all__ = [
     "Engine",
@@ -11,4 +20,6 @@ __all__ = [
     "Request",
     "SamplingParams",
     "TokenEvent",
+    "run_alone",
+    "run_batch",
 ]

@@ -151,7 +151,7 @@ def _quantize_q16(q, inv_sqrt, q16, s16):  # pragma: no cover - compiled
 def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
     """Decode attention of ``q [H, d]`` (cpu / cpu_int's cores); ``at``: see :func:`decode_layer`.
     The cores' flags go in as np.int64 / np.bool_ values, not literal constants: a literal would type a
-    second specialization of the core beside the one the Python callers use (each 15-20 s to compile)."""
+    second specialization of the core beside the one the Python callers use (docs/testing.md)."""
     k_code, v_code, inv_sqrt, length, n_splits, serial, tiles, table = at[:8]
     qs, q16, s16, no_q8, no_sc, no_ksum, no_i32, q8, qp, qoff, q4s = buf
     threads = _get_threads()

@@ -96,26 +96,17 @@ def prefix_summary(config: ServeConfig) -> str:
 
 
 def warm_up(llm: LLM) -> float:
-    """Seconds spent running tiny requests through a throwaway engine (its own pool of a few
-    blocks, no prefix cache): one alone, then two together (one of them a one-token prompt, whose
-    prefill is a single-row step), each through prefill and decode. Every kernel the server's steps
-    call is then compiled (or loaded from numba's cache) before the first client arrives; the served
-    engine's pool, prefix cache and counters are untouched."""
-    from ..engine.serving import Engine, EngineConfig, Request
-    from ..kv.cache import BLOCK
-    from ..kv.pool import kv_bytes_per_token
+    """Seconds spent running tiny requests through the engine's own throwaway runs (each a pool
+    fitted to its requests, no prefix cache): one alone, then two together (one of them a one-token
+    prompt, whose prefill is a single-row step), each through prefill and decode. Every kernel the
+    server's steps call is then compiled (or loaded from numba's cache) before the first client
+    arrives; the served engine's pool, prefix cache and counters are untouched."""
+    from ..engine.serving import Request, run_alone, run_batch
 
     t0 = time.perf_counter()
     ids = llm.encode_prompt("Warm up.")
-    c = llm.config
-    blocks = 2 * -(-(len(ids) + 3) // BLOCK)  # two sequences of the prompt and 3 new tokens
-    pool_bytes = blocks * BLOCK * kv_bytes_per_token(llm.kv, c.n_layers, c.n_kv_heads, c.head_dim)
-    engine = Engine(llm, EngineConfig(kv_budget_bytes=pool_bytes, max_batch=2))
-    for batch in ([ids], [ids, ids[:1]]):
-        for i, prompt in enumerate(batch):
-            engine.add_request(Request(f"warmup-{len(batch)}-{i}", prompt, max_tokens=3))
-        while engine.has_unfinished():
-            engine.step()
+    list(run_alone(llm, Request("warmup-alone", ids, max_tokens=3)))
+    run_batch(llm, [Request("warmup-0", ids, max_tokens=3), Request("warmup-1", ids[:1], max_tokens=3)])
     return time.perf_counter() - t0
 
 
