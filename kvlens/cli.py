@@ -133,6 +133,9 @@ def verify(
 
 
 def main() -> None:
+    from .cli_notice import announce_compiles
+
+    announce_compiles()  # a cold kernel cache compiles for minutes before any output: say so
     cli_args.run_guarded(app)
 
 
