@@ -13,8 +13,10 @@ from kvlens.serve.cli import warm_up
 
 
 @pytest.fixture(scope="module")
-def warmed(smol_loaded):
-    llm = kvlens.LLM(smol_loaded, kv="q8", prefill_chunk=32)  # as `kvlens serve` loads it (prefix: 32s)
+def warmed(smol_path):
+    # as `kvlens serve` loads it: the GGUF's own weight kinds (int4 layers, int8 embedding and head,
+    # whose prefill of more than a few rows takes the dequantize-then-GEMM path), prefix unit 32
+    llm = kvlens.load(smol_path, kv="q8", prefill_chunk=32)
     seconds = warm_up(llm)
     return llm, seconds
 

@@ -98,14 +98,18 @@ def prefix_summary(config: ServeConfig) -> str:
 def warm_up(llm: LLM) -> float:
     """Seconds spent running tiny requests through the engine's own throwaway runs (each a pool
     fitted to its requests, no prefix cache): one alone, then two together (one of them a one-token
-    prompt, whose prefill is a single-row step), each through prefill and decode. Every kernel the
-    server's steps call is then compiled (or loaded from numba's cache) before the first client
-    arrives; the served engine's pool, prefix cache and counters are untouched."""
+    prompt, whose prefill is a single-row step), each through prefill and decode. The one alone has
+    more prompt tokens than quantized weights multiply row by row (``SMALL_M``), so its prefill
+    takes their dequantize-then-GEMM path. Every kernel the server's steps call is then compiled (or
+    loaded from numba's cache) before the first client arrives; the served engine's pool, prefix
+    cache and counters are untouched."""
     from ..engine.serving import Request, run_alone, run_batch
+    from ..models.qlinear import SMALL_M
 
     t0 = time.perf_counter()
     ids = llm.encode_prompt("Warm up.")
-    list(run_alone(llm, Request("warmup-alone", ids, max_tokens=3)))
+    many_rows = ids + ids[-1:] * max(0, SMALL_M + 1 - len(ids))
+    list(run_alone(llm, Request("warmup-alone", many_rows, max_tokens=3)))
     run_batch(llm, [Request("warmup-0", ids, max_tokens=3), Request("warmup-1", ids[:1], max_tokens=3)])
     return time.perf_counter() - t0
 
