@@ -58,7 +58,9 @@ class CompileNotice(numba_event.Listener):
 
 
 def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    # on a terminal the line may land inside text that `generate` is streaming: start a fresh line
+    lead = "\n" if sys.stdout.isatty() and sys.stderr.isatty() else ""
+    print(lead + line, file=sys.stderr, flush=True)
 
 
 def announce_compiles(
