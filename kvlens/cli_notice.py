@@ -26,7 +26,7 @@ def notice_text(cache: str | None) -> str:
 class CompileNotice(numba_event.Listener):
     """Writes :func:`notice_text` once, ``after_s`` into an outermost compile that is still running."""
 
-    def __init__(self, write: Callable[[str], None], after_s: float = AFTER_S) -> None:
+    def __init__(self, write: Callable[[str], None], after_s: float) -> None:
         self._write = write
         self._after_s = after_s
         self._depth = 0  # compiles nest: a kernel compiles the kernels it calls
