@@ -355,7 +355,8 @@ class KVCache:
         """Store K/V rows ``[n_kv, n, head_dim]`` for positions ``start .. start+n-1`` of ``layer``."""
         self._check_rows(layer, start, k, v)
         check_kv_finite(layer, start, k, v)
-        self.reserve(start + k.shape[1])
+        end = start + k.shape[1]
+        self.reserve(end)
         k, v = self.k[layer].basis(k), self.v[layer].basis(v)
         self.k[layer].write(start, k)
         self.v[layer].write(start, v)
@@ -364,11 +365,9 @@ class KVCache:
             self.v_exact[layer].write(start, v)
         if self.bounds is not None:
             first = start - start % BLOCK
-            self.bounds.update(
-                layer, self.k[layer].read(first, start + k.shape[1]), first, start + k.shape[1]
-            )
+            self.bounds.update(layer, self.k[layer].read(first, end), first, end)
         if layer == self.n_layers - 1:
-            self.length = max(self.length, start + k.shape[1])
+            self.length = max(self.length, end)
 
     def _check_rows(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         check_int(layer, "layer", minimum=0, maximum=self.n_layers - 1)

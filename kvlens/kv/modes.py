@@ -55,7 +55,7 @@ class StoreKind(StrEnum):
     @property
     def bits(self) -> int:
         """Bits per stored value (codes for the quantized kinds, scales not counted)."""
-        return _BITS[self]
+        return _DTYPE_BITS[self][1]
 
     @property
     def packed(self) -> bool:
@@ -106,7 +106,7 @@ class StoreKind(StrEnum):
     def dtype(self) -> torch.dtype:
         """The element type of the stored rows (int8 codes for q8, uint8 code pairs for q4, uint8
         packed bytes for q7h/q6h/q5h)."""
-        return _DTYPES[self]
+        return _DTYPE_BITS[self][0]
 
     def row_width(self, head_dim: int) -> int:
         """Elements of ``dtype`` in one stored row (q4: two codes per byte; packed: head_dim*N/8 bytes)."""
@@ -158,29 +158,17 @@ Q4_BLOCK = 32  # values per fp16 scale of the 4-bit kinds
 KSUM_BLOCK = 32  # codes per int16 sum of an int8 K store (kvlens.kernels.q8store.KSUM_BLOCK)
 _PACKED = frozenset({StoreKind.Q7H, StoreKind.Q6H, StoreKind.Q5H})
 _QUANTIZED = frozenset({StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H}) | _PACKED
-_DTYPES = {
-    StoreKind.F32: torch.float32,
-    StoreKind.F16: torch.float16,
-    StoreKind.BF16: torch.bfloat16,
-    StoreKind.Q8: torch.int8,
-    StoreKind.Q8H: torch.int8,
-    StoreKind.Q4: torch.uint8,
-    StoreKind.Q4H: torch.uint8,
-    StoreKind.Q7H: torch.uint8,
-    StoreKind.Q6H: torch.uint8,
-    StoreKind.Q5H: torch.uint8,
-}
-_BITS = {
-    StoreKind.F32: 32,
-    StoreKind.F16: 16,
-    StoreKind.BF16: 16,
-    StoreKind.Q8: 8,
-    StoreKind.Q8H: 8,
-    StoreKind.Q4: 4,
-    StoreKind.Q4H: 4,
-    StoreKind.Q7H: 7,
-    StoreKind.Q6H: 6,
-    StoreKind.Q5H: 5,
+_DTYPE_BITS = {  # the stored element type, and bits per value (codes for the quantized kinds)
+    StoreKind.F32: (torch.float32, 32),
+    StoreKind.F16: (torch.float16, 16),
+    StoreKind.BF16: (torch.bfloat16, 16),
+    StoreKind.Q8: (torch.int8, 8),
+    StoreKind.Q8H: (torch.int8, 8),
+    StoreKind.Q4: (torch.uint8, 4),
+    StoreKind.Q4H: (torch.uint8, 4),
+    StoreKind.Q7H: (torch.uint8, 7),
+    StoreKind.Q6H: (torch.uint8, 6),
+    StoreKind.Q5H: (torch.uint8, 5),
 }
 
 
