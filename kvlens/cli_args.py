@@ -116,6 +116,26 @@ def check_output_path(value: str, directory: bool) -> Path:
     return path
 
 
+def check_url(value: str) -> str:
+    """An http(s) URL with a host (a server's base URL, as ``http://127.0.0.1:8000``)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
+    return value
+
+
+def check_api_key(value: str) -> str:
+    """A key a client can send: not empty (``--api-key "$KEY"`` with KEY unset must not serve an
+    open server) and no whitespace or control characters (an HTTP header could not carry them)."""
+    if not value:
+        raise ValueError("the API key is empty; omit --api-key to serve without one")
+    if any(c.isspace() or not c.isprintable() for c in value):
+        raise ValueError("the API key holds whitespace or a control character")
+    return value
+
+
 def nonempty_text(value: str) -> str:
     if not check_text(value):
         raise ValueError("the prompt is empty")
@@ -129,6 +149,8 @@ text_argument = _option(nonempty_text)
 output_dir_option = _option(lambda v: check_output_path(v, directory=True))
 output_file_option = _option(lambda v: check_output_path(v, directory=False))
 device_option = _option(check_device)
+url_option = _option(check_url)
+api_key_option = _option(check_api_key)
 
 
 # == the error boundary of the ``kvlens`` command ==

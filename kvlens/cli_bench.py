@@ -76,7 +76,9 @@ def bench_decode(
 
 @bench_app.command("serve")
 def bench_serve(
-    url: str = typer.Option(None, help="Load an already running server instead of starting one per --kv."),
+    url: str = typer.Option(
+        None, help="Load an already running server instead of starting one per --kv.", callback=cb.url_option
+    ),
     model: str = opt.MODEL,
     kv: str = typer.Option("q8,f16", help="Cache modes: one server each, compared in one run."),
     weights: str = typer.Option("auto", help="Weights of the started servers."),

@@ -180,7 +180,11 @@ def lab_needle(
 @lab_app.command("sweep")
 def lab_sweep(
     spec: str = Argument(..., help="Sweep spec (TOML): see docs/sweep/README.md."),
-    db: str | None = Option(None, help="Results store, SQLite (default: SPEC with suffix .sqlite)."),
+    db: str | None = Option(
+        None,
+        help="Results store, SQLite (default: SPEC with suffix .sqlite).",
+        callback=cb.output_file_option,
+    ),
     workers: int | None = Option(None, min=0, help="Local worker processes (0: in-process)."),
     threads: int | None = Option(None, min=1, help="Torch threads per cell (default: cores/workers)."),
     ray: bool = Option(False, "--ray", help="Run the cells as Ray tasks (local Ray)."),

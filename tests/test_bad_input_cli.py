@@ -64,6 +64,10 @@ BAD_OPTIONS = [
     (["generate", "--attn-backend", "cuda-magic", "hi"], "--attn-backend"),
     (["generate", "--attn-backend", "numba-int:avx3", "hi"], "--attn-backend"),
     (["bench", "attention", "--sparse", "quest", "--sparse-budget", "1k,0"], "--sparse-budget"),
+    (["bench", "serve", "--url", "ftp://127.0.0.1:8000"], "--url"),
+    (["bench", "serve", "--url", "http://"], "--url"),
+    (["serve", "--api-key", ""], "--api-key"),
+    (["serve", "--api-key", "two words"], "--api-key"),
     *[
         (["bench", "decode", "--ctx", bad], "--ctx")
         for bad in ["", ",", "1,,2", "-1", "0", "1.5k", "k", "4k,x", "99999999999999k", "+5", "1e3"]
@@ -272,6 +276,7 @@ def test_output_paths_and_empty_prompt_are_refused_before_the_run(monkeypatch, c
         (["lab", "unit", "--plot", str(tmp_path)], "--plot", "exists and is a directory"),
         (["lab", "needle", "--plot", str(a_file / "x.png")], "--plot", "is not a directory"),
         (["generate", ""], "prompt", "the prompt is empty"),
+        (["lab", "sweep", str(a_file), "--db", str(tmp_path)], "--db", "exists and is a directory"),
     ]
     for args, option, needle in cases:
         code, out, err = run_main(monkeypatch, capsys, *args)
@@ -279,6 +284,47 @@ def test_output_paths_and_empty_prompt_are_refused_before_the_run(monkeypatch, c
         assert f"Invalid value for '{option}'" in err and needle in " ".join(err.replace("│", "").split()), (
             err
         )
+
+
+def test_a_server_url_nothing_answers_is_one_error_line(monkeypatch, capsys):
+    from kvlens.serve.process import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # bound and released: nothing listens there
+    args = ("bench", "serve", "--url", url, "--requests", "1", "--concurrency", "1")
+    assert_one_error_line(*run_main(monkeypatch, capsys, *args), f"cannot reach a server at {url}")
+
+
+def test_a_record_that_is_not_one_is_one_error_line(monkeypatch, capsys, tmp_path):
+    (tmp_path / "half.json").write_text('{"kvlens": ')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "latin1.json").write_bytes(b'{"\xe9": 1}')
+    cases = [
+        (tmp_path / "missing.json", "cannot read the record"),
+        (tmp_path, "cannot read the record"),
+        (tmp_path / "half.json", "not JSON"),
+        (tmp_path / "latin1.json", "not JSON (not UTF-8 text)"),
+        (tmp_path / "list.json", "not a kvlens record"),
+    ]
+    for path, needle in cases:
+        assert_one_error_line(*run_main(monkeypatch, capsys, "verify", str(path)), needle)
+
+
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(monkeypatch, capsys):
+    import socket
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr("kvlens.load", load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = run_main(monkeypatch, capsys, "serve", "--port", str(port))
+    assert_one_error_line(code, out, err, f"cannot listen on 127.0.0.1:{port}")
+    # 192.0.2.1 (TEST-NET-1, RFC 5737) is never an address of this machine
+    code, out, err = run_main(monkeypatch, capsys, "serve", "--host", "192.0.2.1", "--port", "0")
+    assert_one_error_line(code, out, err, "cannot listen on 192.0.2.1:0")
 
 
 def test_corpus_that_is_not_a_file_is_called_so(tmp_path):

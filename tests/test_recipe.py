@@ -45,6 +45,16 @@ def test_round_trip_json_engine(tmp_path, tiny):
     assert cache.bytes_per_token() == expected == back.bytes_per_token(2, n_kv, hd)
 
 
+def test_an_out_path_the_cli_accepts_is_written(tmp_path):
+    """`lab plan --out` is checked before the measurement runs; a folder the check lets be created
+    must then be created, not fail after minutes of work."""
+    from kvlens.cli_args import check_output_path
+
+    path = check_output_path(str(tmp_path / "new" / "deeper" / "r.json"), directory=False)
+    save_recipe(recipe_mode("r", [(Q8H, Q4H), (F16, F16)]), 2, path)
+    assert load_recipe(path).layers == ((Q8H, Q4H), (F16, F16))
+
+
 @pytest.mark.parametrize("uniform", ["q8h", "q4h", "f16", "q6h"])
 def test_a_uniform_recipe_is_that_mode(tmp_path, tiny, uniform):
     """A recipe giving every layer one mode's kinds computes bit for bit what the mode computes."""

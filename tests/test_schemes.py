@@ -190,9 +190,19 @@ def test_fp8_values_are_e4m3_grid_points():
 
 
 def test_bits_per_value_and_registry():
-    bits = {n: SCHEMES[n].bits_per_value(128) for n in NAMES}
-    assert bits == {"q8": 8.25, "q8_0": 8.5, "q4": 4.5, "fp8": 8.25, "kivi": 4.0, "kivi4": 6.0}
-    assert SCHEMES["q8"].bits_per_value(64) == 8.5
+    def bits(name: str, role: str, n_tokens: int, head_dim: int) -> float:
+        s = SCHEMES[name]
+        return s.bits_per_value(s.quantize(torch.randn(2, n_tokens, head_dim), role))
+
+    nominal = {n: bits(n, "v", 64, 128) for n in NAMES}
+    assert nominal == {"q8": 8.25, "q8_0": 8.5, "q4": 4.5, "fp8": 8.25, "kivi": 4.0, "kivi4": 6.0}
+    assert bits("q8", "k", 3, 64) == 8.5 and bits("kivi", "k", 64, 12) == 4.0
+    # a group cut short keeps its own scale: head_dim 12 is one 12-value block, 40 is 32 + 8
+    assert math.isclose(bits("q4", "k", 5, 12), 4 + 16 / 12) and math.isclose(
+        bits("q8_0", "v", 5, 40), 8 + 32 / 40
+    )
+    assert math.isclose(bits("kivi", "v", 5, 12), 2 + 64 / 12)
+    assert math.isclose(bits("kivi", "k", 40, 64), 2 + 64 * 2 / 40)  # keys: groups of 32 tokens, 40 = 32 + 8
     with pytest.raises(ValueError, match="unknown scheme"):
         get_scheme("q3")
     with pytest.raises(ValueError, match="role"):

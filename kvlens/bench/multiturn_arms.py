@@ -81,12 +81,9 @@ def run_against(url: str, engine: str, kv: str, arm: str, convs: list[Conversati
                 api_key: str | None = None) -> tuple[list[TurnRow], str]:  # fmt: skip
     """One multi-turn run against a running server (after one short warm-up chat): its turn rows and
     the line of prefix-cache / disk-tier counters gained."""
-    import httpx
+    from ..serve.process import scrape_metrics, served_model
 
-    from ..serve.process import scrape_metrics
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    model = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    model = served_model(url, api_key)
     warm = Conversation("Be brief.", ("Hello.",))  # compiles the kernels; shares no prefix with the load
     asyncio.run(run_conversations(url, model, [warm], MultiturnLoad(1, 1, 0, 0, 2, 1), api_key))
     before = scrape_metrics(url)

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..models.loader import resolve_model
 from ..models.tokenizer import Tokenizer
-from ..serve.process import scrape_metrics, watch_peaks
+from ..serve.process import scrape_metrics, served_model, watch_peaks
 from .openai_stream import open_stream
 
 METRICS_PERIOD_S = 0.2
@@ -175,10 +175,7 @@ def runs_against(
     url: str, label: str, tok: Tokenizer, loads: list[Load], corpus: str | None, api_key: str | None = None
 ) -> list[RunResult]:
     """Each load in turn against a running server (after one short warm-up request)."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    model = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    model = served_model(url, api_key)
     warm = corpus_prompts(tok, corpus, 1, 16, seed=12345)  # compiles the kernels before timing
     asyncio.run(run_load(url, model, warm, Load(1, 16, 4, 1), api_key))
     results = []

@@ -141,9 +141,13 @@ def verify_record(llm: LLM, record: dict, prompt_ids: list[int] | None = None) -
 def verify_file(path: str | Path, model: str | None = None, device: str | None = None) -> VerifyResult:
     """``kvlens verify``: load the record's model with its settings and re-run it."""
     try:
-        record = json.loads(Path(path).read_text())
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not JSON (not UTF-8 text)") from None
+    except OSError as e:
+        raise ValueError(f"cannot read the record {path}: {e.strerror or e}") from None
     if isinstance(record, dict) and isinstance(record.get("kvlens"), dict):
         record = record["kvlens"]  # a whole server response: its record sits under "kvlens"
     if not isinstance(record, dict):

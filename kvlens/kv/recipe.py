@@ -207,4 +207,6 @@ def save_recipe(mode: KVMode, n_layers: int, path: str | Path, **meta: Any) -> N
     if center is not None:  # one line per layer, not one per float
         rows = ",\n".join(f"  {json.dumps(layer)}" for layer in center)
         text = text.removesuffix("\n}") + ',\n "k_center": [\n' + rows + "\n ]\n}"
-    Path(path).write_text(text + "\n", encoding="utf-8")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # --out was checked writable (cli_args.check_output_path)
+    path.write_text(text + "\n", encoding="utf-8")

@@ -31,6 +31,7 @@ the quantizer, and is not applied. Non-finite input raises :class:`NonFiniteErro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -125,9 +126,11 @@ class Scheme:
         """The per-group factor codes are multiplied by (q8 stores max_abs; the factor is max_abs/127)."""
         return qt.scale.to(torch.float32)
 
-    def bits_per_value(self, head_dim: int) -> float:
-        """Storage bits per K or V value, scales included."""
-        return self.code_bits + self.scale_bits / (self.group or head_dim)
+    def bits_per_value(self, qt: QTensor) -> float:
+        """Storage bits per value of ``qt``, its scales (and minima) included. A group cut short, where
+        head_dim (or, for keys grouped along tokens, L) is not a multiple of the group, keeps its own
+        scale, so it costs more than the nominal figure of the table above."""
+        return self.code_bits + self.scale_bits * qt.scale.numel() / math.prod(qt.shape)
 
     # -- per scheme ---------------------------------------------------------------------------
     def _quantize(self, xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -189,12 +189,13 @@ def run_trial(cfg: UnitConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Amplitudes, quantization of the chosen tensors, the comparison. Returns metrics + tensors."""
     scheme = get_scheme(cfg.scheme)
     k, v = k * cfg.k_amp, v * cfg.v_amp
-    k_hat, v_hat, k_step, v_step, scale = k, v, None, None, {}
+    k_hat, v_hat, k_step, v_step, scale, bits = k, v, None, None, {}, []
     for role in cfg.quantize:
         x = k if role == "k" else v
         qt = scheme.quantize(x, role)
         x_hat, step = scheme.dequantize(qt), scheme.step(x, role)
         scale[role] = float(scheme.multiplier(qt).mean())
+        bits.append(scheme.bits_per_value(qt))
         if role == "k":
             k_hat, k_step = x_hat, step
         else:
@@ -213,6 +214,7 @@ def run_trial(cfg: UnitConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         "out_f": out_f,
         "out_q": out_q,
         "shape": tuple(q.shape) + (k.shape[0],),
+        "bits_per_value": sum(bits) / len(bits),  # K and V hold equally many values
     }
 
 
@@ -232,7 +234,7 @@ def run_point(cfg: UnitConfig, seq_len: int, source: RealSource | None = None) -
     point.update(
         seq_len=seq_len, head_dim=d, heads=h, kv_heads=kvh, dist=cfg.dist, scheme=cfg.scheme,
         quantize=cfg.quantize, attn_backend=cfg.attn_backend, k_amp=cfg.k_amp, v_amp=cfg.v_amp, seed=cfg.seed, trials=cfg.trials,
-        bits_per_value=get_scheme(cfg.scheme).bits_per_value(d),
+        bits_per_value=runs[0]["bits_per_value"],
         out_f=[round(float(x), 6) for x in runs[0]["out_f"].flatten()[:4]],
         out_q=[round(float(x), 6) for x in runs[0]["out_q"].flatten()[:4]],
     )  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -44,6 +45,26 @@ def budget_summary(stats, kv: str) -> str:
         f"{stats.tokens_capacity} tokens at {stats.bytes_per_token} B/token; "
         f"f16 would hold {stats.f16_tokens_same_bytes} tokens in the same bytes (x{ratio:.2f})"
     )
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads, so a host or port that cannot be used (a
+    port in use, an address not on this machine) is one clear error and not a failure after the load
+    and warm-up. uvicorn listens on it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def _exit_cleanly_on_signals() -> None:
@@ -123,6 +144,7 @@ def serve(config: ServeConfig) -> None:
     from .app import AppConfig, build_app
 
     engine_config = config.engine_config()  # bad sizes are refused before the model loads
+    sock = listen_socket(config.host, config.port)
     llm = kvlens.load(config.model, kv=config.kv, weights=config.weights, prefill_chunk=config.prefill_chunk)
     engine = Engine(llm, engine_config)
     print(budget_summary(engine.stats(), config.kv), flush=True)
@@ -132,7 +154,9 @@ def serve(config: ServeConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
     app = build_app(llm, engine, AppConfig(model_id(config.model), config.api_key))
     _exit_cleanly_on_signals()
-    uvicorn.run(
+    uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=config.graceful_s
     )
+    with sock:
+        uvicorn.Server(uv_config).run(sockets=[sock])
     print("kvlens serve: stopped", flush=True)

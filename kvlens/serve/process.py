@@ -19,6 +19,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def served_model(url: str, api_key: str | None = None) -> str:
+    """The id of the model an OpenAI-compatible server at ``url`` serves (its first ``/v1/models``
+    entry). A server that cannot be reached or does not answer as one is a ValueError naming it."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach a server at {url}: {e}") from None
+    if r.status_code != 200:
+        raise ValueError(f"{url}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):
+        raise ValueError(
+            f"{url}/v1/models did not list a model (is it an OpenAI-compatible server?)"
+        ) from None
+
+
 def scrape_metrics(url: str) -> dict[str, float]:
     """A server's ``/metrics`` as ``{name|label=value...: value}``."""
     from prometheus_client.parser import text_string_to_metric_families
