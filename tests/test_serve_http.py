@@ -203,6 +203,9 @@ BAD_COMPLETIONS = {
     "n > 1": {"model": "$M", "prompt": "hi", "n": 2},
     "too many logprobs": {"model": "$M", "prompt": "hi", "logprobs": 50},
     "empty stop string": {"model": "$M", "prompt": "hi", "stop": [""]},
+    # JSON's \ud800 escape decodes to a lone surrogate, which no tokenizer can encode (was a 500)
+    "lone surrogate in the prompt": {"model": "$M", "prompt": "hi \ud800"},
+    "lone surrogate in a stop string": {"model": "$M", "prompt": "hi", "stop": ["\udc00"]},
 }
 BAD_CHAT = {
     "no messages": {"model": "$M", "messages": []},
@@ -210,6 +213,11 @@ BAD_CHAT = {
     "message without content": {"model": "$M", "messages": [{"role": "user"}]},
     "unknown field": {"model": "$M", "messages": CHAT, "tools_please": 1},
     "top_logprobs without logprobs": {"model": "$M", "messages": CHAT, "top_logprobs": 2},
+    "lone surrogate in a message": {"model": "$M", "messages": [{"role": "user", "content": "\ud83d"}]},
+    "lone surrogate in a text part": {
+        "model": "$M",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}],
+    },
 }
 
 
@@ -241,6 +249,13 @@ def test_bad_input_gets_a_4xx_openai_error(server, smol_path, ref, path, case, b
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     r = httpx.post(f"{server.url}/v1/{path}", content=data, headers=headers, timeout=60)
     _assert_openai_error(r, 400)
+
+
+def test_a_bad_character_names_its_field(server, smol_path):
+    body = _materialize({"model": "$M", "prompt": "hi \ud800"}, smol_path.stem, 0)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    err = _assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=body, headers=headers), 400)
+    assert err["param"] == "prompt" and "not valid UTF-8 text (bad character at index 3)" in err["message"]
 
 
 def test_unknown_model_is_404_model_not_found(client):

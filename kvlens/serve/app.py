@@ -38,12 +38,21 @@ class AppConfig:
     retry_after_s: int = 1  # Retry-After of a 429
 
 
+_BRANCH_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # pydantic names the branch of a union it tried ("str", "list[int]", "function-after[...]"):
+    # OpenAI's param is the field path alone
+    loc = [
+        str(p)
+        for p in first.get("loc", ())
+        if p != "body" and str(p) not in _BRANCH_TAGS and "[" not in str(p)
+    ]
     param = ".".join(loc) or None
     kind, msg = first.get("type", ""), str(first.get("msg", "invalid request"))
     if kind == "extra_forbidden":

@@ -11,14 +11,31 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+
+from ..checks import check_text
 
 # OpenAI's own bounds (completions: logprobs ≤ 5; chat: top_logprobs ≤ 20; up to 4 stop sequences).
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 4
+
+
+def _unicode(text: str) -> str:
+    return check_text(text, "the text")  # JSON's "\ud800" escape decodes to a lone surrogate
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # a str the tokenizer can encode (valid Unicode)
 
 
 class APIError(Exception):
@@ -62,7 +79,7 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -115,7 +132,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
+    prompt: Text | list[int]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
@@ -133,13 +150,13 @@ class CompletionRequest(_Common):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]  # text, or OpenAI's list of content parts (text parts only)
+    content: Text | list[TextPart]  # text, or OpenAI's list of content parts (text parts only)
     name: str | None = None
 
     def for_template(self) -> dict[str, str]:
