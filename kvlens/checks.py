@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+MAX_POSITIONS = 2**31 - 1  # contexts and token counts index int32 tensors in the kernels
+
 
 def _kind(value: Any) -> str:
     return type(value).__name__
@@ -47,10 +49,13 @@ def check_float(
 
 
 def _in_range(value: Any, name: str, minimum: Any, maximum: Any) -> Any:
+    def show(x: Any) -> str:  # an int in full (2147483647, not 2.14748e+09), a float short
+        return str(x) if isinstance(x, int) else f"{x:g}"
+
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be ≥ {minimum:g}, got {value:g}")
+        raise ValueError(f"{name} must be ≥ {show(minimum)}, got {show(value)}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be ≤ {maximum:g}, got {value:g}")
+        raise ValueError(f"{name} must be ≤ {show(maximum)}, got {show(value)}")
     return value
 
 

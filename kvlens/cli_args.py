@@ -18,9 +18,9 @@ from typing import Any
 
 import typer
 
-from .checks import check_device, check_float, check_text
+from .checks import MAX_POSITIONS, check_device, check_float, check_text
 
-MAX_SIZE = 2**31 - 1  # contexts and token counts index int32 tensors in the kernels
+MAX_SIZE = MAX_POSITIONS
 _SIZE = re.compile(r"([0-9]{1,12})([kK]?)")
 
 

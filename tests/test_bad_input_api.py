@@ -80,6 +80,26 @@ def test_counts_and_layers(llm):
         list(llm.generate_ids([1, 2], 2, sampling={"temperature": 1.0}))
 
 
+def test_forward_starts_where_the_cache_ends_or_before(llm):
+    """A start past the written positions would attend rows never written (a silent wrong result)."""
+    cache = llm.new_cache(8)
+    with pytest.raises(ValueError, match="start 2 is past the 0 positions the cache holds"):
+        llm.forward([1], cache, 2)
+    with pytest.raises(ValueError, match="start must be ≥ 0, got -1"):
+        llm.forward([1], cache, -1)
+    with pytest.raises(TypeError, match="start must be an integer"):
+        llm.forward([1], cache, 0.0)
+    first = llm.forward([1, 2, 3], cache, 0)
+    assert cache.length == 3
+    llm.forward([4], cache, 3, prefill=False)  # the next position, and a rewrite from an earlier one:
+    again = llm.forward([1, 2, 3], cache, 0)
+    assert torch.equal(again, first)
+    with pytest.raises(ValueError, match="start 5 is past the 4 positions"):
+        llm.forward([5], cache, 5, prefill=False)
+    with pytest.raises(ValueError, match="capacity must be ≤ 2147483647, got 1000000000000000"):
+        llm.new_cache(10**15)
+
+
 def test_prompt_text_must_be_valid_unicode(llm):
     with pytest.raises(ValueError, match="prompt is not valid UTF-8 text"):
         llm.generate("bad \udcff byte", 2)

@@ -102,6 +102,11 @@ class LLM:
     ) -> torch.Tensor:
         """Run tokens at positions start.. through the model, writing the cache; returns hidden [n, hidden]."""
         ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
+        if check_int(start, "start", minimum=0) > cache.length:
+            raise ValueError(
+                f"start {start} is past the {cache.length} positions the cache holds: attention would read "
+                f"positions {cache.length}..{start - 1}, which were never written"
+            )
         self.check_fits(start + ids.shape[0])
         if not prefill and ids.shape[0] == 1:
             with self._step_threads(True):

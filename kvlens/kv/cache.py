@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_int, check_tensor
+from ..checks import MAX_POSITIONS, check_int, check_tensor
 from .blocks import BlockBounds
 from .modes import Q4_BLOCK, CacheOptions, KVMode, StoreKind
 from .nbit import dequantize_packed, store_packed
@@ -315,7 +315,7 @@ class KVCache:
             raise TypeError(f"KVCache takes CacheOptions, got {type(options).__name__}")
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
             check_int(value, name, minimum=1)
-        check_int(capacity, "capacity", minimum=0)
+        check_int(capacity, "capacity", minimum=0, maximum=MAX_POSITIONS)
         self.mode, self.options = mode, options
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.device = torch.device(device)
