@@ -98,7 +98,11 @@ def serve(
         512, min=1, help="Prompt tokens per prefill chunk: the prefix reuse unit."
     ),
     prefix_cache: bool = typer.Option(True, help="Reuse the KV of repeated prompt prefixes (exact)."),
-    kv_disk: str = typer.Option(None, help="Directory where evicted prefix blocks are spilled and restored."),
+    kv_disk: str = typer.Option(
+        None,
+        help="Directory where evicted prefix blocks are spilled and restored.",
+        callback=cb.output_dir_option,
+    ),
     kv_disk_budget: str = typer.Option("4GiB", help="Bytes of block files kept under --kv-disk."),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000, min=0, max=65535),

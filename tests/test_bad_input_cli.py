@@ -277,6 +277,7 @@ def test_output_paths_and_empty_prompt_are_refused_before_the_run(monkeypatch, c
         (["lab", "needle", "--plot", str(a_file / "x.png")], "--plot", "is not a directory"),
         (["generate", ""], "prompt", "the prompt is empty"),
         (["lab", "sweep", str(a_file), "--db", str(tmp_path)], "--db", "exists and is a directory"),
+        (["serve", "--kv-disk", str(a_file)], "--kv-disk", "exists and is not a directory"),
     ]
     for args, option, needle in cases:
         code, out, err = run_main(monkeypatch, capsys, *args)

@@ -206,6 +206,8 @@ BAD_COMPLETIONS = {
     # JSON's \ud800 escape decodes to a lone surrogate, which no tokenizer can encode (was a 500)
     "lone surrogate in the prompt": {"model": "$M", "prompt": "hi \ud800"},
     "lone surrogate in a stop string": {"model": "$M", "prompt": "hi", "stop": ["\udc00"]},
+    "max_tokens a boolean": {"model": "$M", "prompt": "hi", "max_tokens": True},  # pydantic read 1
+    "temperature a boolean": {"model": "$M", "prompt": "hi", "temperature": False},
 }
 BAD_CHAT = {
     "no messages": {"model": "$M", "messages": []},

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -36,6 +37,16 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]  # a str the tokenizer can encode (valid Unicode)
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic's lax mode would read true as 1
+        raise ValueError("Input should be a number, not a boolean")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
 
 
 class APIError(Exception):
@@ -75,17 +86,17 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: Int | None = Field(default=None, ge=0, lt=2**63)
     stop: Text | list[Text] | None = None
-    n: int = 1
+    n: Int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own logs; no effect on the output
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
     logit_bias: dict[str, float] | None = None
     ignore_eos: StrictBool = False  # vLLM's extension (benchmarks): run to max_tokens whatever comes
 
@@ -133,10 +144,10 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Text | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    max_tokens: Int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
     def _refusals(self) -> list[tuple[bool, str]]:
@@ -166,9 +177,9 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
 
     def _refusals(self) -> list[tuple[bool, str]]:
         return super()._refusals() + [
