@@ -131,9 +131,17 @@ def check_device(device: Any) -> torch.device:
     return dev
 
 
-def read_json(path: Path, error: type[Exception]) -> Any:
-    """The JSON value in ``path`` (UTF-8); ``error`` naming the file when it is not valid JSON."""
+def read_json(path: str | Path, error: type[Exception], what: str = "") -> Any:
+    """The JSON value in ``path`` (UTF-8); ``error`` naming the file (``what`` it should be, e.g.
+    ``"KV recipe"``) when it cannot be read or is not valid JSON."""
+    name = f"{what} {path}" if what else str(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path} is not valid JSON: {e}") from None
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise error(f"{name} is not valid JSON: not UTF-8 text") from None
+    except OSError as e:
+        raise error(f"cannot read {name}: {e.strerror or e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{name} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None

@@ -302,8 +302,8 @@ def test_a_record_that_is_not_one_is_one_error_line(monkeypatch, capsys, tmp_pat
     cases = [
         (tmp_path / "missing.json", "cannot read the record"),
         (tmp_path, "cannot read the record"),
-        (tmp_path / "half.json", "not JSON"),
-        (tmp_path / "latin1.json", "not JSON (not UTF-8 text)"),
+        (tmp_path / "half.json", "half.json is not valid JSON: Expecting value (line 1, column 12)"),
+        (tmp_path / "latin1.json", "latin1.json is not valid JSON: not UTF-8 text"),
         (tmp_path / "list.json", "not a kvlens record"),
     ]
     for path, needle in cases:

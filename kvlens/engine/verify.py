@@ -11,13 +11,13 @@ attention backend and CPU target (``cpu`` in the record; numba compiles for the 
 from __future__ import annotations
 
 import hashlib
-import json
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ..checks import read_json
 from ..kv.modes import CacheOptions
 from .llm import LLM, load
 from .sampling import SamplingParams
@@ -140,14 +140,7 @@ def verify_record(llm: LLM, record: dict, prompt_ids: list[int] | None = None) -
 
 def verify_file(path: str | Path, model: str | None = None, device: str | None = None) -> VerifyResult:
     """``kvlens verify``: load the record's model with its settings and re-run it."""
-    try:
-        record = json.loads(Path(path).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not JSON (not UTF-8 text)") from None
-    except OSError as e:
-        raise ValueError(f"cannot read the record {path}: {e.strerror or e}") from None
+    record = read_json(path, ValueError, "the record")
     if isinstance(record, dict) and isinstance(record.get("kvlens"), dict):
         record = record["kvlens"]  # a whole server response: its record sits under "kvlens"
     if not isinstance(record, dict):

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..checks import read_json
 from .modes import KVMode, StoreKind
 
 RECIPE_VERSION = 1
@@ -157,16 +158,7 @@ def with_k_center(mode: KVMode, center: torch.Tensor | None) -> KVMode:
 
 def load_recipe(path: str | Path) -> KVMode:
     """The recipe in the JSON file ``path`` as a :class:`KVMode` named by the path."""
-    name = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise RecipeError(f"cannot read KV recipe {name}: {e.strerror or e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RecipeError(f"KV recipe {name} is not valid JSON ({e.msg}, line {e.lineno})") from None
-    return parse_recipe(data, name)
+    return parse_recipe(read_json(path, RecipeError, "KV recipe"), str(path))
 
 
 def layer_json(mode: KVMode, layer: int) -> dict[str, str | list[str]]:
