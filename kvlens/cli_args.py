@@ -128,11 +128,11 @@ def check_url(value: str) -> str:
 
 def check_api_key(value: str) -> str:
     """A key a client can send: not empty (``--api-key "$KEY"`` with KEY unset must not serve an
-    open server) and no whitespace or control characters (an HTTP header could not carry them)."""
+    open server) and printable ASCII without spaces (what an HTTP header carries as sent)."""
     if not value:
         raise ValueError("the API key is empty; omit --api-key to serve without one")
-    if any(c.isspace() or not c.isprintable() for c in value):
-        raise ValueError("the API key holds whitespace or a control character")
+    if not value.isascii() or any(c.isspace() or not c.isprintable() for c in value):
+        raise ValueError("the API key must be printable ASCII without spaces")
     return value
 
 

@@ -68,6 +68,7 @@ BAD_OPTIONS = [
     (["bench", "serve", "--url", "http://"], "--url"),
     (["serve", "--api-key", ""], "--api-key"),
     (["serve", "--api-key", "two words"], "--api-key"),
+    (["serve", "--api-key", "kéy"], "--api-key"),
     *[
         (["bench", "decode", "--ctx", bad], "--ctx")
         for bad in ["", ",", "1,,2", "-1", "0", "1.5k", "k", "4k,x", "99999999999999k", "+5", "1e3"]
