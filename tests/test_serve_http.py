@@ -260,6 +260,28 @@ def test_a_bad_character_names_its_field(server, smol_path):
     assert err["param"] == "prompt" and "not valid UTF-8 text (bad character at index 3)" in err["message"]
 
 
+def test_a_body_over_the_limit_is_a_413_and_the_server_goes_on(server, smol_path, client):
+    """Declared (Content-Length) and chunked: refused without being held, answered after the client
+    has sent it all, counted; a body within the limit is served as before."""
+    from kvlens.serve.body_limit import DEFAULT_MAX_BODY_BYTES
+
+    big = b'{"model": "m", "prompt": "' + b"a" * DEFAULT_MAX_BODY_BYTES + b'"}'
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    url = f"{server.url}/v1/completions"
+
+    def pieces():
+        for i in range(0, len(big), 1 << 20):
+            yield big[i : i + (1 << 20)]
+
+    for content in (big, pieces()):
+        err = _assert_openai_error(httpx.post(url, content=content, headers=headers, timeout=60), 413)
+        assert "over this server's limit of 16 MiB" in err["message"]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert 'kvlens_request_errors_total{status="413"} 2.0' in metrics, metrics
+    assert client.completions.create(model=smol_path.stem, prompt="The sea", max_tokens=2).choices[0].text
+
+
 def test_unknown_model_is_404_model_not_found(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=1)

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.llm import LLM
 from ..engine.serving import Engine
 from .async_engine import AsyncEngine
+from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from .metrics import ServeMetrics
 from .output import chat_logprobs, completion_logprobs
 from .protocol import APIError, ChatRequest, CompletionRequest, envelope, error_body, new_id, usage
@@ -36,6 +37,7 @@ class AppConfig:
     model_name: str  # the id clients send as "model"
     api_key: str | None = None  # set: /v1/* needs "Authorization: Bearer <key>"
     retry_after_s: int = 1  # Retry-After of a 429
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413 (serve/body_limit.py)
 
 
 _BRANCH_TAGS = {"str", "int", "float", "bool", "list", "dict"}
@@ -198,6 +200,9 @@ def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
 
     app = FastAPI(title="kvlens", lifespan=lifespan)
     _install_error_handlers(app, metrics)
+    app.add_middleware(
+        BodyLimit, max_bytes=config.max_body_bytes, on_refused=lambda: metrics.errors.labels("413").inc()
+    )
 
     authorize = _authorizer(config.api_key)
 

@@ -89,7 +89,7 @@ class _Common(BaseModel):
     max_tokens: Int | None = Field(default=None, ge=1)
     temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: Int | None = Field(default=None, ge=0, lt=2**63)
+    seed: Int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: Text | list[Text] | None = None
     n: Int = 1
     stream: StrictBool = False

@@ -1,0 +1,85 @@
+"""A cap on request body size, as ASGI middleware: a body over the cap is a 413 with OpenAI's error
+body and is never held in memory, so no client can make the server hold gigabytes.
+
+A body within the cap is handed to the app as one message; later messages (a client's disconnect)
+pass through unchanged. A body over it (a declared ``Content-Length`` or the bytes counted so far)
+is read to its end and dropped chunk by chunk before the 413 is sent: a client still sending when
+the server answered and closed would meet a reset connection instead of the answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .protocol import error_body
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # a 128k-token prompt as a list of token ids is ~1 MB of JSON
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class BodyLimit:
+    """ASGI middleware: requests whose body exceeds ``max_bytes`` get a 413; ``on_refused()`` is
+    called for each (the server's error counter)."""
+
+    def __init__(
+        self, app: Any, max_bytes: int = DEFAULT_MAX_BODY_BYTES, on_refused: Callable[[], None] = lambda: None
+    ):
+        self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            first, sending = None, True
+        else:
+            first, sending = await self._read(receive)
+        if first is None:
+            if sending:
+                await self._drain(receive)
+            await self._refuse(send)
+            return
+        pending = [first]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> tuple[Message | None, bool]:
+        """The whole body as one message (or the disconnect that cut it short), or None past the cap
+        with whether the client is still sending."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message, False
+            size += len(message.get("body", b""))
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return None, more
+            chunks.append(message.get("body", b""))
+            if not more:
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}, False
+
+    @staticmethod
+    async def _drain(receive: Receive) -> None:
+        """Read the rest of the body, keeping none of it."""
+        while True:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+
+    async def _refuse(self, send: Send) -> None:
+        self.on_refused()
+        mib = self.max_bytes / (1 << 20)
+        body = json.dumps(error_body(f"the request body is over this server's limit of {mib:g} MiB")).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
