@@ -258,6 +258,12 @@ def test_a_bad_character_names_its_field(server, smol_path):
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     err = _assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=body, headers=headers), 400)
     assert err["param"] == "prompt" and "not valid UTF-8 text (bad character at index 3)" in err["message"]
+    body = _materialize({"model": "$M", "prompt": "hi", "stop": ["ok", "a\udc00"]}, smol_path.stem, 0)
+    err = _assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=body, headers=headers), 400)
+    assert (
+        err["param"] == "stop"
+        and "a stop sequence is not valid UTF-8 text (bad character at index 1)" in err["message"]
+    )
 
 
 def test_a_body_over_the_limit_is_a_413_and_the_server_goes_on(server, smol_path, client):

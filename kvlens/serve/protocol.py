@@ -90,7 +90,7 @@ class _Common(BaseModel):
     temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: Text | list[Text] | None = None
+    stop: str | list[str] | None = None
     n: Int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -108,6 +108,8 @@ class _Common(BaseModel):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(s == "" for s in stops):
             raise ValueError("a stop sequence must not be empty")
+        for s in stops:
+            check_text(s, "a stop sequence")
         return stops
 
     def _refusals(self) -> list[tuple[bool, str]]:
