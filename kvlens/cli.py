@@ -107,7 +107,7 @@ def serve(
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000, min=0, max=65535),
     api_key: str = typer.Option(
-        None, help="Require 'Authorization: Bearer KEY' on /v1/*.", callback=cli_args.api_key_option
+        None, help="Require 'Authorization: Bearer KEY' on /v1/*.", callback=cb.api_key_option
     ),
     graceful_s: float = typer.Option(10.0, help="On SIGTERM: seconds in-flight requests get to finish."),
     warmup: bool = typer.Option(True, help="Run tiny requests before listening (compiles the kernels)."),

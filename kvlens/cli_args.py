@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import typer
 
@@ -118,8 +119,6 @@ def check_output_path(value: str, directory: bool) -> Path:
 
 def check_url(value: str) -> str:
     """An http(s) URL with a host (a server's base URL, as ``http://127.0.0.1:8000``)."""
-    from urllib.parse import urlsplit
-
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")

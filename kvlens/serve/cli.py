@@ -51,18 +51,17 @@ def listen_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads, so a host or port that cannot be used (a
     port in use, an address not on this machine) is one clear error and not a failure after the load
     and warm-up. uvicorn listens on it."""
+    sock = None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         sock.bind(address)
     except OSError as e:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
 

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -32,8 +33,8 @@ MAX_CHAT_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 4
 
 
-def _unicode(text: str) -> str:
-    return check_text(text, "the text")  # JSON's "\ud800" escape decodes to a lone surrogate
+def _unicode(text: str, info: ValidationInfo) -> str:
+    return check_text(text, info.field_name or "text")  # JSON's "\ud800" escape decodes to a lone surrogate
 
 
 Text = Annotated[str, AfterValidator(_unicode)]  # a str the tokenizer can encode (valid Unicode)
