@@ -90,18 +90,23 @@ def corpus_ids(model: str, corpus: str, n: int) -> tuple[kvlens.LLM, list[int]]:
     return llm, ids[:n]
 
 
+def calib_and_test(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list, list]:
+    """Q, K, V per layer of the corpus's first ``args.calib_ctx`` tokens and of the ``args.test_ctx``
+    after them, each a sequence from position 0; a bad model or corpus ends in ``ap.error``."""
+    n = args.calib_ctx + args.test_ctx
+    try:
+        llm, ids = corpus_ids(args.model, args.corpus, n)
+        return llm.capture_qkv(ids[: args.calib_ctx]), llm.capture_qkv(ids[args.calib_ctx : n])
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
+
+
 def main() -> None:
     ap = probe_parser(__doc__)
     ap.add_argument("--calib-ctx", type=positive_int, default=512)
     ap.add_argument("--test-ctx", type=positive_int, default=2048)
     args = ap.parse_args()
-    n = args.calib_ctx + args.test_ctx
-    try:
-        llm, ids = corpus_ids(args.model, args.corpus, n)
-        calib = llm.capture_qkv(ids[: args.calib_ctx])
-        test = llm.capture_qkv(ids[args.calib_ctx : n])
-    except (ValueError, TypeError) as e:
-        ap.error(str(e))
+    calib, test = calib_and_test(ap, args)
     rules = variants(quant.rotation(test[0][1].shape[-1]).to(torch.float32))
     total = dict.fromkeys(rules, 0.0)
     for (q, k, v), (_, k_calib, _) in zip(test, calib, strict=True):

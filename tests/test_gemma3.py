@@ -234,19 +234,33 @@ def gemma_path():
 
 
 @pytest.mark.slow
-def test_real_gemma3_logits_match_transformers(gemma_path):
+def test_real_gemma3_logits_match_transformers(gemma_path, monkeypatch):
     """The real Gemma-3-270M (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0 blocks) against transformers' own
     loading of the same GGUF in float64, at a short context (its windows of 512 hold every position)."""
+    import gguf
     from transformers import AutoModelForCausalLM
+
+    # transformers reads the file's header twice (config, then weights), each time walking the 262k
+    # token vocabulary (~20 s); the second read gets the same parsed reader, nothing else changes
+    parsed: dict[str, gguf.GGUFReader] = {}
+    reader = gguf.GGUFReader
+
+    def parsed_once(path, mode="r"):
+        if (str(path), mode) not in parsed:
+            parsed[str(path), mode] = reader(path, mode)
+        return parsed[str(path), mode]
 
     llm = kvlens.load("gemma3-270m", kv="f32", weights="f32", attn_backend="torch")
     ids = llm.tokenizer.encode(
         "The capital of France is Paris. In 1911 the encyclopaedia listed 12,345 entries."
     )
     assert ids[:1] == [2] and len(ids) > 20
-    hf = AutoModelForCausalLM.from_pretrained(
-        gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32
-    )
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", parsed_once)
+        hf = AutoModelForCausalLM.from_pretrained(
+            gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32
+        )
+    assert len(parsed) == 1
     with torch.no_grad():
         ref = hf.double().eval()(torch.tensor([ids])).logits[0]
     del hf

@@ -1,5 +1,5 @@
-"""scripts/k_smoothing_probe.py and scripts/rotation_span_probe.py refuse bad input with one argparse
-error line (exit 2)."""
+"""The probe scripts (k_smoothing_probe.py, rotation_span_probe.py, v_centering_probe.py) refuse bad
+input with one argparse error line (exit 2)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
         ("k_smoothing_probe.py", ["--model", "no-such-model"], "model not found: no-such-model"),
         ("rotation_span_probe.py", ["--ctx", "-3"], "argument --ctx: must be a positive integer, got -3"),
         ("rotation_span_probe.py", ["--corpus", "no-such-corpus"], "no-such-corpus"),
+        ("v_centering_probe.py", ["--keep-sink", "-1"], "argument --keep-sink: must be 0 or more, got -1"),
+        (
+            "v_centering_probe.py",
+            ["--keep-sink", "512"],
+            "--keep-sink 512 leaves no calibration row (--calib-ctx 512)",
+        ),
+        ("v_centering_probe.py", ["--model", "no-such-model"], "model not found: no-such-model"),
     ],
 )
 def test_bad_input_is_one_error_line(script, args, message):
