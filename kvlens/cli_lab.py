@@ -122,6 +122,8 @@ def lab_plan(
     smooth_k: bool = Option(
         True, "--smooth-k/--no-smooth-k", help="Subtract the calibration's mean key per layer and KV head."
     ),
+    keep_sink: int = opt.SINK,
+    keep_recent: int = opt.RECENT,
     prefill_chunk: int = opt.PREFILL,
     json_out: bool = opt.JSON,
 ) -> None:

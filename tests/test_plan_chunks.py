@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlens.lab.doctor as doctor
+from kvlens.kv.modes import StoreKind
 from kvlens.lab.doctor import DoctorConfig, run_doctor
 from kvlens.lab.plan import PlanConfig, chunk_layout, plan_chunks, run_plan
 from kvlens.lab.ppl import make_chunks
@@ -100,3 +101,27 @@ def test_old_plan_output_reads_as_the_first_chunks(tmp_path, tiny, tiny_dir, cor
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="does not name distinct chunks"):
         run_plan(dataclasses.replace(cfg, reuse=str(path)))
+
+
+def test_kept_exact_positions_reach_every_measurement_of_the_plan(tmp_path, tiny_dir, corpus):
+    """``keep_sink`` covering the whole chunk: every probe and every verified mode reads f32 rows only,
+    so each costs no KLD (f32 rows through the same torch attention as the f32 base) and the choice
+    takes the cheapest candidate everywhere; without it the same plan measures real costs."""
+    cfg = PlanConfig(
+        model=str(tiny_dir), corpus=str(corpus), kld_budget=0.01, ctx=48, calib_chunks=1, heldout_chunks=2,
+        out=str(tmp_path / "r.json"), kv="q8", smooth_k=False, per_head=False,
+    )  # fmt: skip
+    plain = run_plan(cfg)
+    kept = run_plan(dataclasses.replace(cfg, keep_sink=48, out=str(tmp_path / "kept.json")))
+    # without: q8h's smallest cost here ~3e-8, q8's held-out ~3e-7; with: f32 rounding (~1e-16)
+    assert min(plain.sensitivity.values()) > 1e-9 and min(r["kld_mean"] for r in plain.rows) > 1e-8
+    assert max(kept.sensitivity.values()) < 1e-12
+    assert max(r["kld_mean"] for r in kept.rows) < 1e-12  # the recipe and q8, f32 rows spliced in
+    assert {k for layer in kept.recipe.layers for k in layer} == {StoreKind.Q4H}
+    data = kept.to_json()
+    assert data["keep_sink"] == 48 and data["keep_recent"] == 0 and plain.to_json()["keep_sink"] == 0
+
+
+def test_the_doctor_refuses_kept_positions(tiny_dir, corpus):
+    with pytest.raises(ValueError, match="keep_sink and keep_recent must be 0"):
+        DoctorConfig(model=str(tiny_dir), corpus=str(corpus), keep_sink=1)

@@ -257,7 +257,10 @@ def test_a_bad_character_names_its_field(server, smol_path):
     body = _materialize({"model": "$M", "prompt": "hi \ud800"}, smol_path.stem, 0)
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     err = _assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=body, headers=headers), 400)
-    assert err["param"] == "prompt" and "prompt is not valid UTF-8 text (bad character at index 3)" in err["message"]
+    assert (
+        err["param"] == "prompt"
+        and "prompt is not valid UTF-8 text (bad character at index 3)" in err["message"]
+    )
     body = _materialize({"model": "$M", "prompt": "hi", "stop": ["ok", "a\udc00"]}, smol_path.stem, 0)
     err = _assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=body, headers=headers), 400)
     assert (

@@ -55,6 +55,13 @@ class DoctorConfig(KldBudget, LabConfig):
     ctx: int = 512
     plan: str | None = None
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cache_options.keeps_exact:
+            raise ValueError(
+                "the doctor measures caches as the engine stores them: keep_sink and keep_recent must be 0"
+            )
+
 
 @dataclass
 class Finding:

@@ -28,6 +28,12 @@ than its opening makes the first-chunks layout under-predict the held-out KLD.
 over the calibration chunks give the mean post-RoPE key per (layer, KV head); every probe of 1, the
 choice's checks in 2 and the recipe verified in 3 carry those centers, and the recipe file holds them
 (``k_center``). A reused measurement must have been taken the same way (its ``smooth_k``).
+
+``keep_sink`` / ``keep_recent`` (``--keep-sink``, ``--keep-recent``): the lab's kept-exact positions
+(:class:`~kvlens.kv.modes.CacheOptions`) in every probe of 1, every check of 2 and every test mode of
+3; written to the plan's JSON, not to the recipe file, which no engine run keeps exact: a measurement
+of what keeping the attention sink exact would buy (docs/beyond-q8.md). A reused measurement keeps
+its own sensitivities; only 2 and 3 then run with this run's kept positions.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from ..engine.llm import LLM
 from ..kv.modes import MODES, KVMode, StoreKind
 from ..kv.recipe import layer_json, mix, save_recipe
 from ..report import print_table
-from .common import CompareConfig, load_compare, model_name
+from .common import CompareConfig, kept_exact_line, load_compare, model_name
 from .ppl import PplConfig, _PplRun, make_chunks
 from .recipe_search import choose_verified
 from .sensitivity import Sensitivity
@@ -120,6 +126,8 @@ class PlanResult:
     smooth_k: bool = False  # K centers (the calibration's mean key) in every probe and the recipe
     calib_index: list[int] = field(default_factory=list)  # the calibration chunks' places in the text
     heldout_index: list[int] = field(default_factory=list)
+    keep_sink: int = 0  # positions kept exact (the lab's) in the choice's checks and the verification
+    keep_recent: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "recipe"}
@@ -201,6 +209,8 @@ def verify(llm: LLM, chunks: list[list[int]], cfg: PlanConfig, recipe: KVMode) -
         weights=cfg.weights,
         prefill_chunk=cfg.prefill_chunk,
         ctx=cfg.ctx,
+        keep_sink=cfg.keep_sink,
+        keep_recent=cfg.keep_recent,
     )
     run = _PplRun(llm, ppl_cfg, None, None)
     for chunk in chunks:
@@ -247,7 +257,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
         if smooth != cfg.smooth_k:
             said = ("with", "--smooth-k") if smooth else ("without", "--no-smooth-k")
             raise ValueError(f"{cfg.reuse} was measured {said[0]} K smoothing: reuse it with {said[1]}")
-    sens = Sensitivity(llm, calib, cfg.ctx, smooth_k=cfg.smooth_k)
+    sens = Sensitivity(llm, calib, cfg.ctx, smooth_k=cfg.smooth_k, options=cfg.cache_options)
     if not cfg.reuse:
         table = sens.table(cfg.candidates, cfg.per_head)
     t1 = time.perf_counter()
@@ -262,6 +272,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
         predicted, measured, rounds, c.n_kv_heads, bpt, bpt / _bytes(MODES["q8"], llm),
         sensitivity={".".join(map(str, key)): v for key, v in table.items()}, passes=sens.passes,
         smooth_k=cfg.smooth_k, calib_index=calib_index, heldout_index=heldout_index if cfg.verify else [],
+        keep_sink=cfg.keep_sink, keep_recent=cfg.keep_recent,
     )  # fmt: skip
     result.seconds = {"sensitivity": t1 - t0, "choice": t2 - t1}
     if cfg.verify:
@@ -277,6 +288,8 @@ def print_plan(r: PlanResult) -> None:
         f"head); per (layer, KV head): {mix(r.recipe, len(r.recipe.layers), r.n_kv_heads)}"
     )
     print(f"recipe bytes/token {r.bytes_per_token} ({r.vs_q8:.3f}x q8's)")
+    for line in kept_exact_line(r):  # the lab's exact copy: not in the recipe file, nor in engine runs of it
+        print(f"{line} (measured and verified so; the recipe file does not keep them)")
     print(
         f"budget {r.budget:g}: predicted (sum of items) {r.predicted_kld:.3g}, calibration "
         f"{r.calib_kld:.3g} ({r.calib_chunks} chunks, {r.rounds} round(s), {r.passes} passes); held-out: "

@@ -78,9 +78,16 @@ class Sensitivity:
     """Mean KLD from f32 over calibration chunks, resuming each pass at the first changed layer."""
 
     def __init__(
-        self, llm: LLM, chunks: list[list[int]], ctx: int, capture: bool = False, smooth_k: bool = False
+        self,
+        llm: LLM,
+        chunks: list[list[int]],
+        ctx: int,
+        capture: bool = False,
+        smooth_k: bool = False,
+        options: CacheOptions | None = None,
     ) -> None:
         self.llm, self.ctx = llm, ctx
+        self.options = options or CacheOptions()  # the probes' kept-exact positions (lab plan --keep-sink)
         self.first = scored_span(ctx)[0]
         # capture: the first chunk's post-RoPE (Q [H, n, d], K [KV, n, d], V) per layer, f32 pass
         self.qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -113,10 +120,12 @@ class Sensitivity:
         logits = self._logits(hidden).to(torch.float32)
         return _Chunk(inputs, logits, torch.softmax(logits.to(torch.float64), -1).to(torch.float32))
 
-    def _run(self, x: torch.Tensor, mode: KVMode, first: int, on_input=None, on_qkv=None) -> torch.Tensor:
+    def _run(
+        self, x: torch.Tensor, mode: KVMode, first: int, on_input=None, on_qkv=None, options=CacheOptions()
+    ) -> torch.Tensor:
         """The pass from layer ``first`` (``on_qkv(layer, q, k, v)`` sees each layer's post-RoPE rows)."""
         llm = self.llm
-        cache = llm.new_cache(x.shape[0], mode, CacheOptions())
+        cache = llm.new_cache(x.shape[0], mode, options)
         inner = make_attend(cache, True, "torch", llm.config.layer_windows)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -138,7 +147,7 @@ class Sensitivity:
             return 0.0
         vals = []
         for c in self.chunks:
-            logits = self._logits(self._run(c.inputs[first], mode, first))
+            logits = self._logits(self._run(c.inputs[first], mode, first, options=self.options))
             vals.append(kld_rows(c.base_logits, c.p, logits).numpy())
             self.passes += 1
             self.layers_run += n - first

@@ -1,8 +1,8 @@
 """As run in the fifteenth session (2026-12-02): `kvlens lab plan --reuse` on hamlet_gut (the tenth
 session's spread sensitivities, measured without a kept sink) at q8's held-out KLD as the budget, with
 the first position kept exact (the lab's CacheOptions.keep_sink, as `lab ppl --keep-sink 1`) in the
-choice's calibration checks and in the held-out verification (the recipe and q8 beside it). `lab plan`
-has no --keep-sink: the engine's caches cannot keep positions exact outside the lab (docs/beyond-q8.md).
+choice's calibration checks and in the held-out verification (the recipe and q8 beside it). Written
+before `lab plan --keep-sink` existed (a later commit of the same session), which gives the same result.
 
     python plan_sink.py T > plan-sink1-tT.json      # T: the calibration target (0.8, 0.9, 1.0)
 """
