@@ -267,6 +267,12 @@ def test_a_bad_character_names_its_field(server, smol_path):
         err["param"] == "stop"
         and "a stop sequence is not valid UTF-8 text (bad character at index 1)" in err["message"]
     )
+    part = {"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}
+    body = _materialize({"model": "$M", "messages": [part]}, smol_path.stem, 0)
+    err = _assert_openai_error(
+        httpx.post(f"{server.url}/v1/chat/completions", content=body, headers=headers), 400
+    )
+    assert err["param"] == "messages.0.content.0.text" and "bad character at index 1" in err["message"]
 
 
 def test_a_body_over_the_limit_is_a_413_and_the_server_goes_on(server, smol_path, client):

@@ -173,3 +173,36 @@ def test_requests_accept_openai_defaults():
         ).logprobs_top
         is None
     )
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "param", "needle"),
+    [
+        # a list of chat content parts fails the str branch on its type: the list branch's error speaks
+        (ChatRequest, {"content": [{"type": "text", "text": "a\udfff"}]}, "messages.0.content.0.text",
+         "text is not valid UTF-8 text (bad character at index 1)"),
+        (ChatRequest, {"content": [{"type": "image_url", "image_url": {}}]}, "messages.0.content.0.type",
+         "Input should be 'text'"),
+        (ChatRequest, {"content": 5}, "messages.0.content", "Input should be a valid string"),  # neither
+        (CompletionRequest, {"prompt": "hi \ud800"}, "prompt", "prompt is not valid UTF-8 text"),
+        (CompletionRequest, {"prompt": ["a"]}, "prompt.0", "Input should be a valid integer"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": True}, "max_tokens", "not a boolean"),
+    ],
+)  # fmt: skip
+def test_a_union_error_names_the_branch_the_input_took(model, body, param, needle):
+    """The HTTP error of an invalid body (FastAPI's ``loc`` starts with "body"): the field path alone
+    as ``param``, and the message of the union branch the input's type matched."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from kvlens.serve.app import _validation_message
+
+    if model is ChatRequest:
+        body = {"model": "m", "messages": [{"role": "user"} | body]}
+    else:
+        body = {"model": "m"} | body
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    errors = [e | {"loc": ("body", *e["loc"])} for e in info.value.errors()]
+    message, got = _validation_message(RequestValidationError(errors))
+    assert got == param and needle in message and message.startswith(f"{param}: ")

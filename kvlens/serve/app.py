@@ -43,19 +43,33 @@ class AppConfig:
 _BRANCH_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def _branch_tag(part: Any) -> bool:
+    """Whether a ``loc`` element names the branch of a union pydantic tried ("str", "list[int]",
+    "function-after[...]"), not a field: OpenAI's param is the field path alone."""
+    return str(part) in _BRANCH_TAGS or "[" in str(part)
+
+
+def _field_path(error: dict) -> list[str]:
+    return [str(p) for p in error.get("loc", ()) if p != "body" and not _branch_tag(p)]
+
+
+def _first_error(errors: list) -> dict:
+    """The first error; where that is one branch of a union failing on the input's type (a list of chat
+    content parts is not a str), the same field's error from a branch the input's type passed."""
     first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
+    tag = next((i for i, p in enumerate(loc) if _branch_tag(p)), None)
+    if tag is None or not str(first.get("type", "")).endswith("_type"):
+        return first
+    passed = (e for e in errors if not str(e.get("type", "")).endswith("_type"))
+    return next((e for e in passed if tuple(e.get("loc", ()))[:tag] == loc[:tag]), first)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = _first_error(exc.errors())
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
-    # pydantic names the branch of a union it tried ("str", "list[int]", "function-after[...]"):
-    # OpenAI's param is the field path alone
-    loc = [
-        str(p)
-        for p in first.get("loc", ())
-        if p != "body" and str(p) not in _BRANCH_TAGS and "[" not in str(p)
-    ]
-    param = ".".join(loc) or None
+    param = ".".join(_field_path(first)) or None
     kind, msg = first.get("type", ""), str(first.get("msg", "invalid request"))
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
