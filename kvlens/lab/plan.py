@@ -202,16 +202,8 @@ def plan_chunks(
 def verify(llm: LLM, chunks: list[list[int]], cfg: PlanConfig, recipe: KVMode) -> list[dict[str, Any]]:
     """Held-out rows (recipe, then ``cfg.kv``): KLD mean ± error, PPL ratio, same-top, bytes/token."""
     modes = list(dict.fromkeys([recipe, *cfg.kv]))
-    ppl_cfg = PplConfig(
-        model=cfg.model,
-        kv=modes,
-        base="f32",
-        weights=cfg.weights,
-        prefill_chunk=cfg.prefill_chunk,
-        ctx=cfg.ctx,
-        keep_sink=cfg.keep_sink,
-        keep_recent=cfg.keep_recent,
-    )
+    shared = ("model", "weights", "prefill_chunk", "ctx", "keep_sink", "keep_recent")
+    ppl_cfg = PplConfig(kv=modes, base="f32", **{name: getattr(cfg, name) for name in shared})
     run = _PplRun(llm, ppl_cfg, None, None)
     for chunk in chunks:
         run.score(chunk)
