@@ -8,19 +8,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
+
+PLAIN_PROGRESS_SECONDS = 30.0  # a non-terminal stderr gets a progress line at most this often
 
 
 @contextmanager
 def progress(total: int, description: str, enabled: bool = True) -> Iterator[Callable[[str], None]]:
-    """A rich progress bar on stderr; yields ``step(label)`` that advances it by one."""
+    """A rich progress bar on stderr; yields ``step(label)`` that advances it by one. Where stderr is
+    not a terminal (a pipe, a log file), where a live bar shows nothing: :func:`plain_progress`."""
     if not enabled:
         yield lambda _label="": None
+        return
+    if not sys.stderr.isatty():
+        yield plain_progress(total, description, PLAIN_PROGRESS_SECONDS)
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -33,6 +41,31 @@ def progress(total: int, description: str, enabled: bool = True) -> Iterator[Cal
             bar.update(task, advance=1, description=f"{description} {label}".rstrip())
 
         yield step
+
+
+def plain_progress(
+    total: int,
+    description: str,
+    interval: float = PLAIN_PROGRESS_SECONDS,
+    clock: Callable[[], float] = time.monotonic,
+    out: TextIO | None = None,
+) -> Callable[[str], None]:
+    """``step(label)`` writing ``description label: done/total after N s`` to ``out`` (stderr) once
+    ``interval`` seconds have passed since the start or the last line, and at the last step if it
+    wrote any before: a run shorter than ``interval`` stays silent, a long one shows it is alive."""
+    start = last = clock()
+    done, wrote = 0, False
+
+    def step(label: str = "") -> None:
+        nonlocal done, last, wrote
+        done += 1
+        now = clock()
+        if now - last >= interval or (done == total and wrote):
+            head = f"{description} {label}".rstrip()
+            print(f"{head}: {done}/{total} after {now - start:.0f} s", file=out or sys.stderr, flush=True)
+            last, wrote = now, True
+
+    return step
 
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], width: int = 120) -> None:
