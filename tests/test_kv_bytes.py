@@ -41,6 +41,12 @@ def test_cache_bytes_per_token_is_what_it_holds(mode, head_dim):
         cache = KVCache(3, 2, head_dim, 64, mode, options=options)
         stores = (*cache.k, *cache.v, *cache.k_exact, *cache.v_exact)
         assert held_bytes(stores) == cache.bytes_per_token() * cache.capacity
+        # the sink store: S f16 rows of K and V per layer and KV head, whatever the capacity
+        assert (
+            held_bytes((*cache.k_sink, *cache.v_sink))
+            == cache.sink_bytes()
+            == options.keep_sink * 2 * (2 * head_dim) * 2 * 3
+        )
 
 
 @pytest.mark.parametrize("mode", ALL_MODES, ids=str)

@@ -103,25 +103,39 @@ def test_old_plan_output_reads_as_the_first_chunks(tmp_path, tiny, tiny_dir, cor
         run_plan(dataclasses.replace(cfg, reuse=str(path)))
 
 
-def test_kept_exact_positions_reach_every_measurement_of_the_plan(tmp_path, tiny_dir, corpus):
-    """``keep_sink`` covering the whole chunk: every probe and every verified mode reads f32 rows only,
-    so each costs no KLD (f32 rows through the same torch attention as the f32 base) and the choice
-    takes the cheapest candidate everywhere; without it the same plan measures real costs."""
+def test_kept_positions_reach_every_measurement_of_the_plan(tmp_path, tiny_dir, corpus):
+    """``keep_recent`` covering the whole chunk: every probe and every verified mode reads f32 rows
+    only, so each costs no KLD (f32 rows through the same torch attention as the f32 base) and the
+    choice takes the cheapest candidate everywhere. ``keep_sink`` covering it: every probe reads the
+    same f16 rows whatever the candidate kind, so the kinds of a (layer, role) cost the same. Without
+    either, the same plan measures real costs."""
     cfg = PlanConfig(
         model=str(tiny_dir), corpus=str(corpus), kld_budget=0.01, ctx=48, calib_chunks=1, heldout_chunks=2,
         out=str(tmp_path / "r.json"), kv="q8", smooth_k=False, per_head=False,
     )  # fmt: skip
     plain = run_plan(cfg)
-    kept = run_plan(dataclasses.replace(cfg, keep_sink=48, out=str(tmp_path / "kept.json")))
+    kept = run_plan(dataclasses.replace(cfg, keep_recent=48, out=str(tmp_path / "kept.json")))
+    sink = run_plan(dataclasses.replace(cfg, keep_sink=48, out=str(tmp_path / "sink.json")))
     # without: q8h's smallest cost here ~3e-8, q8's held-out ~3e-7. With: only f32 rounding differs from
     # the base (the rotated kinds' turns, sub-chunked prefill), moving each logit by ~1e-7 of its size
     # (the tiny model's are O(1)): KLD ~ delta^2 / 2 <= ~1e-13 on any CPU (printed here: ~1e-15)
     assert min(plain.sensitivity.values()) > 1e-9 and min(r["kld_mean"] for r in plain.rows) > 1e-8
     assert max(kept.sensitivity.values()) < 1e-12
     assert max(r["kld_mean"] for r in kept.rows) < 1e-12  # the recipe and q8, f32 rows spliced in
-    assert {k for layer in kept.recipe.layers for k in layer} == {StoreKind.Q4H}
-    data = kept.to_json()
-    assert data["keep_sink"] == 48 and data["keep_recent"] == 0 and plain.to_json()["keep_sink"] == 0
+    for result in (kept, sink):
+        assert {k for layer in result.recipe.layers for k in layer} == {StoreKind.Q4H}
+    groups: dict[str, set[float]] = {}
+    for key, cost in sink.sensitivity.items():  # "layer.role.kind": the rotated kinds read one f16 row
+        groups.setdefault(key.rsplit(".", 1)[0], set()).add(cost)
+    assert all(len(costs) == 1 for costs in groups.values()), groups
+    # f16 rounding (2^-11 of each row) moves the logits by ~1e-5 of their size: KLD ~1e-10 (printed ~6e-10)
+    assert max(sink.sensitivity.values()) < 1e-8 and max(r["kld_mean"] for r in sink.rows) < 1e-8
+    data, sink_data = kept.to_json(), sink.to_json()
+    assert data["keep_recent"] == 48 and data["keep_sink"] == 0 and plain.to_json()["keep_recent"] == 0
+    assert (
+        sink_data["keep_sink"] == 48 and json.loads((tmp_path / "sink.json").read_text())["keep_sink"] == 48
+    )
+    assert "keep_sink" not in json.loads((tmp_path / "kept.json").read_text())
 
 
 def test_the_doctor_refuses_kept_positions(tiny_dir, corpus):

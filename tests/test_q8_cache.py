@@ -180,7 +180,8 @@ def test_cache_modes_store_what_they_say():
 @pytest.mark.parametrize("sink,recent", [(4, 10), (1, 1), (0, 3), (5, 0), (30, 30)])
 @pytest.mark.parametrize("end", [1, 6, 37, 50])
 def test_keep_sink_and_recent_exact_boundaries(sink, recent, end):
-    """Exactly positions [0, sink) and [end - recent, end) are exact; every other row is its int8 row."""
+    """Exactly positions [0, sink) read as their f16 rounding (the sink store) and [end - recent, end)
+    as they are (the exact copy, read last); every other row is its int8 row."""
     g = torch.Generator().manual_seed(sink * 1000 + recent * 100 + end)
     k, v = torch.randn(2, 50, 8, generator=g), torch.randn(2, 50, 8, generator=g)
     c = KVCache(2, 2, 8, 64, MODES["q8"], options=CacheOptions(keep_sink=sink, keep_recent=recent))
@@ -188,13 +189,13 @@ def test_keep_sink_and_recent_exact_boundaries(sink, recent, end):
         c.write(layer, 0, k, v)
     kq, vq = (dequantize_q8(*quantize_q8(x)) for x in (k, v))
     assert ((kq != k).any(-1) & (vq != v).any(-1)).all()  # no random row survives int8 unchanged
-    exact = torch.zeros(end, dtype=torch.bool)
-    exact[: min(sink, end)] = True
-    exact[max(end - recent, 0) :] = True
+    kh, vh = k.half().float(), v.half().float()
+    assert ((kh != k).any(-1) & (kh != kq).any(-1)).all()  # and none as f16, or f16 as int8
     for layer in range(2):
         rk, rv = c.read(layer, end)
         for pos in range(end):
-            want_k, want_v = (k, v) if exact[pos] else (kq, vq)
+            want_k, want_v = (kq, vq) if pos >= sink else (kh, vh)
+            want_k, want_v = (k, v) if pos >= end - recent else (want_k, want_v)
             assert torch.equal(rk[:, pos], want_k[:, pos]) and torch.equal(rv[:, pos], want_v[:, pos]), pos
 
 

@@ -12,6 +12,10 @@ Backends:
             anywhere in the cache is refused.
     triton  the same algorithm on CUDA (kernels.gpu).
     auto    the fastest correct backend for the device and cache mode.
+
+A cache with a sink store (kv.cache: a recipe's keep_sink) hands the CPU kernels its sink rows, which
+they read in place of the stores' rows there; the Triton kernel takes none yet, so such a cache runs
+through torch on the GPU.
 """
 
 from __future__ import annotations
@@ -162,10 +166,12 @@ def turn(x: torch.Tensor, rot: Rotation, back: bool = False) -> torch.Tensor:
 
 
 def split_kernel(
-    kernel, q: torch.Tensor, k_store: HeadSplitStore, v_store: HeadSplitStore, end: int, blocks, table
+    kernel, q: torch.Tensor, k_store: HeadSplitStore, v_store: HeadSplitStore, end: int, blocks, table, **sink
 ):
-    """A fused decode kernel over a layer split per KV head: one call per head on its query group."""
+    """A fused decode kernel over a layer split per KV head: one call per head on its query group
+    (and, given ``sink=(k, v)``, that head's sink rows)."""
     g = q.shape[0] // len(k_store.parts)
+    rows = sink.get("sink")
     return torch.cat(
         [
             kernel(
@@ -175,6 +181,7 @@ def split_kernel(
                 end,
                 blocks=None if blocks is None else blocks[h : h + 1],
                 table=table,
+                **({} if rows is None else {"sink": (rows[0][h : h + 1], rows[1][h : h + 1])}),
             )
             for h, (ks, vs) in enumerate(zip(k_store.parts, v_store.parts, strict=True))
         ]
@@ -240,8 +247,9 @@ def make_attend(
     """
     kernel = _fused_kernel(backend)
     _check_int_backend(backend, cache)
-    # Fused kernels read the stores directly; options that splice exact rows in go through torch.
-    use_kernel = kernel is not None and not cache.options.keeps_exact
+    sink = getattr(cache, "sink", 0)  # a paged pool keeps no sink store (the serving engine refuses one)
+    # keep-recent's exact rows, and a sink under Triton (its kernel takes no sink rows yet): torch
+    use_kernel = kernel is not None and not cache.options.keeps_exact and not (sink and backend == "triton")
     windows = window if isinstance(window, Sequence) else None
     if sparse is not None and cache.bounds is None:
         raise ValueError("sparse decode needs a cache created with track_blocks=True")
@@ -269,10 +277,12 @@ def make_attend(
             table = cache.table if paged else None
             ks, vs = cache.k[layer], cache.v[layer]
             run = functools.partial(split_kernel, kernel) if isinstance(ks, HeadSplitStore) else kernel
-            return run(q[:, 0], ks, vs, end, blocks=blocks, table=table).unsqueeze(1)
+            rows = {"sink": cache.sink_rows(layer, end)} if sink else {}
+            return run(q[:, 0], ks, vs, end, blocks=blocks, table=table, **rows).unsqueeze(1)
         split = isinstance(cache.k[layer], HeadSplitStore) or isinstance(cache.v[layer], HeadSplitStore)
         contiguous_rows = not (paged or split or cache.options.keeps_exact)
-        if decode and win is not None and blocks is None and contiguous_rows:
+        window_past_sink = win is not None and end - win >= sink  # else the window reads sink rows
+        if decode and window_past_sink and blocks is None and contiguous_rows:
             return _windowed_step(cache, layer, q, start, win, kernel if use_kernel else None)
         k_all, v_all = cache.read(layer, end, prefill=prefill)
         q_pos = torch.arange(start, end, device=q.device)

@@ -14,7 +14,7 @@ from ..checks import check_device, check_int, check_text, check_token_ids
 from ..kernels.threads import decode_threads
 from ..kv.blocks import SparseConfig
 from ..kv.cache import KVCache
-from ..kv.modes import MODES, CacheOptions, KVMode
+from ..kv.modes import MODES, CacheOptions, KVMode, sink_positions
 from ..kv.pool import PagedKV
 from ..models.loader import LoadedModel, check_weights_mode, load_model
 from ..models.transformer import Transformer
@@ -208,8 +208,8 @@ class LLM:
 
         Runs as a batch of one through the serving engine (:mod:`kvlens.engine.scheduler`), so a
         request alone and the same request among others are one computation (batch invariance).
-        Given a ``cache``, or with sparse decode or cache options the paged pool does not implement
-        (keep-sink/recent), it runs this LLM's own loop over a contiguous cache instead."""
+        Given a ``cache``, or with sparse decode or a sink / kept-exact rows (the paged pool keeps
+        neither), it runs this LLM's own loop over a contiguous cache instead."""
         prompt_ids = self.check_ids(prompt_ids)
         self._check_decode_args(len(prompt_ids), max_new_tokens, sampling)
         if cache is not None or not self.servable:
@@ -231,8 +231,13 @@ class LLM:
 
     @property
     def servable(self) -> bool:
-        """Whether the serving engine can run this LLM (dense decode, no keep-sink/recent splicing)."""
-        return self.sparse is None and not self.cache_options.keeps_exact
+        """Whether the serving engine can run this LLM: dense decode, no kept-exact rows, no sink store
+        (its paged pool keeps neither)."""
+        return (
+            self.sparse is None
+            and not self.cache_options.keeps_exact
+            and not sink_positions(self.kv, self.cache_options)
+        )
 
     @torch.inference_mode()
     def decode(

@@ -147,7 +147,8 @@ class Engine:
     def __init__(self, llm: LLM, config: EngineConfig = EngineConfig()) -> None:
         if not llm.servable:
             raise ValueError(
-                "the serving engine runs dense decode without keep-sink/recent; load the model without them"
+                "the serving engine runs dense decode with no sink store or kept-exact rows (its paged pool "
+                "keeps neither): load the model without sparse decode, keep-sink/keep-recent or a recipe's keep_sink"
             )
         self.llm, self.config = llm, config
         cfg = llm.config

@@ -82,6 +82,7 @@ def _decode_core(
     table,
     n_splits,
     out,
+    sink,
 ):  # pragma: no cover
     """Flash-Decoding over (kv_head, split) items; ``int_dot`` selects the seed's int8-query scores.
 
@@ -89,12 +90,14 @@ def _decode_core(
     selected blocks); empty (``n_tiles = 0``) = dense, every tile. Splits divide this list.
     ``table [n_blocks]``: the block table of a paged cache (logical block j lives in physical block
     ``table[j]`` of the store); empty = contiguous (logical = physical). ``k_bsc``/``v_bsc``: the
-    fp16 scale bits of a 4-bit or packed K/V store (unread otherwise)."""
+    fp16 scale bits of a 4-bit or packed K/V store (unread otherwise). ``sink``: the softmax state of
+    the sink positions, read from their own store (:func:`flash.sink_state`; :data:`flash.NO_SINK`)."""
     n_heads, hd = qs.shape
     k8 = k.view(np.int8)
     group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.split_plan(
         length, tiles, table, n_splits, k.shape[0], n_heads, hd
     )
+    flash.seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles)
     k_q8, v_q8 = k_code == CODE_Q8, v_code == CODE_Q8
     for item in prange(n_items):
         h, i_lo, i_hi, tile_u, tile, sc, e_u, e_f, bs_u, bs_f = flash.item_setup(
@@ -102,7 +105,9 @@ def _decode_core(
         )
         prod = np.empty(hd, np.int32)
         for ti in range(i_lo, i_hi):
-            nt, t0 = flash.tile_rows(ti, h, length, dense, tiles, paged, table)
+            nt, t0 = flash.tile_rows(ti, h, length, dense, tiles, paged, table, sink[0])
+            if nt <= 0:
+                continue
             if int_dot:
                 _dot_tile_int(q8, qsc, h * group, group, k8, h, t0, nt, prod, sc)
             else:
@@ -149,7 +154,7 @@ def _raw(a: np.ndarray) -> tuple[np.ndarray, int]:
 
 def _run(
     q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_dot=False, blocks=None, table=None,
-    k_bsc=_NO_BLOCK_SCALE, v_bsc=_NO_BLOCK_SCALE,
+    k_bsc=_NO_BLOCK_SCALE, v_bsc=_NO_BLOCK_SCALE, sink=None,
 ):  # fmt: skip
     n_heads, hd = q.shape
     n_kv, cap = k.shape[:2]
@@ -179,7 +184,7 @@ def _run(
         v_scale = np.ascontiguousarray(v_scale, np.float32)
     args = (
         qs, q8, qsc, int_dot, k, k_code, k_scale, k_bsc, v, v_code, v_scale, v_bsc, int(length), tiles, table,
-        n_splits, out,
+        n_splits, out, flash.NO_SINK if sink is None else flash.sink_state(qs, *sink),
     )  # fmt: skip
     run_serial_if(serial, _decode_core, *args)  # waking the thread pool would cost more than the work
     return out
@@ -246,6 +251,7 @@ def decode_attention(
     int_dot: bool = False,
     blocks: np.ndarray | torch.Tensor | None = None,
     table: np.ndarray | torch.Tensor | None = None,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of one layer's K and V
     :class:`~kvlens.kv.cache.RowStore` (CPU; every kind, mixed K/V kinds included; rotated kinds are
@@ -257,6 +263,8 @@ def decode_attention(
     the kernel reads only them, no gather copy; the softmax runs over the selected set).
     ``table [n_blocks]`` (int32): a paged cache's block table, logical block j of the sequence stored
     at physical block ``table[j]`` of the stores (``blocks`` then name logical blocks); read in place.
+    ``sink``: K and V of the first s positions ``[n_kv, s, hd]`` (f32, the stores' basis;
+    :meth:`kvlens.kv.cache.KVCache.sink_rows`), read in place of the stores' rows there.
     """
     k, kc, ks, kb = store_arrays(k_store)
     v, vc, vs, vb = store_arrays(v_store)
@@ -264,5 +272,5 @@ def decode_attention(
         raise ValueError("int_dot needs an int8 K store")
     qn = q.detach().numpy() if q.dtype == torch.float32 else q.detach().float().numpy()
     out = np.empty(qn.shape, np.float32)
-    _run(qn, k, kc, ks, v, vc, vs, length, out, n_splits, int_dot, blocks, table, kb, vb)
+    _run(qn, k, kc, ks, v, vc, vs, length, out, n_splits, int_dot, blocks, table, kb, vb, sink)
     return torch.from_numpy(out)

@@ -199,19 +199,20 @@ def _pv8_tile(path, w, v, h, t0, nt, group, vt, p8, acc8, acc):  # pragma: no co
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _core(
     path, qbits, pv8, qc, k, k_code, k_scale, k_bsc, ksum, v, v_code, v_scale, v_bsc, length, tiles, table,
-    n_splits, out,
+    n_splits, out, sink,
 ):  # pragma: no cover  # fmt: skip
     """cpu._decode_core with integer scores (and with ``pv8``, integer P.V); compiled once per
     literal ``path`` (its instructions); ``qbits`` and ``pv8`` are read at run time, one branch per
     tile, so a path is one specialization, not four. ``tiles`` and ``table`` (a paged cache's block
     table; empty = contiguous) as there. ``k_code``: CODE_Q8, or CODE_Q4 (scores by :func:`.q4int.score_tile_q4`,
-    ``k_bsc`` its fp16 block-scale bits; 8-bit query only)."""
+    ``k_bsc`` its fp16 block-scale bits; 8-bit query only). ``sink``: as there."""
     path = literally(path)
     n_heads, hd = out.shape
     k8 = k.view(np.int8)
     group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.split_plan(
         length, tiles, table, n_splits, k.shape[0], n_heads, hd
     )
+    flash.seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles)
     k_q8, v_q8 = k_code == CODE_Q8, v_code == CODE_Q8
     qp, qoff, q4s = qc[6], qc[7], qc[2]
     for item in prange(n_items):
@@ -222,7 +223,9 @@ def _core(
         p8 = np.zeros((group, flash.TILE), np.uint8)
         acc8 = np.empty((group, hd), np.int32)
         for ti in range(i_lo, i_hi):
-            nt, t0 = flash.tile_rows(ti, h, length, dense, tiles, paged, table)
+            nt, t0 = flash.tile_rows(ti, h, length, dense, tiles, paged, table, sink[0])
+            if nt <= 0:
+                continue
             if k_code == CODE_Q4:
                 hq0 = h * group
                 q4int.score_tile_q4(path, qp, qoff, q4s, k, k_bsc, h, t0, nt, hq0, group, sc, bs_u, bs_f)
@@ -274,6 +277,7 @@ def decode_attention_int(
     blocks: np.ndarray | torch.Tensor | None = None,
     spec: IntAttn = IntAttn(),
     table: np.ndarray | torch.Tensor | None = None,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of an int8 K store (with
     its ``ksum``) or, with the 8-bit query, a 4-bit one (q4, q4h), and any V store, integer scores per
@@ -308,6 +312,7 @@ def decode_attention_int(
     ksum = k_store.ksum.numpy() if shifted else _NO_KSUM
     out = np.empty((n_heads, hd), np.float32)
     args = (intdot.PATHS.index(path), spec.qbits, int(spec.pv8), qc.arrays, k, kc, ks, k_bsc, ksum, v, vc, vs, v_bsc,
-            int(length), tiles, table, n_splits, out)  # fmt: skip
+            int(length), tiles, table, n_splits, out,
+            flash.NO_SINK if sink is None else flash.sink_state(qn / np.float32(math.sqrt(hd)), *sink))  # fmt: skip
     run_serial_if(serial, _compiled_core(args), *args)
     return torch.from_numpy(out)

@@ -153,7 +153,7 @@ def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
     The cores' flags go in as np.int64 / np.bool_ values, not literal constants: a literal would type a
     second specialization of the core beside the one the Python callers use (docs/testing.md)."""
     k_code, v_code, inv_sqrt, length, n_splits, serial, tiles, table = at[:8]
-    qs, q16, s16, no_q8, no_sc, no_ksum, no_i32, q8, qp, qoff, q4s = buf
+    qs, q16, s16, no_q8, no_sc, no_ksum, no_i32, q8, qp, qoff, q4s, no_sink = buf
     threads = _get_threads()
     if serial and threads > 1:
         _set_threads(1)
@@ -164,17 +164,17 @@ def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
             for d in range(q.shape[1]):
                 qs[hq, d] = q[hq, d] * inv_sqrt
         _decode_core(qs, no_q8, no_sc, np.bool_(False), k_raw, k_code, k_scale, k_bsc, v_raw, v_code, v_scale, v_bsc,
-                     length, tiles, table, n_splits, out)  # fmt: skip
+                     length, tiles, table, n_splits, out, no_sink)  # fmt: skip
     elif kind == ATTN_INT8:
         quantize_query_q4(q, inv_sqrt, q8, qp, qoff, q4s)
         codes = (no_q8.view(np.uint8), no_q8, q4s, no_sc, q16, s16, qp, qoff)
         _int_core(path, np.int64(8), np.int64(0), codes, k_raw, k_code, k_scale, k_bsc, no_ksum, v_raw, v_code, v_scale, v_bsc, length,
-                  tiles, table, n_splits, out)  # fmt: skip
+                  tiles, table, n_splits, out, no_sink)  # fmt: skip
     else:
         _quantize_q16(q, inv_sqrt, q16, s16)
         codes = (no_q8.view(np.uint8), no_q8, no_sc, no_sc, q16, s16, no_q8, no_i32)
         _int_core(path, np.int64(16), np.int64(0), codes, k_raw, k_code, k_scale, k_bsc, no_ksum, v_raw, v_code, v_scale, v_bsc, length,
-                  tiles, table, n_splits, out)  # fmt: skip
+                  tiles, table, n_splits, out, no_sink)  # fmt: skip
     if serial and threads > 1:
         _set_threads(threads)
 
@@ -253,7 +253,7 @@ def store_tuple(store) -> tuple[np.ndarray, ...] | None:
 
 
 def _span(store) -> int:
-    """The store's rotation span (kv.modes.StoreKind.rotation_span), 0 where it is not rotated."""
+    """The store's rotation span (kv.kinds.StoreKind.rotation_span), 0 where it is not rotated."""
     return store.kind.rotation_span(store.head_dim)
 
 
@@ -262,6 +262,8 @@ def fused_stores(cache) -> list[tuple] | None:
     V search) for
     :meth:`FusedDecoder.run`, or None if a layer's kind is not written here. Memoized on the cache while its stores keep their tensors
     (they grow all together: :meth:`kvlens.kv.cache.KVCache.reserve`)."""
+    if getattr(cache, "sink", 0):  # the sink store is read by the layer-by-layer kernels only
+        return None
     first, last = (getattr(s, "data", s) for s in (cache.k[0], cache.v[-1]))
     memo = cache.__dict__.get("_step_stores")
     if memo is not None and memo[0] is first and memo[1] is last:
@@ -320,7 +322,8 @@ class FusedDecoder:
              np.empty(s.n_heads, f32), np.zeros((1, 1), np.int8), np.ones((1, 1), f32),
              _NO_KSUM, np.zeros((1, 1), np.int32),
              np.empty((s.n_heads, s.head_dim), np.int8), np.empty((s.n_heads, s.head_dim), np.int8),
-             np.empty((s.n_heads, s.head_dim // 8), np.int32), np.empty((s.n_heads, s.head_dim // 8), f32)),
+             np.empty((s.n_heads, s.head_dim // 8), np.int32), np.empty((s.n_heads, s.head_dim // 8), f32),
+             flash.NO_SINK),
             self._rotation_buffers(),
         )  # fmt: skip
         self.inv_sqrt = np.float32(1.0 / math.sqrt(shape.head_dim))  # as cpu._run computes it

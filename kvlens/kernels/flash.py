@@ -176,10 +176,34 @@ def item_setup(item, n_splits, split_len, n_tiles, group, hd):  # pragma: no cov
 
 
 @njit(inline="always")
-def tile_rows(ti, h, length, dense, tiles, paged, table):  # pragma: no cover - compiled
-    """Tile ``ti`` of KV head ``h``: its row count and the store row where it starts."""
+def tile_rows(ti, h, length, dense, tiles, paged, table, first):  # pragma: no cover - compiled
+    """Tile ``ti`` of KV head ``h``: its row count and the store row where it starts. Positions below
+    ``first`` (a sink read from its own store: :func:`seed_sink`) are left out, so a tile that holds
+    only those has no rows (<= 0: the caller skips it)."""
     t_log = ti if dense else tiles[h, ti]
-    return min(TILE, length - t_log * TILE), (table[t_log] if paged else t_log) * TILE
+    lo = max(first - t_log * TILE, 0)
+    return min(TILE, length - t_log * TILE) - lo, (table[t_log] if paged else t_log) * TILE + lo
+
+
+@njit(inline="always")
+def seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles):  # pragma: no cover - compiled
+    """Start the first split of each KV head from the sink's softmax state ``sink = (first, m, l, acc)``
+    (per query head, :func:`sink_state`); a sparse KV head whose tiles leave out tile 0 does not see
+    the sink, as the torch path's block mask does not. No sink: ``first`` is 0."""
+    first, s_m, s_l, s_acc = sink
+    if first == 0:
+        return
+    for h in range(part_m.shape[0] // n_splits):
+        seen = dense
+        for j in range(0 if dense else tiles.shape[1]):
+            seen = seen or tiles[h, j] == 0
+        if not seen:
+            continue
+        it = h * n_splits
+        for g in range(group):
+            hq = h * group + g
+            part_m[it, g], part_l[it, g] = s_m[hq], s_l[hq]
+            part_acc[it, g, :] = s_acc[hq]
 
 
 @njit(inline="always")
@@ -193,6 +217,29 @@ def weigh_tile(
             for j in range(nt):
                 sc[g, j] *= k_scale[h, t0 + j] * np.float32(1.0 / 127.0)
     softmax_tile(sc, nt, group, part_m[item], part_l[item], part_acc[item], v_scale, v_q8, h, t0, e_u, e_f)
+
+
+NO_SINK = (0, np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros((0, 0), np.float32))
+
+
+def sink_state(qs: np.ndarray, sink_k, sink_v) -> tuple:
+    """The softmax state of the query ``qs [n_heads, hd]`` (scaled by 1/sqrt(hd)) over the sink rows
+    ``sink_k``/``sink_v [n_kv, s, hd]`` (float32 tensors or arrays, the stores' basis): ``(s, m, l,
+    acc)`` per query head, as a core's first split starts from it (:func:`seed_sink`); computed in
+    float64, rounded to float32 once."""
+    k, v = (np.asarray(x, np.float64) for x in (sink_k, sink_v))
+    n_kv, n, hd = k.shape
+    if v.shape != k.shape or qs.shape[1] != hd or qs.shape[0] % n_kv or n == 0:
+        raise ValueError(
+            f"sink rows must be [n_kv, s>0, {qs.shape[1]}] for K and V, got {k.shape} and {v.shape}"
+        )
+    group = qs.shape[0] // n_kv
+    scores = np.einsum("hgd,hsd->hgs", qs.astype(np.float64).reshape(n_kv, group, hd), k)
+    m = scores.max(axis=2, keepdims=True)
+    p = np.exp(scores - m)
+    acc = np.einsum("hgs,hsd->hgd", p, v).reshape(-1, hd)
+    f32 = np.float32
+    return n, m.reshape(-1).astype(f32), p.sum(axis=2).reshape(-1).astype(f32), acc.astype(f32)
 
 
 def choose_splits(length: int, n_kv: int, n_threads: int | None = None) -> int:

@@ -14,7 +14,7 @@ from numba import njit
 
 from .bits import FP16_MAX, absmax, fp16_bits, signed_absmax
 
-Q4_BLOCK = 32  # kvlens.kv.modes.Q4_BLOCK (this module is a leaf: the kv layer checks they agree)
+Q4_BLOCK = 32  # kvlens.kv.kinds.Q4_BLOCK (this module is a leaf: the kv layer checks they agree)
 Q4_LOW = np.float32(8.0)  # q4_0: d = (signed max) / -8, stored codes 0..15 (value (code - 8) * d)
 FP16_ZERO_MAX = np.float32(2.0**-25)  # an f32 at or below this rounds to an fp16 zero (ties to even)
 SEARCHED_STEP_MAX = np.float32(4.0)  # |searched step| <= |max| / 4 (first_fp16_overflow)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..kv.modes import Q4_BLOCK, StoreKind
+from ..kv.kinds import Q4_BLOCK, StoreKind
 from .bits import F16_MAGIC, bf16_bits, f16_f32, int8_f32, same_bits
 from .intdot import Q4_CHUNK, stage4
 

@@ -31,7 +31,13 @@ holds the rest (mirror prefill, keep-sink / keep-recent, block tracking).
 
 Attention over a quantized store always reads the quantized values of every cached position,
 including earlier chunks of a chunked prefill. The only exceptions are explicit: the mirror option
-above, and ``keep_sink`` / ``keep_recent`` (lab options that keep the first S / last R positions exact).
+above, the sink store, and ``keep_recent`` (a lab option that keeps the last R positions exact).
+
+Sink store: with a sink (:attr:`KVMode.keep_sink` of a recipe, or ``CacheOptions.keep_sink``; the
+larger), the first S positions of every layer are also written, in the store's basis, to a small f16
+store (``k_sink`` / ``v_sink``, S rows per KV head), and attention reads those positions from it:
+:meth:`KVCache.read` splices them in, the CPU kernels take them as :meth:`KVCache.sink_rows`. An f32
+store is read as it is (its own rows are exact).
 
 With ``track_blocks=True`` the cache also keeps, per block and KV head, the per-channel min/max of
 the keys as read (``bounds``, see :mod:`kvlens.kv.blocks`) for sparse decode.
@@ -42,26 +48,24 @@ naming the layer and position, in every mode (a quantized NaN would be silent ga
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..checks import MAX_POSITIONS, check_int, check_tensor
 from .blocks import BlockBounds
-from .modes import Q4_BLOCK, CacheOptions, KVMode, StoreKind
-from .nbit import dequantize_packed, store_packed
-from .quant import (
-    KSUM_BLOCK,
-    dequantize_q4,
-    dequantize_q8,
-    first_nonfinite,
-    rotate_rows,
-    store_q4,
-    store_q8,
+from .modes import SINK_KIND, CacheOptions, KVMode, sink_positions
+from .quant import first_nonfinite
+from .stores import (  # noqa: F401 - store_basis, rotations, Rotation, layer_stores: imported from here too
+    BLOCK,
+    F32,
+    HeadSplitStore,
+    Rotation,
+    RowStore,
+    cache_stores,
+    layer_stores,
+    rotations,
+    round_up,
+    store_basis,
 )
-
-BLOCK = 32
-F32 = StoreKind.F32  # the exact copy's storage
 
 
 class NonFiniteKVError(ValueError):
@@ -77,222 +81,6 @@ def check_kv_finite(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) ->
             raise NonFiniteKVError(
                 f"non-finite {name} value at layer {layer}, position {pos}; refusing to store it in the KV cache"
             )
-
-
-def store_basis(kind: StoreKind, rows: torch.Tensor) -> torch.Tensor:
-    """``rows [..., head_dim]`` in the basis a store of ``kind`` keeps them (rotated kinds: ``rows @ R``
-    of the kind's span, as a fast Walsh–Hadamard transform: :func:`kvlens.kv.quant.rotate_rows`)."""
-    span = kind.rotation_span(rows.shape[-1])
-    return rotate_rows(rows, span) if span else rows
-
-
-# the span of a layer's rotation (StoreKind.rotation_span), or one per KV head (HeadSplitStore)
-Rotation = int | list[int | None] | None
-
-
-def _rotation_of(store: RowStore | HeadSplitStore) -> Rotation:
-    if isinstance(store, HeadSplitStore):
-        per_head = [_rotation_of(part) for part in store.parts]
-        return per_head if any(r is not None for r in per_head) else None
-    return store.kind.rotation_span(store.head_dim) or None
-
-
-def rotations(
-    k_store: RowStore | HeadSplitStore, v_store: RowStore | HeadSplitStore
-) -> tuple[Rotation, Rotation]:
-    """The rotation attention applies to the query (K rotated) and, transposed, to its output (V
-    rotated) for one layer's stores; None where the kind is not rotated, a list of one per KV head
-    (None for a head not rotated) for a layer split per head."""
-    return _rotation_of(k_store), _rotation_of(v_store)
-
-
-def layer_stores(
-    mode: KVMode, n_layers: int, n_kv: int, cap: int, head_dim: int, device: torch.device
-) -> tuple[list[RowStore | HeadSplitStore], list[RowStore | HeadSplitStore]]:
-    """Empty K and V stores of every layer, each of the kind ``mode`` gives that layer (a layer whose
-    KV heads differ: one store per head, :class:`HeadSplitStore`)."""
-    k: list[RowStore | HeadSplitStore] = []
-    v: list[RowStore | HeadSplitStore] = []
-    for i in range(n_layers):
-        heads, center = mode.head_kinds(i), mode.layer_center(i)
-        center = None if center is None else center.to(device)
-        if heads is None:
-            kk, vk = mode.kinds(i)
-            # int8 K keeps its code sums per 32-block for the integer attention kernels
-            k.append(RowStore.empty(kk, n_kv, cap, head_dim, device, with_ksum=True, center=center))
-            v.append(RowStore.empty(vk, n_kv, cap, head_dim, device))
-        else:
-            k.append(
-                HeadSplitStore(
-                    [
-                        RowStore.empty(
-                            kk, 1, cap, head_dim, device, True, None if center is None else center[h : h + 1]
-                        )
-                        for h, (kk, _) in enumerate(heads)
-                    ]
-                )
-            )
-            v.append(HeadSplitStore([RowStore.empty(vk, 1, cap, head_dim, device) for _, vk in heads]))
-    return k, v
-
-
-def cache_stores(
-    mode: KVMode, n_layers: int, n_kv: int, cap: int, head_dim: int, device: torch.device, exact: bool
-) -> tuple[list[RowStore | HeadSplitStore], ...]:
-    """``(k, v, k_exact, v_exact)``: the K and V stores of every layer in ``mode`` (:func:`layer_stores`)
-    and, with ``exact``, their f32 copies (the mirror mode's, or the kept-exact rows'); else empty."""
-    k, v = layer_stores(mode, n_layers, n_kv, cap, head_dim, device)
-    f32 = KVMode("f32", F32, F32)
-    k_exact, v_exact = layer_stores(f32, n_layers, n_kv, cap, head_dim, device) if exact else ([], [])
-    return k, v, k_exact, v_exact
-
-
-def round_up(n: int, multiple: int = BLOCK) -> int:
-    return -(-n // multiple) * multiple
-
-
-@dataclass
-class RowStore:
-    """One of K or V of one layer."""
-
-    kind: StoreKind
-    data: torch.Tensor
-    scale: torch.Tensor | None  # max_abs per row (q8: fp32, packed: fp16); q4: fp16 per block of 32
-    ksum: torch.Tensor | None = None  # code sums per 32-block, int8 K stores only (integer kernels)
-    center: torch.Tensor | None = None  # K smoothing: [n_kv, 1, head_dim] f32 subtracted by basis()
-
-    @classmethod
-    def empty(
-        cls,
-        kind: StoreKind,
-        n_kv: int,
-        cap: int,
-        head_dim: int,
-        device: torch.device,
-        with_ksum: bool = False,
-        center: torch.Tensor | None = None,
-    ) -> RowStore:
-        kind.check_head_dim(head_dim)
-        data = torch.zeros(n_kv, cap, kind.row_width(head_dim), dtype=kind.dtype, device=device)
-        scale = ksum = None
-        if kind.row_scaled:  # max_abs per row: fp32 for int8 (the seed's rule), fp16 packed
-            scale = torch.ones(
-                n_kv, cap, dtype=torch.float16 if kind.packed else torch.float32, device=device
-            )
-            if with_ksum and kind.ksum_bytes(head_dim):
-                ksum = torch.zeros(n_kv, cap, head_dim // KSUM_BLOCK, dtype=torch.int16, device=device)
-        elif kind.int4:
-            scale = torch.ones(n_kv, cap, head_dim // Q4_BLOCK, dtype=torch.float16, device=device)
-        if center is not None and tuple(center.shape) != (n_kv, 1, head_dim):
-            raise ValueError(f"a store's K centers are [{n_kv}, 1, {head_dim}], got {list(center.shape)}")
-        return cls(kind, data, scale, ksum, center)
-
-    @property
-    def head_dim(self) -> int:
-        return self.data.shape[2] * 8 * self.kind.dtype.itemsize // self.kind.bits
-
-    @property
-    def capacity(self) -> int:
-        return self.data.shape[1]
-
-    def basis(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows [n_kv, n, head_dim]`` as the model makes them, in the basis this store keeps: less
-        the K centers (K smoothing) where the store has some, then rotated (q8h, q4h)."""
-        if self.center is not None:
-            rows = rows.to(torch.float32) - self.center
-        return store_basis(self.kind, rows)
-
-    def grow(self, cap: int) -> None:
-        n_kv, old, d = self.data.shape
-        data = self.data.new_zeros(n_kv, cap, d)
-        data[:, :old] = self.data
-        self.data = data
-        if self.scale is not None:
-            scale = self.scale.new_ones(n_kv, cap, *self.scale.shape[2:])
-            scale[:, :old] = self.scale
-            self.scale = scale
-        if self.ksum is not None:
-            ksum = self.ksum.new_zeros(n_kv, cap, self.ksum.shape[2])
-            ksum[:, :old] = self.ksum
-            self.ksum = ksum
-
-    def span(self, start: int, end: int) -> RowStore:
-        """Positions ``[start, end)`` as a store of their own, contiguous (a view when there is one
-        KV head, else a copy of the span): a windowed layer's decode step hands the kernels just its
-        window."""
-
-        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[:, start:end].contiguous()
-
-        return RowStore(self.kind, self.data[:, start:end], cut(self.scale), cut(self.ksum), self.center)
-
-    def write(self, start: int, rows: torch.Tensor) -> None:
-        """Store ``rows [n_kv, n, head_dim]`` (already in the store's basis) at ``start``."""
-        if self.kind.int8:
-            store_q8(rows, self.data, self.scale, start, self.ksum)
-        elif self.kind.int4:
-            store_q4(rows, self.data, self.scale, start, self.kind.scale_search)
-        elif self.kind.packed:
-            store_packed(rows, self.data, self.scale, start, self.kind.bits)
-        else:
-            self.data[:, start : start + rows.shape[1]] = rows
-
-    def _values(self, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        if self.kind.int8:
-            return dequantize_q8(data, scale)
-        if self.kind.int4:
-            return dequantize_q4(data, scale)
-        if self.kind.packed:
-            return dequantize_packed(data, scale, self.kind.bits)
-        return data.to(torch.float32)
-
-    def read_index(self, pos: torch.Tensor) -> torch.Tensor:
-        """Rows at positions ``pos`` as float32 [n_kv, len(pos), head_dim] (the store's basis)."""
-        return self._values(self.data[:, pos], None if self.scale is None else self.scale[:, pos])
-
-    def read(self, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) as float32 — the values attention sees (in the store's basis)."""
-        return self._values(self.data[:, start:end], None if self.scale is None else self.scale[:, start:end])
-
-
-@dataclass
-class HeadSplitStore:
-    """One of K or V of a layer whose KV heads are stored in different kinds (a per-head recipe):
-    one :class:`RowStore` of one head per KV head. Reads and writes take and give all heads at once,
-    like a RowStore; the fused kernels run per head on ``parts`` (:mod:`kvlens.engine.attention`)."""
-
-    parts: list[RowStore]
-
-    @property
-    def kind(self) -> StoreKind | None:
-        """The kind every head shares, or None (they differ)."""
-        kinds = {p.kind for p in self.parts}
-        return kinds.pop() if len(kinds) == 1 else None
-
-    @property
-    def head_dim(self) -> int:
-        return self.parts[0].head_dim
-
-    @property
-    def capacity(self) -> int:
-        return self.parts[0].capacity
-
-    def basis(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.basis(rows[h : h + 1]) for h, p in enumerate(self.parts)])
-
-    def grow(self, cap: int) -> None:
-        for p in self.parts:
-            p.grow(cap)
-
-    def write(self, start: int, rows: torch.Tensor) -> None:
-        for h, p in enumerate(self.parts):
-            p.write(start, rows[h : h + 1])
-
-    def read_index(self, pos: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.read_index(pos) for p in self.parts])
-
-    def read(self, start: int, end: int) -> torch.Tensor:
-        return torch.cat([p.read(start, end) for p in self.parts])
 
 
 class KVCache:
@@ -319,7 +107,7 @@ class KVCache:
         self.mode, self.options = mode, options
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.device = torch.device(device)
-        # An exact copy is kept for the mirror mode and for the lab's keep-sink / keep-recent options.
+        # An exact copy is kept for the mirror mode and for the lab's keep-recent option.
         self.has_mirror = mode.mirror or options.keeps_exact
         cap = round_up(max(capacity, 1))
 
@@ -327,6 +115,11 @@ class KVCache:
         self.k, self.v, self.k_exact, self.v_exact = cache_stores(
             mode, n_layers, n_kv_heads, cap, head_dim, self.device, exact=self.has_mirror
         )
+        self.sink = sink_positions(mode, options)
+        self.k_sink, self.v_sink = (
+            [RowStore.empty(SINK_KIND, n_kv_heads, self.sink, head_dim, self.device) for _ in range(n_layers)]
+            for _ in "kv"
+        ) if self.sink else ([], [])  # fmt: skip
         self.length = 0  # positions written in every layer
         # per-block key min/max for sparse decode's block selection (kv.blocks)
         self.bounds = (
@@ -336,6 +129,10 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.k[0].capacity
+
+    def sink_bytes(self) -> int:
+        """Bytes of the sink store (a constant per sequence, beside :meth:`bytes_per_token`)."""
+        return self.mode.sink_bytes(self.n_layers, self.n_kv_heads, self.head_dim, self.sink)
 
     def bytes_per_token(self) -> int:
         """Stored KV bytes per token position over all layers (mirror and kept-exact copy included)."""
@@ -363,6 +160,10 @@ class KVCache:
         if self.has_mirror:
             self.k_exact[layer].write(start, k)
             self.v_exact[layer].write(start, v)
+        if start < self.sink:
+            n = min(end, self.sink) - start
+            self.k_sink[layer].write(start, k[:, :n])
+            self.v_sink[layer].write(start, v[:, :n])
         if self.bounds is not None:
             first = start - start % BLOCK
             self.bounds.update(layer, self.k[layer].read(first, end), first, end)
@@ -387,13 +188,26 @@ class KVCache:
         if prefill and self.mode.mirror and self.options.mirror_prefill == "exact":
             return self.k_exact[layer].read(0, end), self.v_exact[layer].read(0, end)
         k, v = self.k[layer].read(0, end), self.v[layer].read(0, end)
-        sink, recent = self.options.keep_sink, self.options.keep_recent
-        if sink or recent:
-            for lo, hi in ((0, min(sink, end)), (max(end - recent, 0), end)):
-                if hi > lo:
-                    k[:, lo:hi] = self.k_exact[layer].read(lo, hi)
-                    v[:, lo:hi] = self.v_exact[layer].read(lo, hi)
+        sink = self.sink_rows(layer, end)
+        if sink is not None:
+            k[:, : sink[0].shape[1]], v[:, : sink[1].shape[1]] = sink
+        recent = self.options.keep_recent
+        if recent:
+            lo = max(end - recent, 0)
+            k[:, lo:end] = self.k_exact[layer].read(lo, end)
+            v[:, lo:end] = self.v_exact[layer].read(lo, end)
         return k, v
+
+    def sink_rows(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V of the sink positions below ``end`` as attention reads them, float32 ``[n_kv, s,
+        head_dim]`` in the stores' basis (an f32 store's own rows), or None without a sink."""
+        n = min(self.sink, end)
+        if n == 0:
+            return None
+        return tuple(  # type: ignore[return-value]
+            store.read(0, n) if getattr(store, "kind", None) == F32 else sink.read(0, n)
+            for store, sink in ((self.k[layer], self.k_sink[layer]), (self.v[layer], self.v_sink[layer]))
+        )
 
     def truncate(self, length: int) -> None:
         """Forget positions ≥ length (they are overwritten by the next write)."""

@@ -23,153 +23,20 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import torch
 
+from ..checks import MAX_POSITIONS
+from .kinds import _PACKED, StoreKind  # StoreKind: the kinds a mode is made of, imported from here too
+
 MIRROR_PREFILL = ("exact", "q8")
+SINK_KIND = StoreKind.F16  # the sink store's rows (KVMode.keep_sink)
 
 
-class StoreKind(StrEnum):
-    """How one of K or V is stored: a float type; int8 codes plus one fp32 max_abs per row (q8, q8h);
-    packed 4-bit codes plus one fp16 scale per block of 32 values (q4, q4h); or N-bit codes (N = 7,
-    6, 5) bit-packed plus one fp16 max_abs per row (q7h, q6h, q5h: the q8 rule at a narrower width).
-    ``h``: the row is rotated (randomized Hadamard) before it is quantized. Printed and formatted as
-    its value."""
-
-    F32 = "f32"
-    F16 = "f16"
-    BF16 = "bf16"
-    Q8 = "q8"
-    Q8H = "q8h"
-    Q4 = "q4"
-    Q4H = "q4h"
-    Q7H = "q7h"
-    Q6H = "q6h"
-    Q5H = "q5h"
-
-    @property
-    def quantized(self) -> bool:
-        return self in _QUANTIZED
-
-    @property
-    def bits(self) -> int:
-        """Bits per stored value (codes for the quantized kinds, scales not counted)."""
-        return _DTYPE_BITS[self][1]
-
-    @property
-    def packed(self) -> bool:
-        """N-bit codes bit-packed along the row with one fp16 max_abs per row (q7h, q6h, q5h)."""
-        return self in _PACKED
-
-    @property
-    def row_scaled(self) -> bool:
-        """One max_abs per row, codes by the q8 rule with :attr:`qmax` (q8, q8h: fp32; the packed kinds: fp16)."""
-        return self.int8 or self.packed
-
-    @property
-    def qmax(self) -> int:
-        """The largest code of a row-scaled kind, :func:`row_qmax` of its bits (127 for q8)."""
-        if not self.row_scaled:
-            raise ValueError(f"KV kind {self} has no per-row qmax")
-        return row_qmax(self.bits)
-
-    @property
-    def int8(self) -> bool:
-        """int8 codes with one fp32 max_abs per row (q8, q8h)."""
-        return self in (StoreKind.Q8, StoreKind.Q8H)
-
-    @property
-    def int4(self) -> bool:
-        """packed 4-bit codes with one fp16 scale per block of Q4_BLOCK values (q4, q4h)."""
-        return self in (StoreKind.Q4, StoreKind.Q4H)
-
-    @property
-    def scale_search(self) -> bool:
-        """The 4-bit step is searched (llama.cpp's make_qx_quants, least squares: q4h), not |max| / 8."""
-        return self == StoreKind.Q4H
-
-    @property
-    def rotated(self) -> bool:
-        """Rows are rotated (kvlens.kv.quant.rotation) before they are quantized."""
-        return self in (StoreKind.Q8H, StoreKind.Q4H) or self.packed
-
-    def rotation_span(self, head_dim: int) -> int:
-        """How many values one Hadamard block of the rotation mixes (kvlens.kv.quant.rotation's
-        ``span``), 0 where the kind is not rotated: q4h within each 32-value block, so each block keeps
-        its own scale (why: docs/beyond-q8.md); the row-scaled kinds (one max_abs per row) the whole row."""
-        if not self.rotated:
-            return 0
-        return Q4_BLOCK if self.int4 else head_dim
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The element type of the stored rows (int8 codes for q8, uint8 code pairs for q4, uint8
-        packed bytes for q7h/q6h/q5h)."""
-        return _DTYPE_BITS[self][0]
-
-    def row_width(self, head_dim: int) -> int:
-        """Elements of ``dtype`` in one stored row (q4: two codes per byte; packed: head_dim*N/8 bytes)."""
-        if self.packed:
-            return head_dim * self.bits // 8
-        return head_dim // 2 if self.int4 else head_dim
-
-    def row_bytes(self, head_dim: int, *, with_ksum: bool = False) -> int:
-        """Bytes of one stored (token, head) row, scales included: q8 codes + one fp32 max_abs, q4
-        code pairs + one fp16 scale per block of 32, packed N-bit codes + one fp16 max_abs, or
-        head_dim floats; ``with_ksum``: plus the code sums a K store keeps (:meth:`ksum_bytes`)."""
-        self.check_head_dim(head_dim)
-        extra = self.ksum_bytes(head_dim) if with_ksum else 0
-        if self.row_scaled:
-            return self.row_width(head_dim) + (2 if self.packed else 4) + extra
-        if self.int4:
-            return head_dim // 2 + 2 * (head_dim // Q4_BLOCK)
-        return head_dim * self.dtype.itemsize
-
-    def ksum_bytes(self, head_dim: int) -> int:
-        """Bytes per row of the int16 code sums per block of KSUM_BLOCK that an int8 K store keeps
-        for the integer attention kernels (kvlens.kv.cache); 0 for other kinds or head_dims."""
-        return 2 * (head_dim // KSUM_BLOCK) if self.int8 and head_dim % KSUM_BLOCK == 0 else 0
-
-    def check_head_dim(self, head_dim: int) -> None:
-        """ValueError when this kind cannot store rows of ``head_dim`` values."""
-        if self.packed and head_dim % 8:
-            raise ValueError(
-                f"KV kind {self} packs 8 codes per {self.bits} bytes: head_dim must be a multiple of 8, got {head_dim}"
-            )
-        if self.int4 and head_dim % Q4_BLOCK:
-            raise ValueError(f"KV kind {self} needs head_dim divisible by {Q4_BLOCK}, got {head_dim}")
-        if self.rotated and (head_dim < 2 or head_dim & (head_dim - 1)):
-            raise ValueError(
-                f"KV kind {self} rotates rows by a Hadamard transform, which needs head_dim a power of "
-                f"two (64, 128, 256), got {head_dim}"
-            )
-
-
-def row_qmax(bits: int) -> int:
-    """The largest code of the row rule (kvlens.kv.quant.quantize_q8) at ``bits`` per value:
-    ``2^(bits-1) - 1`` (127 at 8 bits)."""
-    if not 2 <= bits <= 8:
-        raise ValueError(f"the row rule stores 2..8 bits per value, got {bits}")
-    return (1 << (bits - 1)) - 1
-
-
-Q4_BLOCK = 32  # values per fp16 scale of the 4-bit kinds
-KSUM_BLOCK = 32  # codes per int16 sum of an int8 K store (kvlens.kernels.q8store.KSUM_BLOCK)
-_PACKED = frozenset({StoreKind.Q7H, StoreKind.Q6H, StoreKind.Q5H})
-_QUANTIZED = frozenset({StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H}) | _PACKED
-_DTYPE_BITS = {  # the stored element type, and bits per value (codes for the quantized kinds)
-    StoreKind.F32: (torch.float32, 32),
-    StoreKind.F16: (torch.float16, 16),
-    StoreKind.BF16: (torch.bfloat16, 16),
-    StoreKind.Q8: (torch.int8, 8),
-    StoreKind.Q8H: (torch.int8, 8),
-    StoreKind.Q4: (torch.uint8, 4),
-    StoreKind.Q4H: (torch.uint8, 4),
-    StoreKind.Q7H: (torch.uint8, 7),
-    StoreKind.Q6H: (torch.uint8, 6),
-    StoreKind.Q5H: (torch.uint8, 5),
-}
+def check_sink(value: object, name: str) -> None:
+    """ValueError unless ``value`` is an integer count of positions in [0, MAX_POSITIONS]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_POSITIONS:
+        raise ValueError(f"{name} must be an integer in [0, {MAX_POSITIONS}], got {value!r}")
 
 
 class UnknownKVModeError(ValueError):
@@ -192,7 +59,12 @@ class KVMode:
     or None. The cache subtracts layer i's row of head h from every K row it stores there, before any
     rotation or quantization ("K smoothing": every score of a query moves by the same ``q·c``, which
     softmax ignores). Compared and hashed through ``k_center_digest``, so a centered mode is never
-    equal to (nor shares cached blocks with, :attr:`identity`) an uncentered one of the same name."""
+    equal to (nor shares cached blocks with, :attr:`identity`) an uncentered one of the same name.
+
+    ``keep_sink``: the first S positions of every layer are also kept in an f16 sink store and
+    attention reads them from there, not from the quantized rows (a recipe's ``keep_sink``; the
+    attention sink is the one row that most of the attention weight lands on). It costs a constant
+    ``S`` rows per layer and KV head (:meth:`sink_bytes`), not bytes per token."""
 
     name: str
     k: StoreKind
@@ -202,8 +74,10 @@ class KVMode:
     heads: tuple[tuple[tuple[StoreKind, StoreKind], ...], ...] = ()
     k_center: torch.Tensor | None = field(default=None, compare=False, repr=False)
     k_center_digest: str = field(default="", init=False)
+    keep_sink: int = 0
 
     def __post_init__(self) -> None:
+        check_sink(self.keep_sink, f"KV mode {self.name}: keep_sink")
         if self.k_center is not None:
             c = self.k_center
             if not isinstance(c, torch.Tensor) or c.dtype != torch.float32 or c.dim() != 3:
@@ -217,7 +91,9 @@ class KVMode:
     def identity(self) -> str:
         """The name, plus the K centers' digest where there are some: what cached blocks are keyed by
         (kvlens.kv.prefix.cache_salt, the disk tier's header)."""
-        return f"{self.name}|k_center={self.k_center_digest}" if self.k_center is not None else self.name
+        sink = f"|keep_sink={self.keep_sink}" if self.keep_sink else ""
+        centers = f"|k_center={self.k_center_digest}" if self.k_center is not None else ""
+        return self.name + centers + sink
 
     def layer_center(self, layer: int) -> torch.Tensor | None:
         """The K centers of ``layer`` as ``[n_kv_heads, 1, head_dim]`` (float32), or None."""
@@ -282,6 +158,12 @@ class KVMode:
             rows += sum(k.row_bytes(head_dim, with_ksum=True) + v.row_bytes(head_dim) for k, v in pairs)
         return rows + mirror * n_layers * n_kv_heads
 
+    def sink_bytes(self, n_layers: int, n_kv_heads: int, head_dim: int, sink: int | None = None) -> int:
+        """Bytes of the f16 sink store (``sink`` positions, default :attr:`keep_sink`), K and V of every
+        layer and KV head: a constant per sequence, beside :meth:`bytes_per_token`."""
+        sink = self.keep_sink if sink is None else sink
+        return sink * 2 * SINK_KIND.row_bytes(head_dim) * n_kv_heads * n_layers
+
     @property
     def label(self) -> str:
         """What the mode stores, e.g. ``K q8 / V f32`` (a recipe: its distinct per-layer pairs)."""
@@ -290,7 +172,8 @@ class KVMode:
             split = sum(1 for h in self.heads if h)
             per_head = f", {split} split per KV head" if split else ""
             centered = ", K centered" if self.k_center is not None else ""
-            return f"recipe, {len(self.layers)} layers{per_head}, K/V {' '.join(pairs)}{centered}"
+            sink = f", first {self.keep_sink} kept in f16" if self.keep_sink else ""
+            return f"recipe, {len(self.layers)} layers{per_head}, K/V {' '.join(pairs)}{centered}{sink}"
         return f"K {self.k} / V {self.v}" + (" + exact f32 mirror" if self.mirror else "")
 
     @classmethod
@@ -369,7 +252,9 @@ class CacheOptions:
     """Options of one cache beyond its mode.
 
     ``mirror_prefill``: q8+mirror only — prefill reads the ``"exact"`` copy or the ``"q8"`` rows.
-    ``keep_sink`` / ``keep_recent``: lab options, keep the first S / last R positions exact.
+    ``keep_sink``: keep the first S positions in the f16 sink store (as :attr:`KVMode.keep_sink` does;
+    a cache keeps the larger of the two). ``keep_recent``: a lab option, keep the last R positions
+    exact (an f32 copy of every row, spliced in where attention reads them).
     ``track_blocks``: keep per-block key bounds for sparse decode (:mod:`kvlens.kv.blocks`).
     """
 
@@ -381,12 +266,15 @@ class CacheOptions:
     def __post_init__(self) -> None:
         if self.mirror_prefill not in MIRROR_PREFILL:
             raise ValueError(f"mirror_prefill must be 'exact' or 'q8', got {self.mirror_prefill!r}")
-        for name in ("keep_sink", "keep_recent"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        check_sink(self.keep_sink, "keep_sink")
+        check_sink(self.keep_recent, "keep_recent")
 
     @property
     def keeps_exact(self) -> bool:
-        """Whether some positions are spliced in from the exact copy (keep_sink / keep_recent)."""
-        return self.keep_sink > 0 or self.keep_recent > 0
+        """Whether some positions are spliced in from the exact copy (keep_recent)."""
+        return self.keep_recent > 0
+
+
+def sink_positions(mode: KVMode, options: CacheOptions) -> int:
+    """Positions a cache of ``mode`` with ``options`` keeps in its sink store: the larger of the two."""
+    return max(mode.keep_sink, options.keep_sink)

@@ -27,8 +27,8 @@ from ..kernels.q4store import GROUP_MAX_EPS, Q4_SEARCH, first_fp16_overflow, had
 from ..kernels.q4store import Q4_BLOCK as JIT_Q4_BLOCK
 from ..kernels.q8store import KSUM_BLOCK, NO_KSUM, first_nonfinite_index, store_q8_rows
 from ..models.blockquant import symmetric_blocks
-from .modes import KSUM_BLOCK as MODES_KSUM_BLOCK
-from .modes import Q4_BLOCK, row_qmax
+from .kinds import KSUM_BLOCK as KINDS_KSUM_BLOCK
+from .kinds import Q4_BLOCK, row_qmax
 
 Q8_MAX = 127.0
 TINY_MAX_ABS = 1e-6
@@ -131,7 +131,7 @@ def store_q8(
 
 # -- the 4-bit rule (q4, q4h) ---------------------------------------------------------------------
 # the JIT stores (kvlens-free leaves) keep their own copies of the block sizes
-assert JIT_Q4_BLOCK == Q4_BLOCK and MODES_KSUM_BLOCK == KSUM_BLOCK
+assert JIT_Q4_BLOCK == Q4_BLOCK and KINDS_KSUM_BLOCK == KSUM_BLOCK
 Q4_LOW = 8.0  # q4_0: the block's signed max becomes code -8 (d = max / -8), codes -8..7
 
 

@@ -9,7 +9,13 @@ the server). The file::
       "layers": [{"k": "q8h", "v": "q4h"}, {"k": "f16", "v": "q8h"}, ...],   one entry per layer
       "model": "...", "note": "..."                                          optional, free text
       "k_center": [[[c0, c1, ...], ...], ...]          optional, per layer, per KV head, head_dim floats
+      "keep_sink": S                                   optional, the first S positions kept in f16
     }
+
+``keep_sink`` (:attr:`kvlens.kv.modes.KVMode.keep_sink`): the cache also keeps the first S positions
+of every layer in an f16 sink store, and attention reads them from there (``kvlens lab plan
+--keep-sink S`` writes it). The serving engine's paged pool keeps no sink store: ``kvlens serve``
+refuses such a recipe.
 
 ``k_center`` (K smoothing): the cache subtracts ``k_center[i][h]`` from every K row of layer ``i``,
 KV head ``h`` before it stores the row (before the rotation and quantization, in every kind of the
@@ -112,6 +118,11 @@ def parse_recipe(data: Any, name: str) -> KVMode:
     mode = head_recipe_mode(
         name, [_layer_kinds(entry, f"{name} layer {i}") for i, entry in enumerate(layers)]
     )
+    if "keep_sink" in data:
+        try:
+            mode = dataclasses.replace(mode, keep_sink=data["keep_sink"])
+        except ValueError as e:
+            raise RecipeError(f"{name}: {e}") from None
     if "k_center" not in data:
         return mode
     return dataclasses.replace(mode, k_center=parse_k_center(data["k_center"], len(layers), name))
@@ -186,6 +197,8 @@ def recipe_json(mode: KVMode, n_layers: int, **meta: Any) -> dict[str, Any]:
     """The JSON object of ``mode`` over ``n_layers`` layers (a uniform mode is written out per layer)."""
     layers = [layer_json(mode, i) for i in range(n_layers)]
     out = {"kvlens_recipe": RECIPE_VERSION, **meta, "layers": layers}
+    if mode.keep_sink:
+        out["keep_sink"] = mode.keep_sink
     if mode.k_center is not None:  # float32 values print as the shortest double that reads back exactly
         out["k_center"] = mode.k_center.tolist()
     return out

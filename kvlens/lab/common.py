@@ -152,7 +152,7 @@ class CompareConfig(LabConfig):
 
     def same_as_base(self, mode: KVMode) -> bool:
         """A mode equal to the base, with no kept-exact positions, runs the base's own path."""
-        return mode == self.base and not self.cache_options.keeps_exact
+        return mode == self.base and not (self.keep_sink or self.keep_recent)
 
 
 def weights_label(r: Any, m: Any, short: bool = False) -> str:
@@ -174,7 +174,9 @@ def kept_exact_line(r: Any) -> list[str]:
     """The header line naming the kept-exact positions of the test modes (none: no line)."""
     if not (r.keep_sink or r.keep_recent):
         return []
-    return [f"kept exact in test modes: first {r.keep_sink} / last {r.keep_recent} positions"]
+    return [
+        f"kept in test modes: first {r.keep_sink} positions in the f16 sink store, last {r.keep_recent} exact"
+    ]
 
 
 REF_KV = MODES["f32"]  # the KV mode of the f32-weights reference model

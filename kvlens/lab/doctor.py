@@ -57,7 +57,7 @@ class DoctorConfig(KldBudget, LabConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.cache_options.keeps_exact:
+        if self.keep_sink or self.keep_recent:
             raise ValueError(
                 "the doctor measures caches as the engine stores them: keep_sink and keep_recent must be 0"
             )

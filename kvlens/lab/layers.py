@@ -221,7 +221,9 @@ def describe(r: LayersResult) -> list[str]:
         if m.mirror:
             lines.append(f"{m}: decode view (int8 rows); its prefill reads the exact copy (error 0)")
     if r.keep_sink or r.keep_recent:
-        lines.append(f"kept exact: first {r.keep_sink} / last {r.keep_recent} positions of the window")
+        lines.append(
+            f"kept: first {r.keep_sink} positions of the window in the f16 sink store, last {r.keep_recent} exact"
+        )
     return lines
 
 

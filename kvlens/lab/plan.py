@@ -29,15 +29,17 @@ over the calibration chunks give the mean post-RoPE key per (layer, KV head); ev
 choice's checks in 2 and the recipe verified in 3 carry those centers, and the recipe file holds them
 (``k_center``). A reused measurement must have been taken the same way (its ``smooth_k``).
 
-``keep_sink`` / ``keep_recent`` (``--keep-sink``, ``--keep-recent``): the lab's kept-exact positions
-(:class:`~kvlens.kv.modes.CacheOptions`) in every probe of 1, every check of 2 and every test mode of
-3; written to the plan's JSON, not to the recipe file, which no engine run keeps exact: a measurement
-of what keeping the attention sink exact would buy (docs/beyond-q8.md). A reused measurement keeps
-its own sensitivities; only 2 and 3 then run with this run's kept positions.
+``keep_sink`` / ``keep_recent`` (``--keep-sink``, ``--keep-recent``): the first S positions in the
+cache's f16 sink store, the last R exact (:class:`~kvlens.kv.modes.CacheOptions`), in every probe of
+1, every check of 2 and every test mode of 3. ``keep_sink`` is also written to the recipe file (the
+engine keeps a recipe's sink: :attr:`kvlens.kv.modes.KVMode.keep_sink`); ``keep_recent``, a lab
+measurement only, to the plan's JSON alone. A reused measurement keeps its own sensitivities; only 2
+and 3 then run with this run's kept positions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -126,8 +128,9 @@ class PlanResult:
     smooth_k: bool = False  # K centers (the calibration's mean key) in every probe and the recipe
     calib_index: list[int] = field(default_factory=list)  # the calibration chunks' places in the text
     heldout_index: list[int] = field(default_factory=list)
-    keep_sink: int = 0  # positions kept exact (the lab's) in the choice's checks and the verification
-    keep_recent: int = 0
+    keep_sink: int = 0  # positions in the sink store in the choice's checks, the verification and the recipe
+    keep_recent: int = 0  # positions kept exact (the lab's) in the choice's checks and the verification
+    sink_bytes: int = 0  # the recipe's sink store, a constant per sequence beside bytes_per_token
 
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "recipe"}
@@ -256,6 +259,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
     target = cfg.kld_budget * cfg.calib_target
     recipe, predicted, measured, rounds = choose_verified(sens, table, target, cfg.out)
     meta = {"model": model_name(llm), "kld_budget": cfg.kld_budget, "calibration_kld": measured}
+    recipe = dataclasses.replace(recipe, keep_sink=cfg.keep_sink)  # as measured: the engine keeps it too
     save_recipe(recipe, c.n_layers, cfg.out, **meta)
     t2 = time.perf_counter()
     bpt = _bytes(recipe, llm)
@@ -265,6 +269,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
         sensitivity={".".join(map(str, key)): v for key, v in table.items()}, passes=sens.passes,
         smooth_k=cfg.smooth_k, calib_index=calib_index, heldout_index=heldout_index if cfg.verify else [],
         keep_sink=cfg.keep_sink, keep_recent=cfg.keep_recent,
+        sink_bytes=recipe.sink_bytes(c.n_layers, c.n_kv_heads, c.head_dim),
     )  # fmt: skip
     result.seconds = {"sensitivity": t1 - t0, "choice": t2 - t1}
     if cfg.verify:
@@ -279,9 +284,11 @@ def print_plan(r: PlanResult) -> None:
         f"recipe {r.recipe.name} for {r.model} ({r.n_kv_heads} KV heads per layer, {split} layers split per "
         f"head); per (layer, KV head): {mix(r.recipe, len(r.recipe.layers), r.n_kv_heads)}"
     )
-    print(f"recipe bytes/token {r.bytes_per_token} ({r.vs_q8:.3f}x q8's)")
-    for line in kept_exact_line(r):  # the lab's exact copy: not in the recipe file, nor in engine runs of it
-        print(f"{line} (measured and verified so; the recipe file does not keep them)")
+    sink = f", plus a sink store of {r.sink_bytes} bytes per sequence" if r.sink_bytes else ""
+    print(f"recipe bytes/token {r.bytes_per_token} ({r.vs_q8:.3f}x q8's){sink}")
+    for line in kept_exact_line(r):
+        recent = "; the last ones are the lab's alone, not in the recipe file" if r.keep_recent else ""
+        print(f"{line} (measured and verified so{recent})")
     print(
         f"budget {r.budget:g}: predicted (sum of items) {r.predicted_kld:.3g}, calibration "
         f"{r.calib_kld:.3g} ({r.calib_chunks} chunks, {r.rounds} round(s), {r.passes} passes); held-out: "
