@@ -9,6 +9,7 @@ the sink rows as f16 and the other rows as the store dequantizes them.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 
 import pytest
@@ -98,20 +99,28 @@ def test_paged_kernel_reads_the_sink(sink):
         )
 
 
+def sparse_reference(q: torch.Tensor, k_ref: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
+    """Float64 attention of KV head 0 over blocks 0 and 2, KV head 1 over blocks 1 and 3 (120 rows)."""
+    kept = [
+        torch.cat([torch.arange(0, 32), torch.arange(64, 96)]),
+        torch.cat([torch.arange(32, 64), torch.arange(96, 120)]),
+    ]
+    return torch.cat(
+        [reference_attention(q[2 * h : 2 * h + 2].double()[:, None], k_ref[h : h + 1, kept[h]], v_ref[h : h + 1, kept[h]])
+         for h in range(2)]
+    )[:, 0]  # fmt: skip
+
+
 def test_sparse_kernel_attends_the_sink_with_block_0_only():
     """A KV head whose selected blocks include block 0 attends the sink rows; one whose blocks leave
     it out does not (as the torch path's block mask)."""
     q, ks, vs, rows, k_ref, v_ref = sink_case("q8", 4, 2, 64, 120, 3)
     blocks = torch.tensor([[0, 2], [1, 3]])
-    kept = [
-        torch.cat([torch.arange(0, 32), torch.arange(64, 96)]),
-        torch.cat([torch.arange(32, 64), torch.arange(96, 120)]),
-    ]
-    ref = torch.cat(
-        [reference_attention(q[2 * h : 2 * h + 2].double()[:, None], k_ref[h : h + 1, kept[h]], v_ref[h : h + 1, kept[h]])
-         for h in range(2)]
-    )[:, 0]  # fmt: skip
-    assert_close(cpu.decode_attention(q, ks, vs, 120, blocks=blocks, sink=rows), ref, 1e-5)
+    assert_close(
+        cpu.decode_attention(q, ks, vs, 120, blocks=blocks, sink=rows),
+        sparse_reference(q, k_ref, v_ref),
+        1e-5,
+    )
 
 
 @pytest.mark.parametrize("kind", ["q8", "q4h"])
@@ -193,3 +202,33 @@ def test_engine_decodes_a_sink_recipe_alike_on_both_paths_and_serving_refuses_it
         Engine(llm)
     with pytest.raises(ValueError, match="keep_sink"):
         CacheOptions(keep_sink=-1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernel_reads_the_sink(monkeypatch):
+    """The Triton kernel (its interpreter without a GPU): dense with 1-3 splits, paged, and sparse."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kvlens.kernels.gpu import decode_attention_triton
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def run(ks, vs, rows, length, **kw):
+        ks, vs = (
+            RowStore(s.kind, s.data.to(dev), None if s.scale is None else s.scale.to(dev)) for s in (ks, vs)
+        )
+        return decode_attention_triton(
+            q.to(dev), ks, vs, length, sink=tuple(r.to(dev) for r in rows), **kw
+        ).cpu()
+
+    for kind, length, sink, n_splits in [("q8", 3, 5, 1), ("q4h", 70, 1, 3), ("f16", 40, 33, 2)]:
+        q, ks, vs, rows, k_ref, v_ref = sink_case(kind, 6, 2, 64, length, sink, seed=length)
+        ref = reference_attention(q.double()[:, None], k_ref, v_ref)[:, 0]
+        assert_close(run(ks, vs, rows, length, n_splits=n_splits, block_n=16), ref, 1e-5)
+    table = [2, 0, 3, 1]
+    q, ks, vs, rows, k_ref, v_ref = sink_case("q6h", 4, 2, 64, 120, 3, table=table)
+    ref = reference_attention(q.double()[:, None], k_ref, v_ref)[:, 0]
+    assert_close(run(ks, vs, rows, 120, table=torch.tensor(table)), ref, 1e-5)
+    q, ks, vs, rows, k_ref, v_ref = sink_case("q8", 4, 2, 64, 120, 3)
+    blocks = torch.tensor([[0, 2], [1, 3]])
+    assert_close(run(ks, vs, rows, 120, blocks=blocks), sparse_reference(q, k_ref, v_ref), 1e-5)

@@ -13,9 +13,8 @@ Backends:
     triton  the same algorithm on CUDA (kernels.gpu).
     auto    the fastest correct backend for the device and cache mode.
 
-A cache with a sink store (kv.cache: a recipe's keep_sink) hands the CPU kernels its sink rows, which
-they read in place of the stores' rows there; the Triton kernel takes none yet, so such a cache runs
-through torch on the GPU.
+A cache with a sink store (kv.cache: a recipe's keep_sink) hands the fused kernels its sink rows,
+which they read in place of the stores' rows there.
 """
 
 from __future__ import annotations
@@ -248,8 +247,8 @@ def make_attend(
     kernel = _fused_kernel(backend)
     _check_int_backend(backend, cache)
     sink = getattr(cache, "sink", 0)  # a paged pool keeps no sink store (the serving engine refuses one)
-    # keep-recent's exact rows, and a sink under Triton (its kernel takes no sink rows yet): torch
-    use_kernel = kernel is not None and not cache.options.keeps_exact and not (sink and backend == "triton")
+    # Fused kernels read the stores directly; options that splice exact rows in go through torch.
+    use_kernel = kernel is not None and not cache.options.keeps_exact
     windows = window if isinstance(window, Sequence) else None
     if sparse is not None and cache.bounds is None:
         raise ValueError("sparse decode needs a cache created with track_blocks=True")

@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 from numba import njit
 
 from ..kv.cache import BLOCK
+from . import reference
 from .stage import _FM, Q4B
 from .threads import split_threads
 
@@ -223,23 +225,10 @@ NO_SINK = (0, np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros((0, 0),
 
 
 def sink_state(qs: np.ndarray, sink_k, sink_v) -> tuple:
-    """The softmax state of the query ``qs [n_heads, hd]`` (scaled by 1/sqrt(hd)) over the sink rows
-    ``sink_k``/``sink_v [n_kv, s, hd]`` (float32 tensors or arrays, the stores' basis): ``(s, m, l,
-    acc)`` per query head, as a core's first split starts from it (:func:`seed_sink`); computed in
-    float64, rounded to float32 once."""
-    k, v = (np.asarray(x, np.float64) for x in (sink_k, sink_v))
-    n_kv, n, hd = k.shape
-    if v.shape != k.shape or qs.shape[1] != hd or qs.shape[0] % n_kv or n == 0:
-        raise ValueError(
-            f"sink rows must be [n_kv, s>0, {qs.shape[1]}] for K and V, got {k.shape} and {v.shape}"
-        )
-    group = qs.shape[0] // n_kv
-    scores = np.einsum("hgd,hsd->hgs", qs.astype(np.float64).reshape(n_kv, group, hd), k)
-    m = scores.max(axis=2, keepdims=True)
-    p = np.exp(scores - m)
-    acc = np.einsum("hgs,hsd->hgd", p, v).reshape(-1, hd)
-    f32 = np.float32
-    return n, m.reshape(-1).astype(f32), p.sum(axis=2).reshape(-1).astype(f32), acc.astype(f32)
+    """The sink's softmax state (:func:`kvlens.kernels.reference.sink_state`) as a core takes it:
+    ``(s, m, l, acc)`` float32 numpy, ``s`` the sink rows (:func:`seed_sink`)."""
+    m, lsum, acc = reference.sink_state(torch.from_numpy(np.ascontiguousarray(qs)), sink_k, sink_v)
+    return sink_k.shape[1], *(x.to(torch.float32).numpy() for x in (m, lsum, acc))
 
 
 def choose_splits(length: int, n_kv: int, n_threads: int | None = None) -> int:

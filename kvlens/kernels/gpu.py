@@ -26,6 +26,7 @@ import os
 import torch
 
 from ..kv.cache import BLOCK
+from .reference import sink_state
 
 LOG2E = 1.4426950408889634
 
@@ -133,6 +134,7 @@ def decode_attention_triton(
     block_n: int = 64,
     blocks: torch.Tensor | None = None,
     table: torch.Tensor | None = None,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of one layer's K/V
     :class:`~kvlens.kv.cache.RowStore` (every kind, mixed K/V kinds included; rotated kinds as
@@ -142,7 +144,9 @@ def decode_attention_triton(
     of 2, >= 16); ``n_splits``: sequence splits per KV head (default :func:`choose_splits_gpu`).
     ``blocks [n_kv, n_sel]``: sparse decode — attend only these cache blocks (BLOCK positions each).
     ``table [n_blocks]``: a paged cache's block table (logical block j stored in block ``table[j]`` of
-    the stores; ``blocks`` then name logical blocks), read in place.
+    the stores; ``blocks`` then name logical blocks), read in place. ``sink``: K and V of the first s
+    positions (as :func:`kvlens.kernels.cpu.decode_attention` takes them), read in place of the
+    stores' rows there: the kernel skips those positions, the merge adds their softmax state.
     """
     kernel = _kernels()
     _check_call(q, k_store, v_store, length, block_n, table)
@@ -169,7 +173,7 @@ def decode_attention_triton(
     qc = q.detach().to(device=dev, dtype=torch.float32).contiguous()
     kernel[(n_kv, n_splits)](
         qc, k, ks, v, vs, acc, m, lsum, selected, n_sel, page,
-        length, split_len, k.stride(0), k.stride(1), v.stride(0), v.stride(1), ks.stride(0), vs.stride(0),
+        length, 0 if sink is None else sink[0].shape[1], split_len, k.stride(0), k.stride(1), v.stride(0), v.stride(1), ks.stride(0), vs.stride(0),
         kst, vst, LOG2E / math.sqrt(hd),
         GROUP=group, G_PAD=g_pad, HD=hd, D_PAD=d_pad, BLOCK_N=block_n,
         K_Q8=k_store.kind.row_scaled, V_Q8=v_store.kind.row_scaled, K_Q4=k_store.kind.int4,
@@ -177,8 +181,31 @@ def decode_attention_triton(
         K_BITS=k_store.kind.bits if k_store.kind.packed else 0, V_BITS=v_store.kind.bits if v_store.kind.packed else 0,
         K_QMAX=_qmax(k_store.kind), V_QMAX=_qmax(v_store.kind),
     )  # fmt: skip
+    if sink is not None:
+        parts = _sink_split(qc, sink, blocks, acc.shape)
+        acc, m, lsum = (torch.cat([x, y], dim=1) for x, y in zip((acc, m, lsum), parts, strict=True))
     # Exact merge of the splits (base 2): empty splits have m = -inf, l = 0 and weigh exp2(-inf) = 0.
     m_max = m.amax(dim=1, keepdim=True)
     w = torch.exp2(m - m_max)
     out = (acc * w[..., None]).sum(1) / (lsum * w).sum(1)[..., None]
     return out[:, :group, :hd].reshape(n_heads, hd)
+
+
+def _sink_split(q: torch.Tensor, sink, blocks, shape: torch.Size) -> tuple[torch.Tensor, ...]:
+    """The sink's softmax state as one more split ``(acc, m, l)`` of the kernel's padded ``shape``
+    ``[n_kv, splits, G_PAD, D_PAD]``, m in base 2; a sparse KV head whose blocks leave out block 0
+    gets an empty one (it does not see the sink, as the torch path's block mask)."""
+    n_kv, _, g_pad, d_pad = shape
+    hd = q.shape[1]
+    m, lsum, acc_s = sink_state(q / math.sqrt(hd), *sink)
+    group = q.shape[0] // n_kv
+    acc = torch.zeros(n_kv, 1, g_pad, d_pad, dtype=torch.float32, device=q.device)
+    m2 = torch.full((n_kv, 1, g_pad), float("-inf"), dtype=torch.float32, device=q.device)
+    l2 = torch.zeros_like(m2)
+    acc[:, 0, :group, :hd] = acc_s.reshape(n_kv, group, hd).float()
+    m2[:, 0, :group] = (m * LOG2E).reshape(n_kv, group).float()
+    l2[:, 0, :group] = lsum.reshape(n_kv, group).float()
+    if blocks is not None:
+        blind = ~(torch.as_tensor(blocks, device=q.device) == 0).any(dim=1)
+        m2[blind], l2[blind], acc[blind] = float("-inf"), 0.0, 0.0
+    return acc, m2, l2

@@ -89,3 +89,22 @@ def sdpa_attention(
     return torch.nn.functional.scaled_dot_product_attention(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=n_heads != n_kv
     ).squeeze(0)
+
+
+def sink_state(
+    qs: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The softmax state of queries ``qs [n_heads, hd]`` (already scaled by 1/sqrt(hd)) over the sink
+    rows ``sink_k``/``sink_v [n_kv, s, hd]`` (kvlens.kv.cache.KVCache.sink_rows): per query head the
+    max score ``m``, ``l = sum exp(s - m)`` and ``acc = sum exp(s - m) v`` ``[n_heads, hd]``, in
+    float64 on ``qs``'s device; a decode kernel starts a split from it (natural base)."""
+    k, v = (x.to(qs.device, torch.float64) for x in (sink_k, sink_v))
+    n_kv, n, hd = k.shape
+    if v.shape != k.shape or qs.dim() != 2 or qs.shape[1] != hd or qs.shape[0] % n_kv or n == 0:
+        raise ValueError(
+            f"sink rows must be [n_kv, s>0, {qs.shape[-1]}] for K and V, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    scores = torch.einsum("hgd,hsd->hgs", qs.to(torch.float64).reshape(n_kv, -1, hd), k)
+    m = scores.amax(dim=2, keepdim=True)
+    p = torch.exp(scores - m)
+    return m.reshape(-1), p.sum(dim=2).reshape(-1), torch.einsum("hgs,hsd->hgd", p, v).reshape(-1, hd)

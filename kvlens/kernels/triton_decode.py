@@ -13,27 +13,28 @@ import triton.language as tl
 
 @triton.jit
 def _tile_positions(
-    i, lo, hi, h, length, Blocks, n_sel, Table,
+    i, lo, hi, h, length, first, Blocks, n_sel, Table,
     BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, PAGED: tl.constexpr,
 ):  # fmt: skip
-    """Step ``i`` of a split: which of its positions are real (``nmask``) and the store rows ``r``
-    that hold them. Splits divide the positions (contiguous dense) or a list of cache blocks
+    """Step ``i`` of a split: which of its positions are read here (``nmask``) and the store rows
+    ``r`` that hold them. Splits divide the positions (contiguous dense) or a list of cache blocks
     (BLOCK_N is then the cache block): this head's selected blocks (sparse) or every block of a
-    paged cache, whose logical block b is stored in block Table[b]."""
+    paged cache, whose logical block b is stored in block Table[b]. Positions below ``first`` (a
+    sink, read from its own store and merged by the caller) are not read."""
     if SPARSE or PAGED:
         if SPARSE:
             lb = tl.load(Blocks + h * n_sel + lo + i)
         else:
             lb = lo + i
         n = lb * BLOCK_N + tl.arange(0, BLOCK_N)  # logical positions
-        nmask = n < length
+        nmask = (n < length) & (n >= first)
         if PAGED:
             r = tl.load(Table + lb) * BLOCK_N + tl.arange(0, BLOCK_N)  # where they are stored
         else:
             r = n
     else:
         n = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = n < hi
+        nmask = (n < hi) & (n >= first)
         r = n
     return nmask, r
 
@@ -74,7 +75,7 @@ def _load_rows(
 @triton.jit
 def split_kernel(
     Q, K, KS, V, VS, Acc, M, L, Blocks, n_sel, Table,
-    length, split_len, stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh,
+    length, first, split_len, stride_kh, stride_kt, stride_vh, stride_vt, stride_ksh, stride_vsh,
     stride_kst, stride_vst, qk_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr, K_Q4: tl.constexpr,
@@ -106,7 +107,7 @@ def split_kernel(
         hi = tl.minimum(lo + split_len, length)
         n_iter = tl.cdiv(hi - lo, BLOCK_N)
     for i in range(0, n_iter):
-        nmask, r = _tile_positions(i, lo, hi, h, length, Blocks, n_sel, Table, BLOCK_N, SPARSE, PAGED)
+        nmask, r = _tile_positions(i, lo, hi, h, length, first, Blocks, n_sel, Table, BLOCK_N, SPARSE, PAGED)
         kt = _load_rows(
             K, KS, h, r, nmask, d, dmask, stride_kh, stride_kt, stride_ksh, stride_kst, K_Q4, True, K_BITS
         )
@@ -116,8 +117,9 @@ def split_kernel(
             sc = sc * (ks * (1.0 / K_QMAX))[None, :]
         sc = tl.where(nmask[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of sink positions only: no NaN
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(sc - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_Q8:  # V row scale folded into the weight
             vs = tl.load(VS + h * stride_vsh + r, mask=nmask, other=0.0).to(tl.float32)
