@@ -6,7 +6,8 @@ import os
 
 import torch
 
-from ..kv.pool import kv_bytes_per_token
+from ..kv.cache import BLOCK
+from ..kv.pool import kv_block_bytes
 from .llm import LLM
 
 MEMORY_SHARE = 0.25  # of the memory free at start-up (the weights are already loaded)
@@ -30,6 +31,6 @@ def available_memory(device: torch.device) -> int:
 def default_kv_budget(llm: LLM, max_batch: int) -> int:
     """A quarter of free memory, capped at what ``max_batch`` full-context sequences would use."""
     cfg = llm.config
-    per_token = kv_bytes_per_token(llm.kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-    useful = per_token * cfg.max_ctx * max_batch
+    per_block = kv_block_bytes(llm.kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+    useful = per_block * -(-cfg.max_ctx // BLOCK) * max_batch
     return max(MIN_BUDGET, min(int(available_memory(llm.device) * MEMORY_SHARE), useful))

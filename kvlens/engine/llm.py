@@ -13,8 +13,8 @@ import torch
 from ..checks import check_device, check_int, check_text, check_token_ids
 from ..kernels.threads import decode_threads
 from ..kv.blocks import SparseConfig
-from ..kv.cache import KVCache
-from ..kv.modes import MODES, CacheOptions, KVMode, sink_positions
+from ..kv.cache import BLOCK, KVCache
+from ..kv.modes import MODES, CacheOptions, KVMode
 from ..kv.pool import PagedKV
 from ..models.loader import LoadedModel, check_weights_mode, load_model
 from ..models.transformer import Transformer
@@ -208,8 +208,9 @@ class LLM:
 
         Runs as a batch of one through the serving engine (:mod:`kvlens.engine.scheduler`), so a
         request alone and the same request among others are one computation (batch invariance).
-        Given a ``cache``, or with sparse decode or a sink / kept-exact rows (the paged pool keeps
-        neither), it runs this LLM's own loop over a contiguous cache instead."""
+        Given a ``cache``, or with what the paged pool does not implement (sparse decode, the lab's
+        keep-sink / keep-recent options, a recipe's sink over one block), it runs this LLM's own loop
+        over a contiguous cache instead."""
         prompt_ids = self.check_ids(prompt_ids)
         self._check_decode_args(len(prompt_ids), max_new_tokens, sampling)
         if cache is not None or not self.servable:
@@ -231,12 +232,13 @@ class LLM:
 
     @property
     def servable(self) -> bool:
-        """Whether the serving engine can run this LLM: dense decode, no kept-exact rows, no sink store
-        (its paged pool keeps neither)."""
+        """Whether the serving engine can run this LLM: dense decode, none of the lab's kept positions
+        (keep-sink / keep-recent options), a recipe's sink of one block at most (its paged pool)."""
+        options = self.cache_options
         return (
             self.sparse is None
-            and not self.cache_options.keeps_exact
-            and not sink_positions(self.kv, self.cache_options)
+            and not (options.keeps_exact or options.keep_sink)
+            and self.kv.keep_sink <= BLOCK
         )
 
     @torch.inference_mode()

@@ -40,7 +40,7 @@ from ..checks import check_int, check_token_ids
 from ..kv.cache import BLOCK
 from ..kv.disk import DiskStats
 from ..kv.modes import MODES
-from ..kv.pool import BlockPool, PagedKV, kv_bytes_per_token
+from ..kv.pool import BlockPool, PagedKV, kv_block_bytes, kv_bytes_per_token
 from .budget import default_kv_budget
 from .llm import LLM
 from .model_runner import ModelRunner
@@ -147,8 +147,8 @@ class Engine:
     def __init__(self, llm: LLM, config: EngineConfig = EngineConfig()) -> None:
         if not llm.servable:
             raise ValueError(
-                "the serving engine runs dense decode with no sink store or kept-exact rows (its paged pool "
-                "keeps neither): load the model without sparse decode, keep-sink/keep-recent or a recipe's keep_sink"
+                "the serving engine runs dense decode over its paged pool, which implements neither sparse decode, "
+                f"the lab's keep-sink / keep-recent options, nor a recipe's keep_sink over {BLOCK} positions"
             )
         self.llm, self.config = llm, config
         cfg = llm.config
@@ -354,8 +354,10 @@ class Engine:
 def _fitted_config(llm: LLM, reqs: list[Request], **changes) -> EngineConfig:
     """A config whose pool holds every request whole at once (no preemption)."""
     blocks = sum(-(-(len(r.prompt_ids) + r.max_tokens) // BLOCK) for r in reqs)
-    per_token = kv_bytes_per_token(llm.kv, llm.config.n_layers, llm.config.n_kv_heads, llm.config.head_dim)
-    return EngineConfig(kv_budget_bytes=blocks * BLOCK * per_token, **changes)
+    cfg = llm.config
+    return EngineConfig(
+        kv_budget_bytes=blocks * kv_block_bytes(llm.kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), **changes
+    )
 
 
 def run_alone(llm: LLM, req: Request, config: EngineConfig | None = None) -> Iterator[TokenEvent]:

@@ -83,6 +83,29 @@ def check_kv_finite(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) ->
             )
 
 
+def sink_stores(
+    n_layers: int, n_kv: int, rows: int, head_dim: int, device: torch.device
+) -> tuple[list, list]:
+    """Empty f16 sink stores of every layer, ``rows`` rows each (K, then V); none without rows."""
+    if rows == 0:
+        return [], []
+    return tuple(
+        [RowStore.empty(SINK_KIND, n_kv, rows, head_dim, device) for _ in range(n_layers)] for _ in "kv"
+    )  # type: ignore[return-value]
+
+
+def sink_rows_of(
+    k_store, v_store, k_sink: RowStore, v_sink: RowStore, n: int, row: int = 0, sink_row: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` sink positions of one layer as attention reads them, float32 ``[n_kv, n,
+    head_dim]`` in the stores' basis, K then V: from the sink stores (from ``sink_row``), or from an
+    f32 store itself (from ``row``, where position 0 is stored: its rows are exact)."""
+    return tuple(  # type: ignore[return-value]
+        store.read(row, row + n) if getattr(store, "kind", None) == F32 else sink.read(sink_row, sink_row + n)
+        for store, sink in ((k_store, k_sink), (v_store, v_sink))
+    )
+
+
 class KVCache:
     """KV cache for all layers of one sequence."""
 
@@ -116,10 +139,7 @@ class KVCache:
             mode, n_layers, n_kv_heads, cap, head_dim, self.device, exact=self.has_mirror
         )
         self.sink = sink_positions(mode, options)
-        self.k_sink, self.v_sink = (
-            [RowStore.empty(SINK_KIND, n_kv_heads, self.sink, head_dim, self.device) for _ in range(n_layers)]
-            for _ in "kv"
-        ) if self.sink else ([], [])  # fmt: skip
+        self.k_sink, self.v_sink = sink_stores(n_layers, n_kv_heads, self.sink, head_dim, self.device)
         self.length = 0  # positions written in every layer
         # per-block key min/max for sparse decode's block selection (kv.blocks)
         self.bounds = (
@@ -204,10 +224,7 @@ class KVCache:
         n = min(self.sink, end)
         if n == 0:
             return None
-        return tuple(  # type: ignore[return-value]
-            store.read(0, n) if getattr(store, "kind", None) == F32 else sink.read(0, n)
-            for store, sink in ((self.k[layer], self.k_sink[layer]), (self.v[layer], self.v_sink[layer]))
-        )
+        return sink_rows_of(self.k[layer], self.v[layer], self.k_sink[layer], self.v_sink[layer], n)
 
     def truncate(self, length: int) -> None:
         """Forget positions ≥ length (they are overwritten by the next write)."""

@@ -8,6 +8,11 @@ sized ``n_blocks * BLOCK`` positions. Physical block ``b`` is rows ``[b * BLOCK,
 ``j * BLOCK ..``) lives in physical block ``table[j]``. The fused decode kernels read through the table
 in place (no gather copy); prefill's torch path gathers the rows it attends.
 
+A mode with a sink (:attr:`~kvlens.kv.modes.KVMode.keep_sink`, at most one block) also gives every
+physical block S f16 sink rows per layer (``k_sink`` / ``v_sink``, rows ``[b * S, (b + 1) * S)``):
+the block that holds a sequence's logical block 0 keeps that sequence's first S positions there, so
+they travel with the block when the prefix cache shares it and the disk tier spills it.
+
 Blocks carry reference counts so that the prefix cache (:mod:`kvlens.kv.prefix`) can share full
 blocks between sequences: ``allocate`` hands out blocks at count 1, ``share`` adds a reference,
 ``release`` drops one and returns a block to the free list when none is left, or, if the block is
@@ -23,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .cache import BLOCK, HeadSplitStore, RowStore, cache_stores, check_kv_finite
+from .cache import BLOCK, HeadSplitStore, RowStore, cache_stores, check_kv_finite, sink_rows_of, sink_stores
 from .modes import MIRROR_PREFILL, CacheOptions, KVMode
 from .prefix import PrefixIndex
 
@@ -31,6 +36,13 @@ from .prefix import PrefixIndex
 def kv_bytes_per_token(mode: KVMode, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
     """Stored KV bytes per token position over all layers in ``mode`` (the mirror copy included)."""
     return mode.bytes_per_token(n_layers, n_kv_heads, head_dim)
+
+
+def kv_block_bytes(mode: KVMode, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one pool block of BLOCK positions in ``mode``: its rows, and its sink rows if any."""
+    return kv_bytes_per_token(mode, n_layers, n_kv_heads, head_dim) * BLOCK + mode.sink_bytes(
+        n_layers, n_kv_heads, head_dim
+    )
 
 
 class PoolExhaustedError(RuntimeError):
@@ -58,16 +70,25 @@ class BlockPool:
         self.mirror_prefill, self.has_mirror = mirror_prefill, mode.mirror
         self.device = torch.device(device)
         self.bytes_per_token = kv_bytes_per_token(mode, n_layers, n_kv_heads, head_dim)
-        self.n_blocks = int(budget_bytes) // (self.bytes_per_token * BLOCK)
+        if mode.keep_sink > BLOCK:
+            raise ValueError(
+                f"the paged pool keeps a sink of at most {BLOCK} positions (one block), not {mode.keep_sink}"
+            )
+        self.sink = mode.keep_sink
+        self.block_bytes = kv_block_bytes(mode, n_layers, n_kv_heads, head_dim)
+        self.n_blocks = int(budget_bytes) // self.block_bytes
         if self.n_blocks < 1:
             raise ValueError(
                 f"a KV budget of {budget_bytes} bytes holds no block of {BLOCK} positions "
-                f"({self.bytes_per_token * BLOCK} bytes in mode {mode})"
+                f"({self.block_bytes} bytes in mode {mode})"
             )
         cap = self.n_blocks * BLOCK
 
         self.k, self.v, self.k_exact, self.v_exact = cache_stores(
             mode, n_layers, n_kv_heads, cap, head_dim, self.device, exact=mode.mirror
+        )
+        self.k_sink, self.v_sink = sink_stores(
+            n_layers, n_kv_heads, self.n_blocks * self.sink, head_dim, self.device
         )
         self.refcount = np.zeros(self.n_blocks, np.int32)
         self._free: deque[int] = deque(range(self.n_blocks))
@@ -98,7 +119,7 @@ class BlockPool:
 
     @property
     def bytes_total(self) -> int:
-        return self.n_blocks * BLOCK * self.bytes_per_token
+        return self.n_blocks * self.block_bytes
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks, each now referenced once: free ones first, then evicted least recently parked."""
@@ -147,7 +168,8 @@ class BlockPool:
         for store in (*self.k, *self.v, *self.k_exact, *self.v_exact):
             for part in store.parts if isinstance(store, HeadSplitStore) else [store]:
                 out += self._rows_of(part, rows)
-        return out
+        sink = slice(block * self.sink, (block + 1) * self.sink)
+        return out + [store.data[:, sink] for store in (*self.k_sink, *self.v_sink)]
 
     @staticmethod
     def _rows_of(store: RowStore, rows: slice) -> list[torch.Tensor]:
@@ -172,6 +194,7 @@ class PagedKV:
         self.options = CacheOptions(mirror_prefill=pool.mirror_prefill)  # what attention asks a cache
         self.k, self.v = pool.k, pool.v
         self.has_mirror, self.mirror_prefill = pool.has_mirror, pool.mirror_prefill
+        self.sink = pool.sink
         self.blocks: list[int] = []
         self.length = 0  # positions written in every layer
         self._table: np.ndarray | torch.Tensor | None = None
@@ -230,8 +253,22 @@ class PagedKV:
         for phys, off, n in self._segments(start, end):
             for store, rows in stores:
                 store[layer].write(phys, rows[:, off : off + n])
+        if start < self.sink:  # the sink rows of the block that holds logical block 0
+            at, n = self.blocks[0] * self.sink + start, min(end, self.sink) - start
+            self.pool.k_sink[layer].write(at, k[:, :n])
+            self.pool.v_sink[layer].write(at, v[:, :n])
         if layer == self.n_layers - 1:
             self.length = max(self.length, end)
+
+    def sink_rows(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As :meth:`kvlens.kv.cache.KVCache.sink_rows`, from the sink rows of the sequence's block 0."""
+        if min(self.sink, end) == 0:
+            return None
+        b0, pool = self.blocks[0], self.pool
+        return sink_rows_of(
+            self.k[layer], self.v[layer], pool.k_sink[layer], pool.v_sink[layer], min(self.sink, end),
+            row=b0 * BLOCK, sink_row=b0 * self.sink,
+        )  # fmt: skip
 
     def read(self, layer: int, end: int, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions ``[0, end)`` as float32 ``[n_kv, end, head_dim]`` (gathered)."""
@@ -239,7 +276,11 @@ class PagedKV:
         if prefill and self.has_mirror and self.mirror_prefill == "exact":
             k, v = self.pool.k_exact, self.pool.v_exact
         phys = self._physical(end)
-        return k[layer].read_index(phys), v[layer].read_index(phys)
+        k_rows, v_rows = k[layer].read_index(phys), v[layer].read_index(phys)
+        sink = self.sink_rows(layer, end)
+        if sink is not None:
+            k_rows[:, : sink[0].shape[1]], v_rows[:, : sink[1].shape[1]] = sink
+        return k_rows, v_rows
 
     def bytes_per_token(self) -> int:
         return self.pool.bytes_per_token
