@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from test_prefix_cache import run  # one request through an engine, its events
 
 import kvlens
 from kvlens.engine.scheduler import Engine, EngineConfig, Request, run_alone
@@ -22,14 +23,6 @@ from kvlens.kv.pool import BlockPool, PagedKV
 TINY_MODEL = ("llama", 5)  # conftest's tiny_dir: head_dim 16
 CHUNK = 2 * BLOCK
 SINK = dataclasses.replace(MODES["q8"], keep_sink=3)
-
-
-def run(engine: Engine, rid: str, prompt: list[int], n: int = 3) -> list:
-    engine.add_request(Request(rid, prompt, n, stop_ids=frozenset()))
-    events = []
-    while engine.has_unfinished():
-        events += engine.step()
-    return events
 
 
 def contiguous_steps(llm, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
