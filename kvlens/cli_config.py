@@ -64,6 +64,7 @@ DENSE = Option(2, min=0, help="First layers kept dense under --sparse.")
 LAB_ATTN_BACKEND = Option(
     None,
     help="Test side's attention through a decode kernel: numba, numba-int, numba-int16 (:PATH: CPU path).",
+    callback=cb.backend_option,
 )
 
 

@@ -125,6 +125,11 @@ def lab_plan(
     keep_sink: int = opt.SINK,
     keep_recent: int = opt.RECENT,
     prefill_chunk: int = opt.PREFILL,
+    attn_backend: str | None = Option(
+        None,
+        help="Verify through a decode kernel (numba, numba-int, numba-int16): scored positions as decode steps.",
+        callback=cb.backend_option,
+    ),
     json_out: bool = opt.JSON,
 ) -> None:
     """A per-layer (per-KV-head) KV recipe under a KLD budget: measure, choose, verify on held-out text."""

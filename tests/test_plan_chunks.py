@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import kvlens.lab.doctor as doctor
 from kvlens.kv.modes import StoreKind
+from kvlens.lab import plan
 from kvlens.lab.doctor import DoctorConfig, run_doctor
 from kvlens.lab.plan import PlanConfig, chunk_layout, plan_chunks, run_plan
 from kvlens.lab.ppl import make_chunks
@@ -136,6 +137,28 @@ def test_kept_positions_reach_every_measurement_of_the_plan(tmp_path, tiny_dir, 
         sink_data["keep_sink"] == 48 and json.loads((tmp_path / "sink.json").read_text())["keep_sink"] == 48
     )
     assert "keep_sink" not in json.loads((tmp_path / "kept.json").read_text())
+
+
+def test_the_verification_runs_through_the_named_decode_kernel(tmp_path, tiny_dir, corpus, monkeypatch):
+    """``attn_backend``: the held-out verification's test modes run their scored positions as decode
+    steps through that kernel (the calibration stays on torch); a bad name fails before any work."""
+    seen = []
+    real_init = plan._PplRun.__init__
+
+    def spy(self, llm, cfg, *args):
+        seen.append((cfg.attn_backend, len(cfg.kv)))
+        real_init(self, llm, cfg, *args)
+
+    monkeypatch.setattr(plan._PplRun, "__init__", spy)
+    cfg = PlanConfig(
+        model=str(tiny_dir), corpus=str(corpus), kld_budget=0.01, ctx=48, calib_chunks=1, heldout_chunks=1,
+        out=str(tmp_path / "r.json"), kv="q8", smooth_k=False, per_head=False, attn_backend="numba",
+    )  # fmt: skip
+    result = run_plan(cfg)
+    assert seen == [("numba", 2)] and result.attn_backend == "numba"  # the recipe and q8, verified once
+    assert result.to_json()["attn_backend"] == "numba" and 0 < result.rows[1]["kld_mean"] < 1e-3
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        PlanConfig(model=str(tiny_dir), attn_backend="numba-fast")
 
 
 def test_the_doctor_refuses_kept_positions(tiny_dir, corpus):

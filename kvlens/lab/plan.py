@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ..engine.attention import check_backend_name
 from ..engine.llm import LLM
 from ..kv.modes import MODES, KVMode, StoreKind
 from ..kv.recipe import layer_json, mix, save_recipe
@@ -86,9 +87,14 @@ class PlanConfig(KldBudget, CompareConfig):
     verify: bool = True  # run the held-out verification (False: choose and check on calibration text only)
     smooth_k: bool = True  # K smoothing: subtract the calibration's mean key per (layer, KV head)
     calib_spread: bool = False  # calibration chunks spread through the text (else the first ones)
+    attn_backend: str | None = (
+        None  # the verification's test modes: scored positions as decode steps through it
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.attn_backend is not None:
+            check_backend_name(self.attn_backend)  # before minutes of calibration, not after
         if isinstance(self.candidates, str):
             self.candidates = [_kind(c) for c in self.candidates.split(",") if c.strip()]
         if not self.candidates:
@@ -131,6 +137,7 @@ class PlanResult:
     keep_sink: int = 0  # positions in the sink store in the choice's checks, the verification and the recipe
     keep_recent: int = 0  # positions kept exact (the lab's) in the choice's checks and the verification
     sink_bytes: int = 0  # the recipe's sink store, a constant per sequence beside bytes_per_token
+    attn_backend: str | None = None  # the verification's decode kernel (None: the torch prefill path)
 
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "recipe"}
@@ -205,7 +212,7 @@ def plan_chunks(
 def verify(llm: LLM, chunks: list[list[int]], cfg: PlanConfig, recipe: KVMode) -> list[dict[str, Any]]:
     """Held-out rows (recipe, then ``cfg.kv``): KLD mean ± error, PPL ratio, same-top, bytes/token."""
     modes = list(dict.fromkeys([recipe, *cfg.kv]))
-    shared = ("model", "weights", "prefill_chunk", "ctx", "keep_sink", "keep_recent")
+    shared = ("model", "weights", "prefill_chunk", "ctx", "keep_sink", "keep_recent", "attn_backend")
     ppl_cfg = PplConfig(kv=modes, base="f32", **{name: getattr(cfg, name) for name in shared})
     run = _PplRun(llm, ppl_cfg, None, None)
     for chunk in chunks:
@@ -269,7 +276,7 @@ def run_plan(cfg: PlanConfig) -> PlanResult:
         sensitivity={".".join(map(str, key)): v for key, v in table.items()}, passes=sens.passes,
         smooth_k=cfg.smooth_k, calib_index=calib_index, heldout_index=heldout_index if cfg.verify else [],
         keep_sink=cfg.keep_sink, keep_recent=cfg.keep_recent,
-        sink_bytes=recipe.sink_bytes(c.n_layers, c.n_kv_heads, c.head_dim),
+        sink_bytes=recipe.sink_bytes(c.n_layers, c.n_kv_heads, c.head_dim), attn_backend=cfg.attn_backend,
     )  # fmt: skip
     result.seconds = {"sensitivity": t1 - t0, "choice": t2 - t1}
     if cfg.verify:
@@ -292,7 +299,9 @@ def print_plan(r: PlanResult) -> None:
     print(
         f"budget {r.budget:g}: predicted (sum of items) {r.predicted_kld:.3g}, calibration "
         f"{r.calib_kld:.3g} ({r.calib_chunks} chunks, {r.rounds} round(s), {r.passes} passes); held-out: "
-        f"{r.heldout_chunks} chunks of {r.ctx} on {r.corpus}; seconds: "
+        f"{r.heldout_chunks} chunks of {r.ctx} on {r.corpus}"
+        + (f" (scored positions as decode steps through {r.attn_backend})" if r.attn_backend else "")
+        + "; seconds: "
         + ", ".join(f"{k} {v:.0f}" for k, v in r.seconds.items())
     )
     if not r.rows:

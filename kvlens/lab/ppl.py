@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..engine.attention import check_backend_name
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
 from ..kv.modes import CacheOptions, KVMode
@@ -55,6 +56,11 @@ class PplConfig(CompareConfig):
     ctx: int = 512
     chunks: int | None = None
     attn_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.attn_backend is not None:
+            check_backend_name(self.attn_backend)  # before the model loads, not after it
 
 
 def make_chunks(
