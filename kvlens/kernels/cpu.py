@@ -90,8 +90,8 @@ def _decode_core(
     selected blocks); empty (``n_tiles = 0``) = dense, every tile. Splits divide this list.
     ``table [n_blocks]``: the block table of a paged cache (logical block j lives in physical block
     ``table[j]`` of the store); empty = contiguous (logical = physical). ``k_bsc``/``v_bsc``: the
-    fp16 scale bits of a 4-bit or packed K/V store (unread otherwise). ``sink``: the softmax state of
-    the sink positions, read from their own store (:func:`flash.sink_state`; :data:`flash.NO_SINK`)."""
+    fp16 scale bits of a 4-bit or packed K/V store (unread otherwise). ``sink``: the query and the
+    sink positions' rows, read from their own store (:func:`flash.sink_args`, :func:`flash.seed_sink`)."""
     n_heads, hd = qs.shape
     k8 = k.view(np.int8)
     group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.split_plan(
@@ -184,7 +184,7 @@ def _run(
         v_scale = np.ascontiguousarray(v_scale, np.float32)
     args = (
         qs, q8, qsc, int_dot, k, k_code, k_scale, k_bsc, v, v_code, v_scale, v_bsc, int(length), tiles, table,
-        n_splits, out, flash.NO_SINK if sink is None else flash.sink_state(qs, *sink),
+        n_splits, out, flash.sink_args(qs, sink),
     )  # fmt: skip
     run_serial_if(serial, _decode_core, *args)  # waking the thread pool would cost more than the work
     return out

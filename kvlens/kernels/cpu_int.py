@@ -313,6 +313,6 @@ def decode_attention_int(
     out = np.empty((n_heads, hd), np.float32)
     args = (intdot.PATHS.index(path), spec.qbits, int(spec.pv8), qc.arrays, k, kc, ks, k_bsc, ksum, v, vc, vs, v_bsc,
             int(length), tiles, table, n_splits, out,
-            flash.NO_SINK if sink is None else flash.sink_state(qn / np.float32(math.sqrt(hd)), *sink))  # fmt: skip
+            flash.sink_args(qn / np.float32(math.sqrt(hd)), sink))  # fmt: skip
     run_serial_if(serial, _compiled_core(args), *args)
     return torch.from_numpy(out)

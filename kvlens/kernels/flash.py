@@ -14,7 +14,6 @@ import torch
 from numba import njit
 
 from ..kv.cache import BLOCK
-from . import reference
 from .stage import _FM, Q4B
 from .threads import split_threads
 
@@ -189,12 +188,16 @@ def tile_rows(ti, h, length, dense, tiles, paged, table, first):  # pragma: no c
 
 @njit(inline="always")
 def seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles):  # pragma: no cover - compiled
-    """Start the first split of each KV head from the sink's softmax state ``sink = (first, m, l, acc)``
-    (per query head, :func:`sink_state`); a sparse KV head whose tiles leave out tile 0 does not see
-    the sink, as the torch path's block mask does not. No sink: ``first`` is 0."""
-    first, s_m, s_l, s_acc = sink
+    """Start the first split of each KV head from the softmax state of the sink ``sink = (first, qs,
+    k, v)``: the scaled float query ``[n_heads, hd]`` over the sink rows ``[n_kv, first, hd]`` (f32,
+    the stores' basis), computed here in float64 (m, l, acc per query head; the torch form:
+    :func:`kvlens.kernels.reference.sink_state`). A sparse KV head whose tiles leave out tile 0 does
+    not see the sink, as the torch path's block mask does not. No sink: ``first`` is 0."""
+    first, qs, sk, sv = sink
     if first == 0:
         return
+    hd = sk.shape[2]
+    sc = np.empty(first, np.float64)
     for h in range(part_m.shape[0] // n_splits):
         seen = dense
         for j in range(0 if dense else tiles.shape[1]):
@@ -204,8 +207,23 @@ def seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles):  #
         it = h * n_splits
         for g in range(group):
             hq = h * group + g
-            part_m[it, g], part_l[it, g] = s_m[hq], s_l[hq]
-            part_acc[it, g, :] = s_acc[hq]
+            m = -np.inf
+            for j in range(first):
+                s = 0.0
+                for d in range(hd):
+                    s += np.float64(qs[hq, d]) * np.float64(sk[h, j, d])
+                sc[j] = s
+                m = max(m, s)
+            lsum = 0.0
+            acc = np.zeros(hd, np.float64)
+            for j in range(first):
+                w = math.exp(sc[j] - m)
+                lsum += w
+                for d in range(hd):
+                    acc[d] += w * np.float64(sv[h, j, d])
+            part_m[it, g], part_l[it, g] = np.float32(m), np.float32(lsum)
+            for d in range(hd):
+                part_acc[it, g, d] = np.float32(acc[d])
 
 
 @njit(inline="always")
@@ -221,14 +239,27 @@ def weigh_tile(
     softmax_tile(sc, nt, group, part_m[item], part_l[item], part_acc[item], v_scale, v_q8, h, t0, e_u, e_f)
 
 
-NO_SINK = (0, np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros((0, 0), np.float32))
+_NO_ROWS = np.zeros((0, 0, 0), np.float32)
+NO_SINK = (0, np.zeros((0, 0), np.float32), _NO_ROWS, _NO_ROWS)
 
 
-def sink_state(qs: np.ndarray, sink_k, sink_v) -> tuple:
-    """The sink's softmax state (:func:`kvlens.kernels.reference.sink_state`) as a core takes it:
-    ``(s, m, l, acc)`` float32 numpy, ``s`` the sink rows (:func:`seed_sink`)."""
-    m, lsum, acc = reference.sink_state(torch.from_numpy(np.ascontiguousarray(qs)), sink_k, sink_v)
-    return sink_k.shape[1], *(x.to(torch.float32).numpy() for x in (m, lsum, acc))
+def sink_args(qs: np.ndarray, sink) -> tuple:
+    """A core's ``sink`` argument: ``(first, qs, k, v)`` with the sink rows ``sink = (k, v)`` as
+    contiguous float32 numpy (zero-copy for the cache's rows), or :data:`NO_SINK` for None."""
+    if sink is None:
+        return NO_SINK
+    k, v = (
+        np.ascontiguousarray(
+            x.detach().to(torch.float32).numpy() if isinstance(x, torch.Tensor) else x, np.float32
+        )
+        for x in sink
+    )
+    n_kv, n, hd = k.shape
+    if v.shape != k.shape or qs.shape[1] != hd or qs.shape[0] % n_kv or n == 0:
+        raise ValueError(
+            f"sink rows must be [n_kv, s>0, {qs.shape[1]}] for K and V, got {k.shape} and {v.shape}"
+        )
+    return n, np.ascontiguousarray(qs, np.float32), k, v
 
 
 def choose_splits(length: int, n_kv: int, n_threads: int | None = None) -> int:
