@@ -246,7 +246,7 @@ def make_attend(
     """
     kernel = _fused_kernel(backend)
     _check_int_backend(backend, cache)
-    sink = getattr(cache, "sink", 0)  # a paged pool keeps no sink store (the serving engine refuses one)
+    sink = cache.sink  # positions read from the cache's sink store (0: none)
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
     use_kernel = kernel is not None and not cache.options.keeps_exact
     windows = window if isinstance(window, Sequence) else None

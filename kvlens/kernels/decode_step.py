@@ -262,7 +262,7 @@ def fused_stores(cache) -> list[tuple] | None:
     V search) for
     :meth:`FusedDecoder.run`, or None if a layer's kind is not written here. Memoized on the cache while its stores keep their tensors
     (they grow all together: :meth:`kvlens.kv.cache.KVCache.reserve`)."""
-    if getattr(cache, "sink", 0):  # the sink store is read by the layer-by-layer kernels only
+    if cache.sink:  # the sink store is read by the layer-by-layer kernels only
         return None
     first, last = (getattr(s, "data", s) for s in (cache.k[0], cache.v[-1]))
     memo = cache.__dict__.get("_step_stores")

@@ -198,6 +198,7 @@ def seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles):  #
         return
     hd = sk.shape[2]
     sc = np.empty(first, np.float64)
+    acc = np.empty(hd, np.float64)
     for h in range(part_m.shape[0] // n_splits):
         seen = dense
         for j in range(0 if dense else tiles.shape[1]):
@@ -215,7 +216,7 @@ def seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles):  #
                 sc[j] = s
                 m = max(m, s)
             lsum = 0.0
-            acc = np.zeros(hd, np.float64)
+            acc[:] = 0.0
             for j in range(first):
                 w = math.exp(sc[j] - m)
                 lsum += w

@@ -36,7 +36,7 @@ above, the sink store, and ``keep_recent`` (a lab option that keeps the last R p
 Sink store: with a sink (:attr:`KVMode.keep_sink` of a recipe, or ``CacheOptions.keep_sink``; the
 larger), the first S positions of every layer are also written, in the store's basis, to a small f16
 store (``k_sink`` / ``v_sink``, S rows per KV head), and attention reads those positions from it:
-:meth:`KVCache.read` splices them in, the CPU kernels take them as :meth:`KVCache.sink_rows`. An f32
+:meth:`KVCache.read` splices them in, the fused kernels take them as :meth:`KVCache.sink_rows`. An f32
 store is read as it is (its own rows are exact).
 
 With ``track_blocks=True`` the cache also keeps, per block and KV head, the per-channel min/max of

@@ -33,7 +33,7 @@ MIRROR_PREFILL = ("exact", "q8")
 SINK_KIND = StoreKind.F16  # the sink store's rows (KVMode.keep_sink)
 
 
-def check_sink(value: object, name: str) -> None:
+def check_positions(value: object, name: str) -> None:
     """ValueError unless ``value`` is an integer count of positions in [0, MAX_POSITIONS]."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_POSITIONS:
         raise ValueError(f"{name} must be an integer in [0, {MAX_POSITIONS}], got {value!r}")
@@ -77,7 +77,7 @@ class KVMode:
     keep_sink: int = 0
 
     def __post_init__(self) -> None:
-        check_sink(self.keep_sink, f"KV mode {self.name}: keep_sink")
+        check_positions(self.keep_sink, f"KV mode {self.name}: keep_sink")
         if self.k_center is not None:
             c = self.k_center
             if not isinstance(c, torch.Tensor) or c.dtype != torch.float32 or c.dim() != 3:
@@ -266,8 +266,8 @@ class CacheOptions:
     def __post_init__(self) -> None:
         if self.mirror_prefill not in MIRROR_PREFILL:
             raise ValueError(f"mirror_prefill must be 'exact' or 'q8', got {self.mirror_prefill!r}")
-        check_sink(self.keep_sink, "keep_sink")
-        check_sink(self.keep_recent, "keep_recent")
+        check_positions(self.keep_sink, "keep_sink")
+        check_positions(self.keep_recent, "keep_recent")
 
     @property
     def keeps_exact(self) -> bool:

@@ -14,8 +14,8 @@ the server). The file::
 
 ``keep_sink`` (:attr:`kvlens.kv.modes.KVMode.keep_sink`): the cache also keeps the first S positions
 of every layer in an f16 sink store, and attention reads them from there (``kvlens lab plan
---keep-sink S`` writes it). The serving engine's paged pool keeps no sink store: ``kvlens serve``
-refuses such a recipe.
+--keep-sink S`` writes it). The serving engine's paged pool keeps a sink of at most one block (32
+positions) with each sequence's first block; ``kvlens serve`` refuses a longer one.
 
 ``k_center`` (K smoothing): the cache subtracts ``k_center[i][h]`` from every K row of layer ``i``,
 KV head ``h`` before it stores the row (before the rotation and quantization, in every kind of the
