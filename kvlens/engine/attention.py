@@ -20,7 +20,7 @@ which they read in place of the stores' rows there.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -165,8 +165,9 @@ def turn(x: torch.Tensor, rot: Rotation, back: bool = False) -> torch.Tensor:
 
 
 def split_kernel(
-    kernel, q: torch.Tensor, k_store: HeadSplitStore, v_store: HeadSplitStore, end: int, blocks, table, **sink
-):
+    kernel, q: torch.Tensor, k_store: HeadSplitStore, v_store: HeadSplitStore, end: int, blocks, table,
+    window: int | None = None, **sink,
+):  # fmt: skip
     """A fused decode kernel over a layer split per KV head: one call per head on its query group
     (and, given ``sink=(k, v)``, that head's sink rows)."""
     g = q.shape[0] // len(k_store.parts)
@@ -180,6 +181,7 @@ def split_kernel(
                 end,
                 blocks=None if blocks is None else blocks[h : h + 1],
                 table=table,
+                window=window,
                 **({} if rows is None else {"sink": (rows[0][h : h + 1], rows[1][h : h + 1])}),
             )
             for h, (ks, vs) in enumerate(zip(k_store.parts, v_store.parts, strict=True))
@@ -214,16 +216,10 @@ def _check_int_backend(backend: str, cache: KVCache | PagedKV) -> None:
         )
 
 
-def _windowed_step(
-    cache: KVCache, layer: int, q: torch.Tensor, start: int, win: int, kernel: Callable | None
-) -> torch.Tensor:
-    """A windowed decode step reads only the rows its window reaches, not all of them: with a CPU
-    ``kernel`` exactly those (a query at end - 1 sees positions end - win ..), on torch a block more
-    (the mask selects)."""
+def _windowed_step(cache: KVCache, layer: int, q: torch.Tensor, start: int, win: int) -> torch.Tensor:
+    """A windowed decode step on torch reads only the rows its window reaches and a block more (the
+    mask selects), not all of them (the fused kernels read the window in place)."""
     end = start + 1
-    if kernel is not None and cache.k[layer].data.device.type == "cpu":
-        ks, vs = cache.k[layer].span(end - win, end), cache.v[layer].span(end - win, end)
-        return kernel(q[:, 0], ks, vs, win).unsqueeze(1)
     lo = max(0, end - win - BLOCK)
     k_win, v_win = cache.k[layer].read(lo, end), cache.v[layer].read(lo, end)
     return sdpa_attention(q, k_win, v_win, torch.arange(start - lo, end - lo, device=q.device), win)
@@ -272,17 +268,19 @@ def make_attend(
         blocks = None
         if decode and sparse is not None and sparse.applies(layer, end):
             blocks = select_blocks(q[:, 0], cache, layer, end, sparse)
-        if use_kernel and decode and win is None:
+        # a window reached reads no sink rows once past them; one that still reaches them, or sparse
+        # blocks, goes through torch's masks
+        window_past_sink = win is not None and end - win >= sink
+        if use_kernel and decode and (win is None or window_past_sink and blocks is None):
             table = cache.table if paged else None
             ks, vs = cache.k[layer], cache.v[layer]
             run = functools.partial(split_kernel, kernel) if isinstance(ks, HeadSplitStore) else kernel
-            rows = {"sink": cache.sink_rows(layer, end)} if sink else {}
-            return run(q[:, 0], ks, vs, end, blocks=blocks, table=table, **rows).unsqueeze(1)
+            rows = {"sink": cache.sink_rows(layer, end)} if sink and win is None else {}
+            return run(q[:, 0], ks, vs, end, blocks=blocks, table=table, window=win, **rows).unsqueeze(1)
         split = isinstance(cache.k[layer], HeadSplitStore) or isinstance(cache.v[layer], HeadSplitStore)
         contiguous_rows = not (paged or split or cache.options.keeps_exact)
-        window_past_sink = win is not None and end - win >= sink  # else the window reads sink rows
         if decode and window_past_sink and blocks is None and contiguous_rows:
-            return _windowed_step(cache, layer, q, start, win, kernel if use_kernel else None)
+            return _windowed_step(cache, layer, q, start, win)
         k_all, v_all = cache.read(layer, end, prefill=prefill)
         q_pos = torch.arange(start, end, device=q.device)
         kv_mask = None if blocks is None else blocks_to_mask(blocks, end, BLOCK)

@@ -38,6 +38,7 @@ from ..kv.modes import StoreKind
 from ..kv.quant import quantize_q8
 from . import flash
 from .flash import TILE, choose_splits  # noqa: F401 - choose_splits: part of this module's API
+from .reference import sliding_window
 from .stage import _FM, _KIND_CODE, CODE_PACKED, CODE_Q4, CODE_Q8, Q4B, _stage
 from .threads import run_serial_if, split_threads
 
@@ -154,7 +155,7 @@ def _raw(a: np.ndarray) -> tuple[np.ndarray, int]:
 
 def _run(
     q, k, k_code, k_scale, v, v_code, v_scale, length, out, n_splits, int_dot=False, blocks=None, table=None,
-    k_bsc=_NO_BLOCK_SCALE, v_bsc=_NO_BLOCK_SCALE, sink=None,
+    k_bsc=_NO_BLOCK_SCALE, v_bsc=_NO_BLOCK_SCALE, sink=None, first=0,
 ):  # fmt: skip
     n_heads, hd = q.shape
     n_kv, cap = k.shape[:2]
@@ -184,7 +185,7 @@ def _run(
         v_scale = np.ascontiguousarray(v_scale, np.float32)
     args = (
         qs, q8, qsc, int_dot, k, k_code, k_scale, k_bsc, v, v_code, v_scale, v_bsc, int(length), tiles, table,
-        n_splits, out, flash.sink_args(qs, sink),
+        n_splits, out, flash.sink_args(qs, sink, first),
     )  # fmt: skip
     run_serial_if(serial, _decode_core, *args)  # waking the thread pool would cost more than the work
     return out
@@ -252,6 +253,7 @@ def decode_attention(
     blocks: np.ndarray | torch.Tensor | None = None,
     table: np.ndarray | torch.Tensor | None = None,
     sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of one layer's K and V
     :class:`~kvlens.kv.cache.RowStore` (CPU; every kind, mixed K/V kinds included; rotated kinds are
@@ -265,12 +267,15 @@ def decode_attention(
     at physical block ``table[j]`` of the stores (``blocks`` then name logical blocks); read in place.
     ``sink``: K and V of the first s positions ``[n_kv, s, hd]`` (f32, the stores' basis;
     :meth:`kvlens.kv.cache.KVCache.sink_rows`), read in place of the stores' rows there.
+    ``window``: a sliding window, the last ``window`` positions attended, read in place
+    (:func:`kvlens.kernels.reference.sliding_window`; not with ``blocks`` or ``sink`` once reached).
     """
     k, kc, ks, kb = store_arrays(k_store)
     v, vc, vs, vb = store_arrays(v_store)
+    blocks, first = sliding_window(k.shape[0], length, window, blocks, sink, flash.TILE)
     if int_dot and kc != CODE_Q8:
         raise ValueError("int_dot needs an int8 K store")
     qn = q.detach().numpy() if q.dtype == torch.float32 else q.detach().float().numpy()
     out = np.empty(qn.shape, np.float32)
-    _run(qn, k, kc, ks, v, vc, vs, length, out, n_splits, int_dot, blocks, table, kb, vb, sink)
+    _run(qn, k, kc, ks, v, vc, vs, length, out, n_splits, int_dot, blocks, table, kb, vb, sink, first)
     return torch.from_numpy(out)

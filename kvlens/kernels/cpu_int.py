@@ -33,6 +33,7 @@ from . import flash, intdot, q4int
 from .cpu import CODE_Q8, quantize_query_blocks, store_arrays
 from .q4int import lane_offsets, lane_scales, permute_query
 from .q8store import KSUM_BLOCK
+from .reference import sliding_window
 from .stage import CODE_Q4, _stage
 from .threads import run_serial_if, split_threads
 
@@ -278,6 +279,7 @@ def decode_attention_int(
     spec: IntAttn = IntAttn(),
     table: np.ndarray | torch.Tensor | None = None,
     sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of an int8 K store (with
     its ``ksum``) or, with the 8-bit query, a 4-bit one (q4, q4h), and any V store, integer scores per
@@ -299,6 +301,7 @@ def decode_attention_int(
     k, kc, ks, k_bsc = store_arrays(k_store)
     v, vc, vs, v_bsc = store_arrays(v_store)
     n_kv, cap = k.shape[:2]
+    blocks, first = sliding_window(n_kv, length, window, blocks, sink, flash.TILE)
     qn = q.detach().to(torch.float32).numpy()
     n_heads, hd = qn.shape
     if hd % KSUM_BLOCK:
@@ -313,6 +316,6 @@ def decode_attention_int(
     out = np.empty((n_heads, hd), np.float32)
     args = (intdot.PATHS.index(path), spec.qbits, int(spec.pv8), qc.arrays, k, kc, ks, k_bsc, ksum, v, vc, vs, v_bsc,
             int(length), tiles, table, n_splits, out,
-            flash.sink_args(qn / np.float32(math.sqrt(hd)), sink))  # fmt: skip
+            flash.sink_args(qn / np.float32(math.sqrt(hd)), sink, first))  # fmt: skip
     run_serial_if(serial, _compiled_core(args), *args)
     return torch.from_numpy(out)

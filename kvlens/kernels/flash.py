@@ -192,8 +192,10 @@ def seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles):  #
     k, v)``: the scaled float query ``[n_heads, hd]`` over the sink rows ``[n_kv, first, hd]`` (f32,
     the stores' basis), computed here in float64 (m, l, acc per query head; the torch form:
     :func:`kvlens.kernels.reference.sink_state`). A sparse KV head whose tiles leave out tile 0 does
-    not see the sink, as the torch path's block mask does not. No sink: ``first`` is 0."""
-    first, qs, sk, sv = sink
+    not see the sink, as the torch path's block mask does not. No sink: no rows (``first`` is 0, or
+    a sliding window's first position: :func:`sink_args`)."""
+    _, qs, sk, sv = sink
+    first = sk.shape[1]  # a sliding window's tuple skips positions below its first but has no rows
     if first == 0:
         return
     hd = sk.shape[2]
@@ -244,11 +246,13 @@ _NO_ROWS = np.zeros((0, 0, 0), np.float32)
 NO_SINK = (0, np.zeros((0, 0), np.float32), _NO_ROWS, _NO_ROWS)
 
 
-def sink_args(qs: np.ndarray, sink) -> tuple:
+def sink_args(qs: np.ndarray, sink, first: int = 0) -> tuple:
     """A core's ``sink`` argument: ``(first, qs, k, v)`` with the sink rows ``sink = (k, v)`` as
-    contiguous float32 numpy (zero-copy for the cache's rows), or :data:`NO_SINK` for None."""
+    contiguous float32 numpy (zero-copy for the cache's rows), or :data:`NO_SINK` for None. Without
+    a sink, ``first``: a sliding window's first position (``reference.sliding_window``), the rows
+    below it left out and nothing seeded."""
     if sink is None:
-        return NO_SINK
+        return NO_SINK if first == 0 else (int(first), NO_SINK[1], _NO_ROWS, _NO_ROWS)
     k, v = (
         np.ascontiguousarray(
             x.detach().to(torch.float32).numpy() if isinstance(x, torch.Tensor) else x, np.float32

@@ -26,7 +26,7 @@ import os
 import torch
 
 from ..kv.cache import BLOCK
-from .reference import sink_state
+from .reference import sink_state, sliding_window
 
 LOG2E = 1.4426950408889634
 
@@ -135,6 +135,7 @@ def decode_attention_triton(
     blocks: torch.Tensor | None = None,
     table: torch.Tensor | None = None,
     sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q [n_heads, hd]`` over the first ``length`` rows of one layer's K/V
     :class:`~kvlens.kv.cache.RowStore` (every kind, mixed K/V kinds included; rotated kinds as
@@ -147,6 +148,7 @@ def decode_attention_triton(
     the stores; ``blocks`` then name logical blocks), read in place. ``sink``: K and V of the first s
     positions (as :func:`kvlens.kernels.cpu.decode_attention` takes them), read in place of the
     stores' rows there: the kernel skips those positions, the merge adds their softmax state.
+    ``window``: a sliding window, read in place through the blocks it covers (as the CPU kernels).
     """
     kernel = _kernels()
     _check_call(q, k_store, v_store, length, block_n, table)
@@ -157,6 +159,8 @@ def decode_attention_triton(
     group = n_heads // n_kv
     g_pad, d_pad = _next_pow2(group, 16), _next_pow2(hd, 16)
     dev = k.device
+    blocks, first = sliding_window(n_kv, length, window, blocks, sink, BLOCK)
+    first = first if sink is None else sink[0].shape[1]  # positions the kernel skips
     selected, page, n_sel = _block_lists(blocks, table, n_kv, cap, length, dev)
     if blocks is not None or table is not None:
         block_n = BLOCK  # the split loop walks cache blocks
@@ -173,7 +177,7 @@ def decode_attention_triton(
     qc = q.detach().to(device=dev, dtype=torch.float32).contiguous()
     kernel[(n_kv, n_splits)](
         qc, k, ks, v, vs, acc, m, lsum, selected, n_sel, page,
-        length, 0 if sink is None else sink[0].shape[1], split_len, k.stride(0), k.stride(1), v.stride(0), v.stride(1), ks.stride(0), vs.stride(0),
+        length, first, split_len, k.stride(0), k.stride(1), v.stride(0), v.stride(1), ks.stride(0), vs.stride(0),
         kst, vst, LOG2E / math.sqrt(hd),
         GROUP=group, G_PAD=g_pad, HD=hd, D_PAD=d_pad, BLOCK_N=block_n,
         K_Q8=k_store.kind.row_scaled, V_Q8=v_store.kind.row_scaled, K_Q4=k_store.kind.int4,

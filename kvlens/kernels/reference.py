@@ -25,6 +25,27 @@ def attention_mask(q_pos: torch.Tensor, n_k: int, window: int | None = None) -> 
     return mask
 
 
+def sliding_window(
+    n_kv: int, length: int, window: int | None, blocks, sink, block: int
+) -> tuple[torch.Tensor | None, int]:
+    """How a decode kernel reads a sliding ``window`` (the query at ``length - 1`` attends positions
+    ``length - window ..``), in place: the logical blocks of ``block`` positions it covers, per KV head
+    ``[n_kv, n]`` int32, and its first position (the kernels skip the rows below it). With no window,
+    or one that holds every position yet: ``(blocks, 0)``. A reached window takes no sparse
+    ``blocks`` and no ``sink`` rows (ValueError): the engine sends those through the torch path."""
+    if window is None:
+        return blocks, 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    if window >= length:
+        return blocks, 0
+    if blocks is not None or sink is not None:
+        raise ValueError("a sliding window reached takes no sparse blocks and no sink rows")
+    first = length - window
+    tiles = torch.arange(first // block, -(-length // block), dtype=torch.int32)
+    return tiles.expand(n_kv, -1).contiguous(), first
+
+
 def blocks_to_mask(blocks: torch.Tensor, n_k: int, block: int) -> torch.Tensor:
     """Sparse decode's selection (block indices [n_kv, n_sel]) as a key mask [n_kv, n_k]."""
     pos = torch.arange(n_k, device=blocks.device)

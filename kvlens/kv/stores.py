@@ -157,16 +157,6 @@ class RowStore:
             ksum[:, :old] = self.ksum
             self.ksum = ksum
 
-    def span(self, start: int, end: int) -> RowStore:
-        """Positions ``[start, end)`` as a store of their own, contiguous (a view when there is one
-        KV head, else a copy of the span): a windowed layer's decode step hands the kernels just its
-        window."""
-
-        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[:, start:end].contiguous()
-
-        return RowStore(self.kind, self.data[:, start:end], cut(self.scale), cut(self.ksum), self.center)
-
     def write(self, start: int, rows: torch.Tensor) -> None:
         """Store ``rows [n_kv, n, head_dim]`` (already in the store's basis) at ``start``."""
         if self.kind.int8:
