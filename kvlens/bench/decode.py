@@ -7,7 +7,9 @@ printed compare like with like on a noisy machine. HF transformers' ``generate``
 weights (default dynamic cache) is timed in the same run for reference.
 
 ``step``: ``fused`` is the engine's own decode step (each layer one compiled call where the cache and
-backend allow: :mod:`kvlens.kernels.decode_step`); ``general`` runs each layer's parts as separate
+backend allow: :mod:`kvlens.kernels.decode_step`; for layers it does not run, as Gemma-3's, each
+layer's KV write and attention one compiled call, :mod:`kvlens.kernels.attend_step`, so the write is
+not split out of the attention); ``general`` runs each layer's parts as separate
 calls (``LLM.fused_step = False``), which is what the weights/attention split is measured on; ``both``
 interleaves the two.
 """
@@ -240,7 +242,8 @@ def timed_rows(
     for (llm, m, kind), timed in zip(runs, per_run, strict=True):
         t, attn, write, lin, layers = median_step(timed)  # the median round
         s = spread([1 / r[0] for r in timed])
-        split = (None, None) if layers else (1e3 * attn, 1e3 * write)  # fused layers: no attention split
+        # fused layers: no attention split; a fused attention call (kernels.attend_step): no write split
+        split = (None, None) if layers else (1e3 * attn, 1e3 * write if write else None)
         rows.append(
             DecodeRow(
                 "kvlens", llm.weights_mode, m, ctx, 1 / t, 1e3 * t, caches[m].bytes_per_token() * ctx, rss,

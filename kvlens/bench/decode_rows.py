@@ -21,7 +21,7 @@ class DecodeRow:
     step: str = ""  # kvlens rows: "fused" (one call per layer where it applies) or "general"
     # the step's time split (kvlens rows), ms per step over all layers:
     attn_ms: float | None = None  # inside attend: KV write + attention
-    kv_write_ms: float | None = None  # the KV-write part of attn_ms (finite check, quantize, store)
+    kv_write_ms: float | None = None  # the KV-write part of attn_ms (None: one compiled call with it)
     weights_ms: float | None = None  # inside the weight matmuls (QKV, O, gate/up, down, LM head)
     other_ms: float | None = None  # everything else: norms, RoPE, residuals, Python
     layers_ms: float | None = None  # fused step: inside the per-layer compiled calls (all of the above)

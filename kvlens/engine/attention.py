@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kernels.attend_step import AttendStep
 from ..kernels.cpu_int import BACKEND_QBITS, IntAttn, packed_kind
 from ..kernels.quest import quest_select
 from ..kernels.reference import blocks_to_mask, sdpa_attention
@@ -32,6 +33,7 @@ from ..kv.cache import BLOCK, HeadSplitStore, KVCache, Rotation, rotations
 from ..kv.pool import PagedKV
 from ..kv.quant import rotate_rows, unrotate_rows
 from ..models.transformer import AttendFn, Profiler, timed
+from .fused_step import attend_fused
 
 BACKENDS = ("auto", "torch", "numba", "triton", *BACKEND_QBITS)
 
@@ -232,6 +234,7 @@ def make_attend(
     window: int | Sequence[int | None] | None = None,
     sparse: SparseConfig | None = None,
     profiler: Profiler | None = None,
+    step: AttendStep | None = None,
 ) -> AttendFn:
     """An ``attend`` callback for one forward pass (``prefill`` says which phase the mirror mode sees).
 
@@ -239,6 +242,10 @@ def make_attend(
 
     With ``sparse`` (decode steps only; the cache must track blocks), layers past the dense ones attend
     only the selected blocks: the fused kernels read just those blocks, the torch path masks the rest.
+
+    With ``step`` (the engine's, :class:`~kvlens.kernels.attend_step.AttendStep`), a decode step's
+    write and attention run as one compiled call where it applies (:func:`~kvlens.engine.fused_step.attend_fused`:
+    CPU, the numba backends, no sparse decode); the same results.
     """
     kernel = _fused_kernel(backend)
     _check_int_backend(backend, cache)
@@ -252,7 +259,15 @@ def make_attend(
     # rotated kinds (q8h, q4h): the query goes into K's stored basis, the output back from V's
     rotation = [rotations(cache.k[i], cache.v[i]) for i in range(len(cache.k))]
 
+    def layer_window(layer: int, end: int) -> int | None:
+        win = window if windows is None else windows[layer]
+        return None if win is not None and end <= win else win  # the window holds every position yet
+
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        if step is not None and q.shape[1] == 1 and not prefill and sparse is None:
+            out = attend_fused(step, cache, layer, q, k, v, start, layer_window(layer, start + 1), backend)
+            if out is not None:
+                return out
         rk, rv = rotation[layer]
         return turn(attend_stored(layer, turn(q, rk), k, v, start), rv, back=True)
 
@@ -263,8 +278,7 @@ def make_attend(
         timed(profiler, "kv_write", cache.write, layer, start, k, v)
         end = start + n
         decode = n == 1 and not prefill
-        win = window if windows is None else windows[layer]
-        win = None if win is not None and end <= win else win  # the window holds every position yet
+        win = layer_window(layer, end)
         blocks = None
         if decode and sparse is not None and sparse.applies(layer, end):
             blocks = select_blocks(q[:, 0], cache, layer, end, sparse)

@@ -1,4 +1,5 @@
-"""The engine's one-token CPU step with each layer one compiled call (kernels/decode_step.py).
+"""The engine's one-token CPU step with each layer one compiled call (kernels/decode_step.py), and, for
+layers that step does not run, their attention as one compiled call (kernels/attend_step.py).
 
 The model stays cache-agnostic (models/ imports no kv code): this module builds the per-layer
 weight tuples of a :class:`~kvlens.models.transformer.Transformer` once, and runs a step over a
@@ -14,6 +15,7 @@ import torch
 from ..kernels.decode_step import (
     ATTN_INT8,
     ATTN_INT16,
+    AttendStep,
     FusedDecoder,
     StepShape,
     attention_kind,
@@ -103,3 +105,34 @@ def forward_fused(
         raise AssertionError(f"the fused step stopped at layer {bad} on finite K/V in range")
     cache.length = max(cache.length, start + 1)
     return rms_norm(x, model.w.norm, model.cfg.rms_eps)
+
+
+def attend_fused(
+    step: AttendStep, cache: KVCache | PagedKV, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    start: int, window: int | None, backend: str,
+) -> torch.Tensor | None:  # fmt: skip
+    """Decode attention of one token at ``start`` in ``layer`` (``q [H, 1, d]``, ``k``/``v [n_kv, 1, d]``
+    as the model hands them to ``attend``) as one compiled call: K/V written, the query turned into
+    K's basis, the fused kernel over the positions (``window``: the last ones), the output turned back
+    (:class:`~kvlens.kernels.attend_step.AttendStep`; bit-identical to the general path). None where
+    that call does not apply: as :func:`forward_fused` (the stored kinds, the numba backends, no
+    mirror, sink store or block tracking), on the CPU. A non-finite K/V, or a 4-bit block out of fp16
+    range, raises the general path's error (nothing stored)."""
+    attn = attention_kind(backend)
+    if attn is None or q.device.type != "cpu" or cache.bounds is not None or cache.has_mirror or cache.sink:
+        return None
+    paged = type(cache) is PagedKV
+    if paged and start + 1 > cache.capacity or not paged and type(cache) is not KVCache:
+        return None
+    if not paged:
+        cache.reserve(start + 1)
+    stores = fused_stores(cache)
+    if stores is None or not _scores_every_k(attn[0], stores[layer : layer + 1], q.shape[-1]):
+        return None
+    rows = [np.ascontiguousarray(x.reshape(x.shape[0], -1).numpy(), np.float32) for x in (q, k, v)]
+    if step.run(attn, *rows, stores[layer], start, window, cache.table if paged else None) != -1:
+        cache.write(layer, start, k, v)  # raises the general path's error for what the call refused
+        raise AssertionError(f"the fused attention stopped at layer {layer} on finite K/V in range")
+    if layer == cache.n_layers - 1:
+        cache.length = max(cache.length, start + 1)
+    return torch.from_numpy(step.out.copy()).unsqueeze(1)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..checks import check_device, check_int, check_text, check_token_ids
+from ..kernels.attend_step import AttendStep
 from ..kernels.threads import decode_threads
 from ..kv.blocks import SparseConfig
 from ..kv.cache import BLOCK, KVCache
@@ -57,6 +58,9 @@ class LLM:
         self.attn_backend = resolve_backend(attn_backend, self.device)
         self.fused = fused_decoder(self.model)  # one compiled call per layer (None: the model has none)
         self.fused_step = True  # one-token steps as one compiled call per layer where they can (False: never)
+        # else a layer's attention (its KV write included) as one compiled call, on the CPU
+        on_cpu = self.device.type == "cpu"
+        self._attend_step = AttendStep(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) if on_cpu else None
         windows = [w for w in loaded.config.layer_windows if w is not None]
         self._window_free = min(windows, default=loaded.config.max_ctx)  # positions every layer attends whole
 
@@ -121,6 +125,7 @@ class LLM:
             self.config.layer_windows,
             sparse,
             self.model.profiler,
+            self.attend_step,
         )
         with self._step_threads(not prefill):
             return self.model.forward(ids, start, attend)
@@ -133,6 +138,12 @@ class LLM:
         if not self.fused_step or self.fused is None:
             return None
         return forward_fused(self.model, self.fused, ids, cache, start, backend, self._window_free)
+
+    @property
+    def attend_step(self) -> AttendStep | None:
+        """The compiled one-call attention of decode steps (engine.attention.make_attend's ``step``), or
+        None: off the CPU, or with ``fused_step`` False (every call unfused)."""
+        return self._attend_step if self.fused_step else None
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of final hidden states [n, hidden] (what :meth:`forward` returns)."""

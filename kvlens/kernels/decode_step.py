@@ -23,35 +23,35 @@ anything is stored; the caller raises.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import numba
 import numpy as np
-from llvmlite import ir
-from numba import literally, njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import literally, njit
 
 from ..kv.modes import StoreKind
-from ..kv.quant import rotation_signs
 from . import flash, intdot
-from .bits import absmax
-from .cpu import _decode_core, store_arrays
-from .cpu_int import _NO_KSUM, Q16_MAX, IntAttn
-from .cpu_int import _core as _int_core
-from .q4store import hadamard_rows
-from .q8store import NO_KSUM, row_code
-from .q8store import first_nonfinite_index as _first_nonfinite
+from .attend_step import (  # noqa: F401 - the attention kinds: this module's API
+    ATTN_FLOAT,
+    ATTN_INT8,
+    ATTN_INT16,
+    AttendStep,
+    StepPlan,
+    _get_threads,
+    _set_threads,
+    attend_buffers,
+    attend_row,
+    head_scale,
+    literal_signature,
+    rotation_buffers,
+    start_threads,
+)
+from .cpu import store_arrays
+from .cpu_int import IntAttn
+from .q8store import NO_KSUM
 from .qkernels import _mv_bf16, _mv_f32, _mv_int4, _mv_int8
 from .rowops import rms_norm_row, rope_split_row, silu_mul_row
 from .stage import _KIND_CODE
-from .step_kv import center_rows, f32_to_f16_bits, quantize_query_q4, store_kv, to_basis  # noqa: F401 - f32_to_f16_bits: API
-from .threads import split_threads
-
-# attention kinds: the float kernel (numba), 16-bit integer scores (int8 K), 8-bit (4-bit K)
-ATTN_FLOAT, ATTN_INT16, ATTN_INT8 = 0, 1, 2
-
+from .step_kv import f32_to_f16_bits  # noqa: F401 - f32_to_f16_bits: API
 
 # the kinds of a weight tuple (:func:`weight_tuple`): one numba type for all, the kind read at run time
 W_F32, W_BF16, W_INT8, W_INT4 = 0, 1, 2, 3
@@ -88,31 +88,6 @@ def matvec(w, x, out):  # pragma: no cover - compiled
         _mv_f32(w[1], x, out)
 
 
-# numba's own get/set_num_threads reach the threading layer through ctypes pointers, which numba
-# cannot cache to disk (every process would recompile the step: ~20 s); these call the same C
-# functions by the symbols numba registers when it starts its threads (FusedDecoder._compile).
-@intrinsic
-def _get_threads(typingctx):
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.IntType(32), []), "get_num_threads"
-        )
-        return builder.sext(builder.call(fn, []), ir.IntType(64))
-
-    return types.int64(), codegen
-
-
-@intrinsic
-def _set_threads(typingctx, n):
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "set_num_threads")
-        builder.call(fn, [builder.trunc(args[0], ir.IntType(32))])
-        return context.get_dummy_value()
-
-    return types.void(types.int64), codegen
-
-
 @njit(cache=True)
 def _linear(w, bias, x, out, min_work):  # pragma: no cover - compiled
     """matvec on one thread when the work is too small to wake the pool (qlinear.PARALLEL_MIN_WORK),
@@ -135,51 +110,6 @@ def _add(x, y):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _quantize_q16(q, inv_sqrt, q16, s16):  # pragma: no cover - compiled
-    """cpu_int.quantize_query's 16-bit rule, the same f32 operations (no fastmath: no FMA)."""
-    for hq in range(q.shape[0]):
-        m = absmax(q[hq])
-        if m < np.float32(1e-30):
-            m = np.float32(1.0)
-        r = np.float32(Q16_MAX) / m
-        for d in range(q.shape[1]):
-            q16[hq, d] = np.int16(row_code(q[hq, d], r, np.float32(Q16_MAX)))
-        s16[hq] = m / np.float32(Q16_MAX) * inv_sqrt
-
-
-@njit(cache=True)
-def _attend(kind, path, q, ks, vs, at, buf, out):  # pragma: no cover - compiled
-    """Decode attention of ``q [H, d]`` (cpu / cpu_int's cores); ``at``: see :func:`decode_layer`.
-    The cores' flags go in as np.int64 / np.bool_ values, not literal constants: a literal would type a
-    second specialization of the core beside the one the Python callers use (docs/testing.md)."""
-    k_code, v_code, inv_sqrt, length, n_splits, serial, tiles, table = at[:8]
-    qs, q16, s16, no_q8, no_sc, no_ksum, no_i32, q8, qp, qoff, q4s, no_sink = buf
-    threads = _get_threads()
-    if serial and threads > 1:
-        _set_threads(1)
-    k_raw, k_scale, k_bsc = ks[:3]  # row bytes, int8 max_abs, 4-bit fp16 scale bits (dummies if unused)
-    v_raw, v_scale, v_bsc = vs[:3]
-    if kind == ATTN_FLOAT:
-        for hq in range(q.shape[0]):
-            for d in range(q.shape[1]):
-                qs[hq, d] = q[hq, d] * inv_sqrt
-        _decode_core(qs, no_q8, no_sc, np.bool_(False), k_raw, k_code, k_scale, k_bsc, v_raw, v_code, v_scale, v_bsc,
-                     length, tiles, table, n_splits, out, no_sink)  # fmt: skip
-    elif kind == ATTN_INT8:
-        quantize_query_q4(q, inv_sqrt, q8, qp, qoff, q4s)
-        codes = (no_q8.view(np.uint8), no_q8, q4s, no_sc, q16, s16, qp, qoff)
-        _int_core(path, np.int64(8), np.int64(0), codes, k_raw, k_code, k_scale, k_bsc, no_ksum, v_raw, v_code, v_scale, v_bsc, length,
-                  tiles, table, n_splits, out, no_sink)  # fmt: skip
-    else:
-        _quantize_q16(q, inv_sqrt, q16, s16)
-        codes = (no_q8.view(np.uint8), no_q8, no_sc, no_sc, q16, s16, no_q8, no_i32)
-        _int_core(path, np.int64(16), np.int64(0), codes, k_raw, k_code, k_scale, k_bsc, no_ksum, v_raw, v_code, v_scale, v_bsc, length,
-                  tiles, table, n_splits, out, no_sink)  # fmt: skip
-    if serial and threads > 1:
-        _set_threads(threads)
-
-
-@njit(cache=True)
 def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pragma: no cover - compiled
     """One layer of a one-token step, ``x [1, hidden]`` updated in place; returns -1, or the flat index
     of the first non-finite value of K (``i``) or V (``K.size + i``): nothing is stored then.
@@ -190,33 +120,19 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
     the kinds add no specializations), written at row ``pos`` (physical, in a paged cache). ``rope``: (cos, sin) rows of the token's position.
     ``at``: (K code, V code, 1/sqrt(d) as f32, length, then flash.plan_call's splits, serial, tiles, table,
     then K's and V's rotation spans (0: not rotated), then the layer's K centers ``[n_kv, d]``, an empty array for
-    none, then whether K's and V's 4-bit steps are searched (q4h)). ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then :func:`_attend`'s, then the
-    rotation's (signs, ones, q, k, v, o in the stored bases, K less its centers).
+    none, then whether K's and V's 4-bit steps are searched (q4h)). ``buf``: (h, qkv, q, k, v, o, proj, gate_up, act) scratch, then
+    :func:`~kvlens.kernels.attend_step.attend_row`'s attention and rotation scratch, then its ``sink``
+    argument (none).
     Returns ``step_kv.FP16_OVERFLOW`` where a 4-bit block's scale overflows (nothing stored)."""
     kind, path = literally(kind), literally(path)
     attn_norm, ffn_norm, eps, wqkv, bqkv, wo, wgu, wdown = lw
     h, qkv, q, k, v, o, proj, gu, act = buf[0]
-    signs, ones, q_rot, k_rot, v_rot, o_rot, k_cen = buf[2]
     rms_norm_row(x[0], attn_norm, eps, h[0])
     _linear(wqkv, bqkv, h, qkv, min_work)
     rope_split_row(qkv[0], rope[0], rope[1], q, k, v)
-    bad = _first_nonfinite(k)
-    if bad < 0:
-        bad = _first_nonfinite(v)
-        if bad >= 0:
-            return k.size + bad
-    else:
-        return bad
-    k_span, v_span = at[8], at[9]
-    kc = center_rows(k, at[10], k_cen)  # K smoothing: less the centers, before the rotation
-    bad = store_kv(ks, vs, at[0], at[1], to_basis(kc, k_span, signs, ones, k_rot),
-                   to_basis(v, v_span, signs, ones, v_rot), pos, at[11], at[12])  # fmt: skip
+    bad = attend_row(kind, path, q, k, v, ks, vs, pos, at, buf[1], buf[2], o, buf[3])
     if bad != -1:
         return bad
-    _attend(kind, path, to_basis(q, k_span, signs, ones, q_rot), ks, vs, at, buf[1], o)
-    if v_span:  # the output back from V's basis (kv.quant.unrotate_rows)
-        hadamard_rows(o, ones, signs, v_span, o_rot)
-        o[:] = o_rot
     no_bias = bqkv[:0]
     _linear(wo, no_bias, o.reshape(1, o.size), proj, min_work)
     _add(x, proj)
@@ -318,26 +234,12 @@ class FusedDecoder:
              np.empty((s.n_kv, s.head_dim), f32), np.empty((s.n_kv, s.head_dim), f32),
              np.empty((s.n_heads, s.head_dim), f32), np.empty((1, s.hidden), f32), np.empty((1, 2 * s.ffn), f32),
              np.empty((1, s.ffn), f32)),
-            (np.empty((s.n_heads, s.head_dim), f32), np.empty((s.n_heads, s.head_dim), np.int16),
-             np.empty(s.n_heads, f32), np.zeros((1, 1), np.int8), np.ones((1, 1), f32),
-             _NO_KSUM, np.zeros((1, 1), np.int32),
-             np.empty((s.n_heads, s.head_dim), np.int8), np.empty((s.n_heads, s.head_dim), np.int8),
-             np.empty((s.n_heads, s.head_dim // 8), np.int32), np.empty((s.n_heads, s.head_dim // 8), f32),
-             flash.NO_SINK),
-            self._rotation_buffers(),
+            attend_buffers(s.n_heads, s.head_dim),
+            rotation_buffers(s.n_heads, s.n_kv, s.head_dim),
+            flash.NO_SINK,
         )  # fmt: skip
-        self.inv_sqrt = np.float32(1.0 / math.sqrt(shape.head_dim))  # as cpu._run computes it
+        self.inv_sqrt = head_scale(shape.head_dim)
         self._entry: dict[tuple, object] = {}
-
-    def _rotation_buffers(self) -> tuple[np.ndarray, ...]:
-        """(signs, ones, q, k, v, o) of the rotated kinds' turns (kv.quant.rotate_rows, unrotate_rows),
-        then K less its centers (K smoothing); dummies where head_dim is no power of two (no rotated
-        kind there)."""
-        s, d = self.shape, self.shape.head_dim
-        signs = rotation_signs(d).numpy() if d & (d - 1) == 0 else np.ones(d, np.float32)
-        f32 = np.float32
-        return (signs, np.ones(d, f32), np.empty((s.n_heads, d), f32), np.empty((s.n_kv, d), f32),
-                np.empty((s.n_kv, d), f32), np.empty((s.n_heads, d), f32), np.empty((s.n_kv, d), f32))  # fmt: skip
 
     def run(
         self, x: np.ndarray, pos: int, rope: tuple, stores: list[tuple], attn: tuple[int, int], table=None
@@ -346,27 +248,19 @@ class FusedDecoder:
         ``x [1, hidden]`` in place; ``table``: a paged cache's block table (int32), else None. Returns
         -1, or the layer whose K or V (:attr:`kv_rows`) holds a non-finite value or, for a 4-bit store, a
         block whose scale overflows fp16 (stopped there: nothing of it stored)."""
-        length, cap = pos + 1, stores[0][0][0].shape[1]
-        # split_threads: the splits, hence the sums, never vary with the load (as cpu.decode_attention)
-        tiles, table, serial, n_splits = flash.plan_call(
-            self.shape.n_kv, cap, length, None, table, None, split_threads()
-        )
-        row = pos if table.shape[0] == 0 else int(table[pos // flash.TILE]) * flash.TILE + pos % flash.TILE
+        plan = StepPlan.of(self.shape.n_kv, stores[0][0][0].shape[1], pos, None, table)
         for i, (lw, layer) in enumerate(zip(self.layers, stores, strict=True)):
-            ks, vs, k_code, v_code, k_span, v_span, center, k_search, v_search = layer
-            at = (k_code, v_code, self.inv_sqrt, length, n_splits, serial, tiles, table, k_span, v_span, center,
-                  k_search, v_search)  # fmt: skip
-            args = (*attn, x, lw, ks, vs, row, rope, at, self.buf, self.min_work)
-            entry = self._entry.get((i, *attn, k_code, v_code)) or self._compile(i, args)
+            at = plan.layer_args(layer, self.inv_sqrt)
+            args = (*attn, x, lw, layer[0], layer[1], plan.row, rope, at, self.buf, self.min_work)
+            entry = self._entry.get((i, *attn, at[0], at[1])) or self._compile(i, args)
             if entry(*args) != -1:
                 return i
         return -1
 
     def _compile(self, layer: int, args: tuple):
         """The compiled specialization for ``args`` (compiled, or loaded from numba's disk cache, once)."""
-        numba.get_num_threads()  # starts numba's threads (once): registers the symbols _get/_set_threads call
-        sig = (types.literal(args[0]), types.literal(args[1]), *(numba.typeof(a) for a in args[2:]))
-        entry = decode_layer.compile(sig)
+        start_threads()
+        entry = decode_layer.compile(literal_signature(args))
         at = args[8]
         self._entry[(layer, args[0], args[1], at[0], at[1])] = entry
         return entry
