@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode_step import refusals_of_both_paths
+from test_decode_step import Spy, refusals_of_both_paths
 from tiny_models import write_gemma3
 
 import kvlens
@@ -30,20 +30,6 @@ def gemma(tmp_path_factory):
     """A tiny Gemma-3 (5 windowed layers of window 4, then a global one; head_dim 256; 1 KV head)."""
     _, path = write_gemma3(tmp_path_factory.mktemp("gemma3") / "tiny.gguf", sliding_window=4)
     return kvlens.load(path, kv="f32", attn_backend="numba")
-
-
-class Spy:
-    """Counts the compiled attention calls of one engine (the one-call path really ran)."""
-
-    def __init__(self, llm) -> None:
-        self.calls, step = 0, llm._attend_step
-        inner = step.run
-
-        def run(*args):
-            self.calls += 1
-            return inner(*args)
-
-        step.run = run
 
 
 def decode(llm, kv, fused: bool, paged: bool = False, steps: int = 8) -> tuple[list[torch.Tensor], object]:
@@ -68,7 +54,7 @@ def decode(llm, kv, fused: bool, paged: bool = False, steps: int = 8) -> tuple[l
 
 
 def assert_same_steps(llm, kv, paged: bool = False, one_call: bool = True) -> None:
-    spy = Spy(llm)
+    spy = Spy(llm._attend_step)
     fused, c1 = decode(llm, kv, True, paged)
     assert spy.calls == (8 * llm.config.n_layers if one_call else 0)
     plain, c2 = decode(llm, kv, False, paged)
@@ -121,7 +107,7 @@ def test_the_serving_runner_takes_the_one_call_attention(gemma):
     for seq, ids in zip(seqs, prompts, strict=True):
         seq.grow(len(ids) + 1)
         llm.prefill(ids, seq)
-    spy = Spy(llm)
+    spy = Spy(llm._attend_step)
     rows = ModelRunner(llm).decode(seqs, [7, 11], [len(p) for p in prompts])
     assert spy.calls == 2 * cfg.n_layers
     llm.fused_step = False

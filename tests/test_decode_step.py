@@ -32,17 +32,18 @@ def tiny_dirs(tmp_path_factory):
 
 
 class Spy:
-    """Counts FusedDecoder.run calls of one model (the fused path really ran)."""
+    """Counts the ``run`` calls of a compiled step: an engine's FusedDecoder (the fused path really
+    ran), or another object with a ``run``."""
 
-    def __init__(self, llm) -> None:
-        self.calls, fused = 0, llm.fused
-        inner = fused.run
+    def __init__(self, llm_or_step) -> None:
+        step = getattr(llm_or_step, "fused", llm_or_step)
+        self.calls, inner = 0, step.run
 
         def run(*args):
             self.calls += 1
             return inner(*args)
 
-        fused.run = run
+        step.run = run
 
 
 def decode_steps(llm, ids: list[int], kv: str, steps: int, fused: bool) -> tuple[list[torch.Tensor], object]:

@@ -70,6 +70,27 @@ def _scores_every_k(kind: int, stores: list[tuple], head_dim: int) -> bool:
     return True
 
 
+def _stores_for_step(
+    cache: KVCache | PagedKV, start: int, backend: str, head_dim: int, layers: range
+) -> tuple[tuple[int, int], list[tuple], bool] | None:
+    """(attention kind, the cache's fused store tuples, paged) for a compiled step writing position
+    ``start`` of ``layers`` (a contiguous cache grown to hold it), or None where the compiled calls do
+    not apply: not the numba backends, a mirror, block tracking or a sink store, a kind they do not
+    store, a paged view without the block, a K the attention kind cannot score."""
+    attn = attention_kind(backend)
+    if attn is None or cache.bounds is not None or cache.has_mirror:
+        return None
+    paged = type(cache) is PagedKV
+    if paged and start + 1 > cache.capacity or not paged and type(cache) is not KVCache:
+        return None
+    if not paged:
+        cache.reserve(start + 1)
+    stores = fused_stores(cache)  # None with a sink store, or a kind they do not store
+    if stores is None or not _scores_every_k(attn[0], [stores[i] for i in layers], head_dim):
+        return None
+    return attn, stores, paged
+
+
 def forward_fused(
     model: Transformer, decoder: FusedDecoder, ids: torch.Tensor, cache: KVCache | PagedKV, start: int,
     backend: str, window_free: int,
@@ -80,17 +101,12 @@ def forward_fused(
     no mirror, kept-exact rows or block tracking), the numba backend, or numba-int16 over int8 K / numba-int over 4-bit K, no attention
     window reached (``window_free``: positions every layer attends whole). A non-finite K/V raises the
     general path's NonFiniteKVError, a 4-bit block out of fp16 range its ValueError."""
-    attn = attention_kind(backend)
-    if attn is None or cache.bounds is not None or cache.has_mirror or start + 1 > window_free:
+    if start + 1 > window_free:
         return None
-    paged = type(cache) is PagedKV
-    if paged and start + 1 > cache.capacity or not paged and type(cache) is not KVCache:
+    ready = _stores_for_step(cache, start, backend, model.cfg.head_dim, range(model.cfg.n_layers))
+    if ready is None:
         return None
-    if not paged:
-        cache.reserve(start + 1)
-    stores = fused_stores(cache)
-    if stores is None or not _scores_every_k(attn[0], stores, model.cfg.head_dim):
-        return None
+    attn, stores, paged = ready
     x = model.embed(ids).contiguous()
     cos, sin = model.ropes[0].rows(start, 1)
     rope = (cos.numpy()[0], sin.numpy()[0])
@@ -118,17 +134,12 @@ def attend_fused(
     that call does not apply: as :func:`forward_fused` (the stored kinds, the numba backends, no
     mirror, sink store or block tracking), on the CPU. A non-finite K/V, or a 4-bit block out of fp16
     range, raises the general path's error (nothing stored)."""
-    attn = attention_kind(backend)
-    if attn is None or q.device.type != "cpu" or cache.bounds is not None or cache.has_mirror or cache.sink:
+    if q.device.type != "cpu":
         return None
-    paged = type(cache) is PagedKV
-    if paged and start + 1 > cache.capacity or not paged and type(cache) is not KVCache:
+    ready = _stores_for_step(cache, start, backend, q.shape[-1], range(layer, layer + 1))
+    if ready is None:
         return None
-    if not paged:
-        cache.reserve(start + 1)
-    stores = fused_stores(cache)
-    if stores is None or not _scores_every_k(attn[0], stores[layer : layer + 1], q.shape[-1]):
-        return None
+    attn, stores, paged = ready
     rows = [np.ascontiguousarray(x.reshape(x.shape[0], -1).numpy(), np.float32) for x in (q, k, v)]
     if step.run(attn, *rows, stores[layer], start, window, cache.table if paged else None) != -1:
         cache.write(layer, start, k, v)  # raises the general path's error for what the call refused
