@@ -112,7 +112,7 @@ class LLM:
                 f"positions {cache.length}..{start - 1}, which were never written"
             )
         self.check_fits(start + ids.shape[0])
-        if not prefill and ids.shape[0] == 1:
+        if not prefill and ids.shape[0] == 1 and self.fused_step and self.fused is not None:
             with self._step_threads(True):
                 hidden = self.forward_fused(ids, cache, start, backend or self.attn_backend)
             if hidden is not None:

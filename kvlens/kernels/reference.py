@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 
@@ -27,10 +28,10 @@ def attention_mask(q_pos: torch.Tensor, n_k: int, window: int | None = None) -> 
 
 def sliding_window(
     n_kv: int, length: int, window: int | None, blocks, sink, block: int
-) -> tuple[torch.Tensor | None, int]:
+) -> tuple[np.ndarray | None, int]:
     """How a decode kernel reads a sliding ``window`` (the query at ``length - 1`` attends positions
     ``length - window ..``), in place: the logical blocks of ``block`` positions it covers, per KV head
-    ``[n_kv, n]`` int32, and its first position (the kernels skip the rows below it). With no window,
+    ``[n_kv, n]`` int32 (numpy), and its first position (the kernels skip the rows below it). With no window,
     or one that holds every position yet: ``(blocks, 0)``. A reached window takes no sparse
     ``blocks`` and no ``sink`` rows (ValueError): the engine sends those through the torch path."""
     if window is None:
@@ -42,8 +43,7 @@ def sliding_window(
     if blocks is not None or sink is not None:
         raise ValueError("a sliding window reached takes no sparse blocks and no sink rows")
     first = length - window
-    tiles = torch.arange(first // block, -(-length // block), dtype=torch.int32)
-    return tiles.expand(n_kv, -1).contiguous(), first
+    return np.tile(np.arange(first // block, -(-length // block), dtype=np.int32), (n_kv, 1)), first
 
 
 def blocks_to_mask(blocks: torch.Tensor, n_k: int, block: int) -> torch.Tensor:
