@@ -135,3 +135,22 @@ def test_several_backends_run_the_modes_each_can_read():
     table = table_rows(rows, "q8")
     assert [r[2] for r in table] == ["q8 (numba)", "q4h (numba-int)", "q8 (numba-int)"]
     assert [r[9] for r in table] == ["1.00", "1.25", "0.50"]
+
+
+def test_the_ratio_to_the_base_mode_pairs_the_rounds():
+    """× base KV is the median of the same-round ratios (the rounds interleave the modes): a machine
+    that ran fast for one round moves both rows of that round, not the ratio. Without rounds on both
+    sides (llama.cpp's one figure, a different count), the ratio of the medians."""
+    from kvlens.bench.decode_rows import DecodeRow, speed_ratio
+
+    def row(mode: str, rounds: list[float] | None) -> DecodeRow:
+        median = sorted(rounds)[len(rounds) // 2] if rounds else 10.0
+        return DecodeRow("kvlens", "auto", mode, 8192, median, 1e3 / median, 1, 1, "numba", "fused",
+                         round_tok_per_s=rounds)  # fmt: skip
+
+    base, other = row("q8", [10.0, 20.0, 30.0]), row("q4h", [11.0, 10.0, 33.0])
+    assert speed_ratio(other, base) == pytest.approx(1.1)  # ratios 1.1, 0.5, 1.1
+    assert other.tok_per_s / base.tok_per_s == pytest.approx(0.55)  # what the medians alone say
+    assert [r[9] for r in table_rows([base, other], "q8")] == ["1.00", "1.10"]
+    assert speed_ratio(row("q4h", None), base) == pytest.approx(10.0 / 20.0)
+    assert speed_ratio(row("q4h", [5.0, 40.0]), base) == pytest.approx(40.0 / 20.0)

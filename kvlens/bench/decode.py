@@ -249,7 +249,7 @@ def timed_rows(
                 "kvlens", llm.weights_mode, m, ctx, 1 / t, 1e3 * t, caches[m].bytes_per_token() * ctx, rss,
                 backend or llm.attn_backend, kind, *split, 1e3 * lin, 1e3 * (t - attn - lin - layers),
                 1e3 * layers if layers else None, s.low, s.high, len(timed),
-                *((mem.median, mem.low, mem.high) if mem else ()),
+                *((mem.median, mem.low, mem.high) if mem else (None, None, None)), [1 / r[0] for r in timed],
             )
         )  # fmt: skip
     return rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass
 
 from .spread import Spread
@@ -34,6 +35,7 @@ class DecodeRow:
     mem_read_gb_s: float | None = None
     mem_read_min: float | None = None
     mem_read_max: float | None = None
+    round_tok_per_s: list[float] | None = None  # tok/s of each round, in run order (rounds interleave rows)
 
     @property
     def spread(self) -> Spread | None:
@@ -58,13 +60,25 @@ TABLE_HEADERS = (
 )  # fmt: skip
 
 
+def speed_ratio(row: DecodeRow, base: DecodeRow) -> float:
+    """``row``'s speed over ``base``'s: the median over rounds of the two rows' tok/s ratio in the same
+    round where both have their rounds (the rounds interleave the rows, so each ratio compares steps
+    taken moments apart, and a machine whose speed drifts between rounds moves both alike); else the
+    ratio of their medians."""
+    a, b = row.round_tok_per_s, base.round_tok_per_s
+    if not a or not b or len(a) != len(b):
+        return row.tok_per_s / base.tok_per_s
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
-    """Printable rows: ``× base KV`` = tok/s over the ``base_mode`` row with the same engine, weights,
-    step kind and context; ``× llama.cpp`` = over llama-bench's row with the same KV mode and context."""
-    base: dict[tuple, float] = {}
+    """Printable rows: ``× base KV`` = speed over the ``base_mode`` row with the same engine, weights,
+    step kind and context (:func:`speed_ratio`: paired by round); ``× llama.cpp`` = tok/s over
+    llama-bench's row with the same KV mode and context."""
+    base: dict[tuple, DecodeRow] = {}
     for r in rows:  # several backends: the first one's base row
         if r.mode == base_mode:
-            base.setdefault((r.engine, r.weights, r.step, r.ctx), r.tok_per_s)
+            base.setdefault((r.engine, r.weights, r.step, r.ctx), r)
     backends = {r.backend for r in rows if r.engine == "kvlens"}
     lcpp = {(r.mode, r.ctx): r.tok_per_s for r in rows if r.engine == "llama.cpp"}
 
@@ -85,7 +99,7 @@ def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
                 "" if r.spread is None else f"{r.spread.low:.1f}–{r.spread.high:.1f}",
                 "" if r.spread is None else f"{r.spread.rel:.0%}",
                 f"{r.ms_per_tok:.2f}",
-                f"{r.tok_per_s / b:.2f}" if b else "",
+                f"{speed_ratio(r, b):.2f}" if b else "",
                 f"{r.tok_per_s / ref:.2f}" if ref else "",
                 ms(r.layers_ms),
                 ms(r.weights_ms),
