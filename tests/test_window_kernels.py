@@ -14,6 +14,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_int_attention import EPS32, quantized_query
 from test_paged_kv import filled
 from test_sink_store import assert_close, filled_store, read_logical
@@ -150,3 +152,23 @@ def test_paged_engine_step_reads_the_window_alike(mode, backend):
         if v_span:
             ref = ref @ rotation(64, torch.float64, span=v_span).T
         assert_close(outs[1][:, 0], ref[:, 0], 1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    length=st.integers(1, 200),
+    window=st.integers(1, 220),
+    heads=st.sampled_from([(1, 1), (3, 1), (4, 2)]),
+    kind=st.sampled_from(["q8", "q4h", "f16"]),
+    n_splits=st.integers(1, 4),
+    paged=st.booleans(),
+)
+def test_any_window_reads_exactly_its_rows(length, window, heads, kind, n_splits, paged):
+    """Any length, window (shorter, equal or longer), GQA group, kind, split count and block layout:
+    the kernel attends exactly the last min(window, length) positions (garbage planted below them)."""
+    n_heads, n_kv = heads
+    n_blocks = -(-length // 32)
+    table = list(range(n_blocks))[::-1] if paged else None  # logical block j in physical n_blocks-1-j
+    q, ks, vs, k_ref, v_ref = window_case(kind, n_heads, n_kv, 64, length, window, table=table, seed=length)
+    out = cpu.decode_attention(q, ks, vs, length, n_splits=n_splits, table=table, window=window)
+    assert_close(out, reference(q, k_ref, v_ref), 1e-5)
