@@ -227,6 +227,34 @@ def _windowed_step(cache: KVCache, layer: int, q: torch.Tensor, start: int, win:
     return sdpa_attention(q, k_win, v_win, torch.arange(start - lo, end - lo, device=q.device), win)
 
 
+def layer_window(window: int | Sequence[int | None] | None, layer: int, end: int) -> int | None:
+    """The attention window of ``layer`` (``window``: every layer's, or one per layer) for a query at
+    ``end - 1``; None also while the window still holds every position."""
+    win = window[layer] if isinstance(window, Sequence) else window
+    return None if win is not None and end <= win else win
+
+
+def _kernel_step(kernel, cache: KVCache | PagedKV, layer: int, q: torch.Tensor, end: int, blocks, win):
+    """One decode step of ``layer`` through a fused kernel, the stores read in place (a paged cache
+    through its block table, a per-head layer one call per KV head): the window's rows, or without a
+    window every row, the sink rows from their own store."""
+    ks, vs = cache.k[layer], cache.v[layer]
+    run = functools.partial(split_kernel, kernel) if isinstance(ks, HeadSplitStore) else kernel
+    rows = {"sink": cache.sink_rows(layer, end)} if cache.sink and win is None else {}
+    table = cache.table if isinstance(cache, PagedKV) else None
+    return run(q[:, 0], ks, vs, end, blocks=blocks, table=table, window=win, **rows).unsqueeze(1)
+
+
+def _torch_step(cache, layer: int, q: torch.Tensor, start: int, win: int | None, blocks, prefill: bool):
+    """Attention of ``q [H, n, d]`` at ``start ..`` over every cached row in torch, the causal, window
+    and sparse-block masks applied."""
+    end = start + q.shape[1]
+    k_all, v_all = cache.read(layer, end, prefill=prefill)
+    q_pos = torch.arange(start, end, device=q.device)
+    kv_mask = None if blocks is None else blocks_to_mask(blocks, end, BLOCK)
+    return sdpa_attention(q, k_all, v_all, q_pos, win, kv_mask)
+
+
 def make_attend(
     cache: KVCache | PagedKV,
     prefill: bool,
@@ -252,20 +280,16 @@ def make_attend(
     sink = cache.sink  # positions read from the cache's sink store (0: none)
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
     use_kernel = kernel is not None and not cache.options.keeps_exact
-    windows = window if isinstance(window, Sequence) else None
     if sparse is not None and cache.bounds is None:
         raise ValueError("sparse decode needs a cache created with track_blocks=True")
     paged = isinstance(cache, PagedKV)  # the kernels then read through its block table
     # rotated kinds (q8h, q4h): the query goes into K's stored basis, the output back from V's
     rotation = [rotations(cache.k[i], cache.v[i]) for i in range(len(cache.k))]
 
-    def layer_window(layer: int, end: int) -> int | None:
-        win = window if windows is None else windows[layer]
-        return None if win is not None and end <= win else win  # the window holds every position yet
-
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         if step is not None and q.shape[1] == 1 and not prefill and sparse is None:
-            out = attend_fused(step, cache, layer, q, k, v, start, layer_window(layer, start + 1), backend)
+            win = layer_window(window, layer, start + 1)
+            out = attend_fused(step, cache, layer, q, k, v, start, win, backend)
             if out is not None:
                 return out
         rk, rv = rotation[layer]
@@ -274,11 +298,10 @@ def make_attend(
     def attend_stored(
         layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
     ) -> torch.Tensor:
-        n = q.shape[1]
         timed(profiler, "kv_write", cache.write, layer, start, k, v)
-        end = start + n
-        decode = n == 1 and not prefill
-        win = layer_window(layer, end)
+        end = start + q.shape[1]
+        decode = q.shape[1] == 1 and not prefill
+        win = layer_window(window, layer, end)
         blocks = None
         if decode and sparse is not None and sparse.applies(layer, end):
             blocks = select_blocks(q[:, 0], cache, layer, end, sparse)
@@ -286,18 +309,11 @@ def make_attend(
         # blocks, goes through torch's masks
         window_past_sink = win is not None and end - win >= sink
         if use_kernel and decode and (win is None or window_past_sink and blocks is None):
-            table = cache.table if paged else None
-            ks, vs = cache.k[layer], cache.v[layer]
-            run = functools.partial(split_kernel, kernel) if isinstance(ks, HeadSplitStore) else kernel
-            rows = {"sink": cache.sink_rows(layer, end)} if sink and win is None else {}
-            return run(q[:, 0], ks, vs, end, blocks=blocks, table=table, window=win, **rows).unsqueeze(1)
+            return _kernel_step(kernel, cache, layer, q, end, blocks, win)
         split = isinstance(cache.k[layer], HeadSplitStore) or isinstance(cache.v[layer], HeadSplitStore)
         contiguous_rows = not (paged or split or cache.options.keeps_exact)
         if decode and window_past_sink and blocks is None and contiguous_rows:
             return _windowed_step(cache, layer, q, start, win)
-        k_all, v_all = cache.read(layer, end, prefill=prefill)
-        q_pos = torch.arange(start, end, device=q.device)
-        kv_mask = None if blocks is None else blocks_to_mask(blocks, end, BLOCK)
-        return sdpa_attention(q, k_all, v_all, q_pos, win, kv_mask)
+        return _torch_step(cache, layer, q, start, win, blocks, prefill)
 
     return attend
