@@ -39,7 +39,7 @@ ATTN_FLOAT, ATTN_INT16, ATTN_INT8 = 0, 1, 2
 
 # numba's own get/set_num_threads reach the threading layer through ctypes pointers, which numba
 # cannot cache to disk (every process would recompile the step: ~20 s); these call the same C
-# functions by the symbols numba registers when it starts its threads (FusedDecoder._compile).
+# functions by the symbols numba registers when it starts its threads (:func:`start_threads`).
 @intrinsic
 def _get_threads(typingctx):
     def codegen(context, builder, sig, args):
