@@ -80,20 +80,26 @@ def _convert_rows(src, h, t0, nt, dst, convert):  # pragma: no cover - compiled
 
 @njit(inline="always")
 def _stage_packed(raw, bits, rsc16, h, t0, nt, dst_f):  # pragma: no cover - compiled
-    """Packed rows (:mod:`kvlens.kv.nbit`): each group of 8 codes is ``bits`` whole bytes, read into
-    one little-endian 64-bit word; code i of the group is its bits [i*N, i*N+N), sign-extended, times
-    the row's ``max_abs / qmax`` (``rsc16 [n_kv, cap, 1]``: the fp16 max_abs bits of each row)."""
-    mask = np.int64((1 << bits) - 1)
-    half = np.int64(1 << (bits - 1))
+    """Packed rows (:mod:`kvlens.kv.nbit`): each group of 8 codes is ``bits`` whole bytes, little-endian;
+    code i of the group is its bits [i*N, i*N+N), sign-extended, times the row's ``max_abs / qmax``
+    (``rsc16 [n_kv, cap, 1]``: the fp16 max_abs bits of each row). ``bits`` is a constant here (one
+    inlined copy per width), so each code's byte offset, shift and whether it spans two bytes are
+    constants after the unrolled loop over i: one or two byte loads per code in 32-bit arithmetic."""
+    mask = np.int32((1 << bits) - 1)
+    half = np.int32(1 << (bits - 1))
     inv_qmax = np.float32(1.0) / np.float32(half - 1)
     for j in range(nt):
         step = f16_f32(rsc16[h, t0 + j, 0]) * inv_qmax
+        row = raw[h, t0 + j]
         for gi in range(dst_f.shape[1] // 8):
-            w = np.int64(0)
-            for b in range(bits):
-                w |= np.int64(raw[h, t0 + j, gi * bits + b]) << np.int64(8 * b)
+            base = gi * bits
             for i in range(8):
-                c = (w >> np.int64(i * bits)) & mask
+                lo_bit = i * bits
+                at, shift = base + (lo_bit >> 3), lo_bit & 7
+                w = np.int32(row[at])
+                if shift + bits > 8:  # the field runs into the next byte (inside the group)
+                    w |= np.int32(row[at + 1]) << np.int32(8)
+                c = (w >> np.int32(shift)) & mask
                 dst_f[j, gi * 8 + i] = np.float32((c ^ half) - half) * step
 
 
