@@ -131,6 +131,41 @@ def test_cpu_store_is_the_rule_then_the_packing_bit_for_bit(bits, hd):
     assert (store.data[:, :3] == 0xA5).all() and (store.data[:, 9:] == 0xA5).all()  # nothing else written
 
 
+@pytest.mark.parametrize("bits", [5, 6, 7])
+@pytest.mark.parametrize("hd", [8, 32, 64, 256])
+def test_the_kernels_staging_is_each_code_times_its_step_exactly(bits, hd):
+    """The fused CPU kernel's staging of packed rows (kernels.stage: one 64-bit load per group split
+    into lanes, the scalar loop at head_dim 8) against numpy's packbits of every code in range (the
+    most negative included), times the row's step f16(max_abs) * (1/qmax), bit for bit, for tiles that
+    end at the store's last row (the last group's load must stay inside the row)."""
+    from kvlens.kernels.stage import CODE_PACKED, _stage
+
+    rng = np.random.default_rng(bits * hd)
+    half, n = 2 ** (bits - 1), 40
+    codes = rng.integers(-half, half, size=(1, n, hd))
+    raw = np.ascontiguousarray(numpy_pack(codes, bits))[:, :, :]  # [1, n, hd * bits / 8], nothing after
+    scale = (rng.random((1, n)) * 50 + 0.01).astype(np.float16)
+    bsc = scale.view(np.uint16)[:, :, None]
+    step = scale.astype(np.float32) * (np.float32(1.0) / np.float32(half - 1))
+    for t0, nt in [(0, 32), (n - 32, 32), (n - 5, 5)]:
+        tile = np.zeros((32, hd), np.float32)
+        scratch = np.zeros(32 * max(hd // 32, 1) + 1, np.uint32)
+        _stage(
+            raw,
+            CODE_PACKED + bits,
+            bsc,
+            0,
+            t0,
+            nt,
+            tile.view(np.uint32),
+            tile,
+            scratch,
+            scratch.view(np.float32),
+        )
+        want = codes[0, t0 : t0 + nt].astype(np.float32) * step[0, t0 : t0 + nt, None]
+        np.testing.assert_array_equal(tile[:nt], want)
+
+
 @pytest.mark.parametrize("kind", PACKED)
 def test_store_reads_back_within_half_a_step(kind):
     k = StoreKind(kind)

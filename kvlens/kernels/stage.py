@@ -7,7 +7,10 @@ here and scaled by their row's ``max_abs / qmax`` (an fp16 max_abs)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from ..kv.kinds import Q4_BLOCK, StoreKind
 from .bits import F16_MAGIC, bf16_bits, f16_f32, int8_f32, same_bits
@@ -78,24 +81,66 @@ def _convert_rows(src, h, t0, nt, dst, convert):  # pragma: no cover - compiled
             dst[j, d] = convert(src[h, t0 + j, d])
 
 
+@intrinsic
+def unpack_row(typingctx, row_addr, n_groups, bits, step, out_addr):
+    """``unpack_row(row, n_groups, bits, step, out)``: the ``8 * n_groups`` codes of one packed row at
+    ``row`` (each group of 8 is ``bits`` bytes, little-endian, code i its bits [i*N, i*N+N), signed)
+    as f32 ``code * step`` at ``out``. Per group one unaligned 64-bit load, split into 8 lanes by
+    shifts (the last group's load ends at the row's end, so no byte past the row is read; the row must
+    hold ≥ 8 bytes). Generic IR (every CPU); the same values as the scalar loop (exact conversion,
+    one f32 product)."""
+    sig = types.void(types.uintp, types.intp, types.intp, types.float32, types.uintp)
+
+    def codegen(context, builder, signature, args):
+        ra, ng, nb, st, oa = args
+        idx, i64 = ng.type, ir.IntType(64)
+        v8, f8 = ir.VectorType(i64, 8), ir.VectorType(ir.FloatType(), 8)
+
+        def splat(x, vty):
+            one = builder.insert_element(ir.Constant(vty, None), x, ir.Constant(ir.IntType(32), 0))
+            return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+
+        n64 = builder.sext(nb, i64) if nb.type.width < 64 else nb
+        shifts = builder.mul(splat(n64, v8), ir.Constant(v8, list(range(8))))
+        up = splat(builder.sub(ir.Constant(i64, 64), n64), v8)
+        steps = splat(st, f8)
+        last = builder.sub(builder.mul(ng, nb), ir.Constant(idx, 8))  # the last 8 bytes of the row
+        with cgutils.for_range(builder, ng) as loop:
+            gn = builder.mul(loop.index, nb)
+            at = builder.select(builder.icmp_signed("<", gn, last), gn, last)
+            word = builder.load(builder.inttoptr(builder.add(ra, at), i64.as_pointer()), align=1)
+            word = builder.lshr(word, builder.mul(builder.sub(gn, at), ir.Constant(idx, 8)))
+            codes = builder.ashr(builder.shl(builder.lshr(splat(word, v8), shifts), up), up)
+            vals = builder.fmul(builder.sitofp(codes, f8), steps)
+            out = builder.inttoptr(
+                builder.add(oa, builder.mul(loop.index, ir.Constant(idx, 32))), f8.as_pointer()
+            )
+            builder.store(vals, out, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(inline="always")
 def _stage_packed(raw, bits, rsc16, h, t0, nt, dst_f):  # pragma: no cover - compiled
     """Packed rows (:mod:`kvlens.kv.nbit`): each group of 8 codes is ``bits`` whole bytes, little-endian;
     code i of the group is its bits [i*N, i*N+N), sign-extended, times the row's ``max_abs / qmax``
-    (``rsc16 [n_kv, cap, 1]``: the fp16 max_abs bits of each row). ``bits`` is a constant here (one
-    inlined copy per width), so each code's byte offset, shift and whether it spans two bytes are
-    constants after the unrolled loop over i: one or two byte loads per code in 32-bit arithmetic."""
+    (``rsc16 [n_kv, cap, 1]``: the fp16 max_abs bits of each row): :func:`unpack_row` per row, the
+    scalar loop where a row holds fewer than 8 bytes (head_dim 8)."""
     mask = np.int32((1 << bits) - 1)
     half = np.int32(1 << (bits - 1))
     inv_qmax = np.float32(1.0) / np.float32(half - 1)
+    groups = dst_f.shape[1] // 8
     for j in range(nt):
         step = f16_f32(rsc16[h, t0 + j, 0]) * inv_qmax
+        if groups * bits >= 8:
+            unpack_row(raw[h, t0 + j].ctypes.data, groups, bits, step, dst_f[j].ctypes.data)
+            continue
         row = raw[h, t0 + j]
-        for gi in range(dst_f.shape[1] // 8):
-            base = gi * bits
+        for gi in range(groups):
             for i in range(8):
                 lo_bit = i * bits
-                at, shift = base + (lo_bit >> 3), lo_bit & 7
+                at, shift = gi * bits + (lo_bit >> 3), lo_bit & 7
                 w = np.int32(row[at])
                 if shift + bits > 8:  # the field runs into the next byte (inside the group)
                     w |= np.int32(row[at + 1]) << np.int32(8)
