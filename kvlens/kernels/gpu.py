@@ -188,11 +188,15 @@ def decode_attention_triton(
     if sink is not None:
         parts = _sink_split(qc, sink, blocks, acc.shape)
         acc, m, lsum = (torch.cat([x, y], dim=1) for x, y in zip((acc, m, lsum), parts, strict=True))
-    # Exact merge of the splits (base 2): empty splits have m = -inf, l = 0 and weigh exp2(-inf) = 0.
+    return _merge_splits(acc, m, lsum)[:, :group, :hd].reshape(n_heads, hd)
+
+
+def _merge_splits(acc: torch.Tensor, m: torch.Tensor, lsum: torch.Tensor) -> torch.Tensor:
+    """The exact merge of the splits' ``(acc, m, l)`` (m in base 2) over dim 1: empty splits have
+    m = -inf, l = 0 and weigh exp2(-inf) = 0."""
     m_max = m.amax(dim=1, keepdim=True)
     w = torch.exp2(m - m_max)
-    out = (acc * w[..., None]).sum(1) / (lsum * w).sum(1)[..., None]
-    return out[:, :group, :hd].reshape(n_heads, hd)
+    return (acc * w[..., None]).sum(1) / (lsum * w).sum(1)[..., None]
 
 
 def _sink_split(q: torch.Tensor, sink, blocks, shape: torch.Size) -> tuple[torch.Tensor, ...]:
