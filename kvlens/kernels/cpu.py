@@ -93,13 +93,11 @@ def _decode_core(
     ``table[j]`` of the store); empty = contiguous (logical = physical). ``k_bsc``/``v_bsc``: the
     fp16 scale bits of a 4-bit or packed K/V store (unread otherwise). ``sink``: the query and the
     sink positions' rows, read from their own store (:func:`flash.sink_args`, :func:`flash.seed_sink`)."""
-    n_heads, hd = qs.shape
+    hd = out.shape[1]
     k8 = k.view(np.int8)
-    group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.split_plan(
-        length, tiles, table, n_splits, k.shape[0], n_heads, hd
+    group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.start_splits(
+        length, tiles, table, n_splits, k, out, sink
     )
-    flash.seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles)
-    k_q8, v_q8 = k_code == CODE_Q8, v_code == CODE_Q8
     for item in prange(n_items):
         h, i_lo, i_hi, tile_u, tile, sc, e_u, e_f, bs_u, bs_f = flash.item_setup(
             item, n_splits, split_len, n_tiles, group, hd
@@ -114,9 +112,8 @@ def _decode_core(
             else:
                 _stage(k, k_code, k_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
                 flash.dot_tile(qs, h * group, group, tile, nt, sc)
-            flash.weigh_tile(
-                sc, nt, group, k_scale, k_q8, item, part_m, part_l, part_acc, v_scale, v_q8, h, t0, e_u, e_f
-            )
+            flash.weigh_tile(sc, nt, group, k_scale, k_code, item, part_m, part_l, part_acc, v_scale, v_code, h, t0,
+                             e_u, e_f)  # fmt: skip
             _stage(v, v_code, v_bsc, h, t0, nt, tile_u, tile, bs_u, bs_f)
             flash.axpy_tile(sc, tile, nt, group, part_acc[item])
     flash.merge(part_acc, part_m, part_l, n_splits, group, out)

@@ -30,7 +30,7 @@ from numba import literally, njit, prange, types
 
 from ..kv.modes import StoreKind
 from . import flash, intdot, q4int
-from .cpu import CODE_Q8, quantize_query_blocks, store_arrays
+from .cpu import quantize_query_blocks, store_arrays
 from .q4int import lane_offsets, lane_scales, permute_query
 from .q8store import KSUM_BLOCK
 from .reference import sliding_window
@@ -208,13 +208,11 @@ def _core(
     table; empty = contiguous) as there. ``k_code``: CODE_Q8, or CODE_Q4 (scores by :func:`.q4int.score_tile_q4`,
     ``k_bsc`` its fp16 block-scale bits; 8-bit query only). ``sink``: as there."""
     path = literally(path)
-    n_heads, hd = out.shape
+    hd = out.shape[1]
     k8 = k.view(np.int8)
-    group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.split_plan(
-        length, tiles, table, n_splits, k.shape[0], n_heads, hd
+    group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l = flash.start_splits(
+        length, tiles, table, n_splits, k, out, sink
     )
-    flash.seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles)
-    k_q8, v_q8 = k_code == CODE_Q8, v_code == CODE_Q8
     qp, qoff, q4s = qc[6], qc[7], qc[2]
     for item in prange(n_items):
         h, i_lo, i_hi, tile_u, tile, sc, e_u, e_f, bs_u, bs_f = flash.item_setup(
@@ -232,9 +230,8 @@ def _core(
                 q4int.score_tile_q4(path, qp, qoff, q4s, k, k_bsc, h, t0, nt, hq0, group, sc, bs_u, bs_f)
             else:
                 _score_tile(path, qbits, qc, k8, ksum, h, t0, nt, h * group, group, sc)
-            flash.weigh_tile(
-                sc, nt, group, k_scale, k_q8, item, part_m, part_l, part_acc, v_scale, v_q8, h, t0, e_u, e_f
-            )
+            flash.weigh_tile(sc, nt, group, k_scale, k_code, item, part_m, part_l, part_acc, v_scale, v_code, h, t0,
+                             e_u, e_f)  # fmt: skip
             if pv8:
                 _pv8_tile(path, sc, v, h, t0, nt, group, vt, p8, acc8, part_acc[item])
             else:

@@ -14,7 +14,7 @@ import torch
 from numba import njit
 
 from ..kv.cache import BLOCK
-from .stage import _FM, Q4B
+from .stage import _FM, CODE_Q8, Q4B
 from .threads import split_threads
 
 # positions per online-softmax step = the cache block, so sparse decode can pick tiles by block index;
@@ -141,12 +141,16 @@ def merge(part_acc, part_m, part_l, n_splits, group, out):  # pragma: no cover -
 
 
 @njit(inline="always")
-def split_plan(length, tiles, table, n_splits, n_kv, n_heads, hd):  # pragma: no cover - compiled
-    """The (kv_head, split) items of a core call and their partial (acc, m, l) arrays.
+def start_splits(length, tiles, table, n_splits, k, out, sink):  # pragma: no cover - compiled
+    """The (kv_head, split) items of a core call over the K store ``k [n_kv, cap, ...]`` for the output
+    ``out [n_heads, hd]``, and their partial (acc, m, l) arrays, each KV head's first split seeded
+    with the sink's softmax state (:func:`seed_sink`).
 
     ``tiles [n_kv, n_tiles]``: the tiles each KV head attends (empty = dense, every tile); ``table``:
     a paged cache's block table (empty = contiguous). Returns ``(group, dense, paged, n_tiles,
     split_len, n_items, part_acc, part_m, part_l)``."""
+    n_kv = k.shape[0]
+    n_heads, hd = out.shape
     group = n_heads // n_kv
     dense = tiles.shape[1] == 0
     paged = table.shape[0] > 0
@@ -156,6 +160,7 @@ def split_plan(length, tiles, table, n_splits, n_kv, n_heads, hd):  # pragma: no
     part_acc = np.zeros((n_items, group, hd), np.float32)
     part_m = np.full((n_items, group), -np.inf, np.float32)
     part_l = np.zeros((n_items, group), np.float32)
+    seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles)
     return group, dense, paged, n_tiles, split_len, n_items, part_acc, part_m, part_l
 
 
@@ -231,11 +236,12 @@ def seed_sink(sink, part_acc, part_m, part_l, n_splits, group, dense, tiles):  #
 
 @njit(inline="always")
 def weigh_tile(
-    sc, nt, group, k_scale, k_q8, item, part_m, part_l, part_acc, v_scale, v_q8, h, t0, e_u, e_f
+    sc, nt, group, k_scale, k_code, item, part_m, part_l, part_acc, v_scale, v_code, h, t0, e_u, e_f
 ):  # pragma: no cover
     """Scores to weights: fold an int8 K row scale (max_abs / 127) into the tile's scores, then the
-    online-softmax step of the item (:func:`softmax_tile`)."""
-    if k_q8:
+    online-softmax step of the item (:func:`softmax_tile`; an int8 V's row scale goes into the weights)."""
+    v_q8 = v_code == CODE_Q8
+    if k_code == CODE_Q8:
         for g in range(group):
             for j in range(nt):
                 sc[g, j] *= k_scale[h, t0 + j] * np.float32(1.0 / 127.0)

@@ -64,20 +64,31 @@ def searched_block(xb, codes):  # pragma: no cover - compiled
     if abs(mx) < GROUP_MAX_EPS:
         codes[:] = 8
         return np.float32(0.0)
-    best, best_lx, best_l2 = -1.0, 0.0, 1.0
+    best, best_lx, best_l2, best_iscale = -1.0, 0.0, 1.0, np.float32(0.0)
     for c in range(Q4_SEARCH.size):
         iscale = -Q4_SEARCH[c] / mx
-        lx, l2 = 0.0, 0.0
-        for i in range(Q4_BLOCK):
-            q = _search_code(iscale, xb[i])
-            lx += np.float64(q) * np.float64(xb[i])
-            l2 += np.float64(q) * np.float64(q)
+        lx, l2 = _candidate_sums(iscale, xb)
         gain = lx * lx / l2  # l2 >= 49: the block max maps to |l| >= 7
-        if gain > best:  # the winner's codes, computed again rather than kept for every candidate
-            best, best_lx, best_l2 = gain, lx, l2
-            for i in range(Q4_BLOCK):
-                codes[i] = np.int32(_search_code(iscale, xb[i])) + 8
+        if gain > best:
+            best, best_lx, best_l2, best_iscale = gain, lx, l2, iscale
+    for i in range(Q4_BLOCK):  # the winner's codes, computed again rather than kept for every candidate
+        codes[i] = np.int32(_search_code(best_iscale, xb[i])) + 8
     return np.float32(best_lx / best_l2)
+
+
+@njit(fastmath={"reassoc", "contract"}, cache=True)
+def _candidate_sums(iscale, xb):  # pragma: no cover - compiled
+    """``(sum(l x), sum(l²))`` over a block for one candidate's codes ``l`` (:func:`_search_code`), in
+    float64. Both sums are exact (:func:`searched_block`) and each product ``l x`` is exact (4 × 24
+    bits), so reassociation (vectorized sums) and contraction (FMA) cannot change them: a compiled
+    function of its own, so these flags reach no other operation (not inlined by numba: LLVM keeps
+    each instruction's flags when it inlines)."""
+    lx, l2 = 0.0, 0.0
+    for i in range(Q4_BLOCK):
+        q = np.float64(_search_code(iscale, xb[i]))
+        lx += q * np.float64(xb[i])
+        l2 += q * q
+    return lx, l2
 
 
 @njit(inline="always")
