@@ -53,16 +53,25 @@ def decode(llm, kv, fused: bool, paged: bool = False, steps: int = 8) -> tuple[l
     return logits, cache
 
 
-def assert_same_steps(llm, kv, paged: bool = False, one_call: bool = True) -> None:
+def stores_of(cache) -> list:
+    """Every store a cache writes: K, V, then the sink store's (a paged view's are its pool's)."""
+    owner = getattr(cache, "pool", cache)
+    return owner.k + owner.v + owner.k_sink + owner.v_sink
+
+
+def assert_same_steps(llm, kv, paged: bool = False, one_call: bool = True, calls: int | None = None) -> None:
+    """The 8 decode steps' logits and stored rows (sink store included) bit-identical with the one call
+    and without; ``calls``: how many layer steps took it (default: all with ``one_call``, else none)."""
     spy = Spy(llm._attend_step)
+    calls = (8 * llm.config.n_layers if one_call else 0) if calls is None else calls
     fused, c1 = decode(llm, kv, True, paged)
-    assert spy.calls == (8 * llm.config.n_layers if one_call else 0)
+    assert spy.calls == calls
     plain, c2 = decode(llm, kv, False, paged)
-    assert spy.calls == (8 * llm.config.n_layers if one_call else 0)  # none with fused_step off
+    assert spy.calls == calls  # none with fused_step off
     for a, b in zip(fused, plain, strict=True):
         assert torch.equal(a, b)
     assert c1.length == c2.length == len(IDS)
-    for s1, s2 in zip(c1.k + c1.v, c2.k + c2.v, strict=True):
+    for s1, s2 in zip(stores_of(c1), stores_of(c2), strict=True):
         for name in ("data", "scale", "ksum"):
             if getattr(s1, name, None) is not None:
                 assert torch.equal(getattr(s1, name), getattr(s2, name)), name
@@ -71,7 +80,8 @@ def assert_same_steps(llm, kv, paged: bool = False, one_call: bool = True) -> No
 @pytest.mark.parametrize(
     "kv, backend",
     [("f32", "numba"), ("f16", "numba"), ("q8", "numba"), ("q8", "numba-int16"), ("q8h", "numba"),
-     ("q4", "numba-int"), ("q4h", "numba"), ("q4h", "numba-int"), ("k=q8h,v=q4h", "numba")],
+     ("q4", "numba-int"), ("q4h", "numba"), ("q4h", "numba-int"), ("k=q8h,v=q4h", "numba"), ("q6h", "numba"),
+     ("k=q7h,v=q5h", "numba")],
 )  # fmt: skip
 def test_one_call_attention_is_bit_identical_to_the_general_path(gemma, kv, backend):
     llm = gemma.variant(kv=kv, attn_backend=backend)
@@ -138,11 +148,26 @@ def test_non_finite_kv_is_refused_like_the_general_path(gemma, kv):
 
 @pytest.mark.parametrize(
     "kv, backend, options",
-    [("bf16", "numba", None), ("q6h", "numba", None), ("q8+mirror", "numba", None),
-     ("q8", "numba-int", None), ("q8", "numba", CacheOptions(keep_sink=2)), ("q8", "torch", None)],
+    [("bf16", "numba", None), ("q8+mirror", "numba", None), ("q8", "numba-int", None),
+     ("q8", "torch", None), ("q8", "numba", CacheOptions(keep_recent=2))],
 )  # fmt: skip
 def test_what_the_call_does_not_read_runs_the_general_path(gemma, kv, backend, options):
-    """Kinds it does not store (bf16, packed), a mirror, the 8-bit query over int8 K, a sink store and
+    """A kind it does not store (bf16), a mirror or kept-exact rows, the 8-bit query over int8 K and
     the torch backend: the general path, as with fused_step off."""
     llm = gemma.variant(kv=kv, attn_backend=backend, cache_options=options or CacheOptions())
     assert_same_steps(llm, llm.kv, one_call=False)
+
+
+@pytest.mark.parametrize(
+    "kv, backend, sink, calls",
+    [("q8", "numba", 2, 48), ("q4h", "numba", 6, 38), ("k=q6h,v=q4h", "numba", 9, 21), ("q8", "numba-int16", 2, 40)],
+)  # fmt: skip
+def test_a_sink_store_is_read_by_the_call(gemma, kv, backend, sink, calls):
+    """A sink store (the first ``sink`` positions kept in f16, read in place of the stores' rows): the
+    global layer reads its rows in the call; a windowed layer whose window has left them behind reads
+    none; where the general path must run the step, it does: a position the sink store still takes (7
+    and 8 for a sink of 9: every layer), a window that still reaches the sink (the 5 windowed layers at
+    positions 7..8 for a sink of 6, 9..11 for 9), an integer kind under a sink (the global layer).
+    Bit-identical either way, sink store included."""
+    llm = gemma.variant(kv=kv, attn_backend=backend, cache_options=CacheOptions(keep_sink=sink))
+    assert_same_steps(llm, llm.kv, calls=calls)

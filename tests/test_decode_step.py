@@ -220,33 +220,66 @@ def test_paged_sequence_with_blocks_out_of_order(tiny_dirs):
         assert torch.equal(a, b)
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_layer_stored_per_head_runs_the_general_path(tiny_dirs):
-    """A per-KV-head recipe (layer 0: both K heads q8 but V heads differ): the fused step does not
-    apply (its stores are split per head) and the general path runs the step."""
+def per_head_recipe(keep_sink: int = 0):
+    """A per-KV-head recipe of two layers (two KV heads): packed, 8-bit and f16 kinds per head (the
+    tiny Llama's head_dim 16 takes no 4-bit kind: test_attend_step has those at head_dim 256)."""
+    import dataclasses
+
     from kvlens.kv.modes import StoreKind
     from kvlens.kv.recipe import head_recipe_mode
 
-    q8, f16 = StoreKind("q8"), StoreKind("f16")
-    mode = head_recipe_mode("r", [[(q8, f16), (q8, q8)], [(q8, q8), (q8, q8)]])
+    q8, q8h, q7h, q6h, q5h, f16 = (StoreKind(x) for x in ("q8", "q8h", "q7h", "q6h", "q5h", "f16"))
+    mode = head_recipe_mode("r", [[(q8h, f16), (q7h, q5h)], [(q6h, q8), (q8, q6h)]])
+    return dataclasses.replace(mode, keep_sink=keep_sink)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("keep_sink", [0, 3])
+def test_layer_stored_per_head_runs_one_call_per_head(tiny_dirs, keep_sink):
+    """A per-KV-head recipe (each KV head its own K and V kinds, a sink store or not): the whole-layer
+    fused step does not apply (the stores are split per head); each layer's attention runs as one
+    compiled call per KV head (kernels.attend_step), bit-identical to the general path, logits and
+    stored rows, sink store included."""
+    mode = per_head_recipe(keep_sink)
     llm = kvlens.load(tiny_dirs["llama"], kv=mode, attn_backend="numba")
-    spy = Spy(llm)
-    fused, _ = decode_steps(llm, list(range(3, 30)), mode, 2, True)
-    plain, _ = decode_steps(llm, list(range(3, 30)), mode, 2, False)
-    assert spy.calls == 0 and all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))
+    spy, per_head = Spy(llm), Spy(llm._attend_step.head_step)
+    ids = list(range(3, 30))
+    fused, c1 = decode_steps(llm, ids, mode, 3, True)
+    assert spy.calls == 0 and per_head.calls == 3 * llm.config.n_layers * llm.config.n_kv_heads == 12
+    plain, c2 = decode_steps(llm, ids, mode, 3, False)
+    assert per_head.calls == 12
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))
+    for s1, s2 in zip(c1.k + c1.v, c2.k + c2.v, strict=True):
+        assert all(torch.equal(p1.data, p2.data) for p1, p2 in zip(s1.parts, s2.parts, strict=True))
+    for s1, s2 in zip(c1.k_sink + c1.v_sink, c2.k_sink + c2.v_sink, strict=True):
+        assert torch.equal(s1.data, s2.data)
 
 
-@pytest.mark.parametrize("kv", ["q6h", "k=q8h,v=q5h"])
-def test_packed_kinds_run_the_general_path(tiny_dirs, kv):
-    """The fused step stores no packed N-bit kind (decode_step._STORE_KINDS): a cache holding one runs
-    the general path (numba kernel per layer), while q8h, the same rotation at 8 bits, runs fused."""
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("kv", ["q6h", "k=q8h,v=q5h", "k=q7h,v=f16"])
+def test_packed_kinds_run_the_fused_step(tiny_dirs, kv):
+    """The packed N-bit kinds (q7h, q6h, q5h) are written by the fused step (step_kv.store_row, the
+    general path's compiled packer) and read by its kernel: bit-identical logits and rows."""
     llm = kvlens.load(tiny_dirs["llama"], kv=kv, attn_backend="numba")
-    spy = Spy(llm)
-    fused, _ = decode_steps(llm, list(range(3, 30)), kv, 2, True)
-    plain, _ = decode_steps(llm, list(range(3, 30)), kv, 2, False)
-    assert spy.calls == 0 and all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))
-    decode_steps(llm, list(range(3, 30)), "q8h", 2, True)
-    assert spy.calls == 2
+    assert_same_steps(llm, list(range(3, 30)), kv)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("kv", ["q6h", "k=q5h,v=q7h"])
+def test_an_fp16_scale_out_of_range_is_refused_like_the_general_path(tiny_dirs, kv):
+    """K values past fp16's range (a packed row's max_abs): the fused step
+    stops with the general path's error and stores nothing of that layer."""
+    llm = kvlens.load(tiny_dirs["llama"], kv=kv, attn_backend="numba")
+
+    def spoil(norm: torch.Tensor) -> None:
+        norm.mul_(1e6)
+
+    runs = refusals_of_both_paths(llm, kv, list(range(3, 20)), spoil, ValueError, "fp16")
+    assert runs[0][0] == runs[1][0]
+    n = llm.config.n_layers
+    for _, cache, before in runs:
+        after = [s.data for s in cache.k + cache.v]
+        assert torch.equal(after[1], before[1]) and torch.equal(after[n + 1], before[n + 1])
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -7,13 +7,13 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import write_tokenizer_json
 
 from kvlens import cli
 from kvlens.models.tokenizer import Tokenizer
 from kvlens.serve.cli import parse_size
 from kvlens.serve.output import OutputText
 from kvlens.serve.protocol import ChatRequest, CompletionRequest
-from tests.tiny_models import write_tokenizer_json
 
 
 @pytest.fixture(scope="module")

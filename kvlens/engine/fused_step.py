@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..kernels.decode_step import (
+    ATTN_FLOAT,
     ATTN_INT8,
     ATTN_INT16,
     AttendStep,
@@ -20,13 +21,13 @@ from ..kernels.decode_step import (
     StepShape,
     attention_kind,
     fused_stores,
+    layer_stores,
     weight_tuple,
 )
 from ..kernels.q4int import Q4_VALUES
 from ..kernels.stage import CODE_Q4, CODE_Q8
-from ..kv.cache import KVCache, check_kv_finite
+from ..kv.cache import KVCache
 from ..kv.pool import PagedKV
-from ..kv.quant import check_q4_range
 from ..models.qlinear import PARALLEL_MIN_WORK
 from ..models.transformer import Transformer, rms_norm, timed
 
@@ -70,13 +71,10 @@ def _scores_every_k(kind: int, stores: list[tuple], head_dim: int) -> bool:
     return True
 
 
-def _stores_for_step(
-    cache: KVCache | PagedKV, start: int, backend: str, head_dim: int, layers: range
-) -> tuple[tuple[int, int], list[tuple], bool] | None:
-    """(attention kind, the cache's fused store tuples, paged) for a compiled step writing position
-    ``start`` of ``layers`` (a contiguous cache grown to hold it), or None where the compiled calls do
-    not apply: not the numba backends, a mirror, block tracking or a sink store, a kind they do not
-    store, a paged view without the block, a K the attention kind cannot score."""
+def _step_ready(cache: KVCache | PagedKV, start: int, backend: str) -> tuple[tuple[int, int], bool] | None:
+    """(attention kind, paged) for compiled calls writing position ``start`` (a contiguous cache grown
+    to hold it), or None where they do not apply: not the numba backends, a mirror or kept-exact rows,
+    block tracking, a paged view without the block."""
     attn = attention_kind(backend)
     if attn is None or cache.bounds is not None or cache.has_mirror:
         return None
@@ -85,10 +83,17 @@ def _stores_for_step(
         return None
     if not paged:
         cache.reserve(start + 1)
-    stores = fused_stores(cache)  # None with a sink store, or a kind they do not store
-    if stores is None or not _scores_every_k(attn[0], [stores[i] for i in layers], head_dim):
-        return None
-    return attn, stores, paged
+    return attn, paged
+
+
+def _refused(
+    cache: KVCache | PagedKV, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+) -> AssertionError:
+    """After a compiled call refused ``layer``'s K/V rows ``[n_kv, 1, d]``: the general path's write
+    raises its error for them (non-finite, or an fp16 scale out of range); returns the error to raise
+    if it does not."""
+    cache.write(layer, start, k, v)
+    return AssertionError(f"the compiled step stopped at layer {layer} on finite K/V in range")
 
 
 def forward_fused(
@@ -97,28 +102,25 @@ def forward_fused(
 ) -> torch.Tensor | None:  # fmt: skip
     """Final-normed hidden state [1, hidden] of one token (``ids [1]``) at ``start``, or None where the
     fused path does not apply: a KV cache (contiguous, or a sequence's paged view holding the
-    blocks) whose layers all store q8, q8h, q4, q4h, f16 or f32 (not bf16 or the packed q7h, q6h, q5h;
-    no mirror, kept-exact rows or block tracking), the numba backend, or numba-int16 over int8 K / numba-int over 4-bit K, no attention
-    window reached (``window_free``: positions every layer attends whole). A non-finite K/V raises the
-    general path's NonFiniteKVError, a 4-bit block out of fp16 range its ValueError."""
+    blocks) whose layers are stored whole (not per KV head) in any kind but bf16, with no sink store,
+    mirror, kept-exact rows or block tracking; the numba backend, or numba-int16 over int8 K /
+    numba-int over 4-bit K; no attention window reached (``window_free``: positions every layer attends
+    whole). A non-finite K/V raises the general path's NonFiniteKVError, an fp16 scale out of range
+    (4-bit, packed) its ValueError."""
     if start + 1 > window_free:
         return None
-    ready = _stores_for_step(cache, start, backend, model.cfg.head_dim, range(model.cfg.n_layers))
-    if ready is None:
+    ready = _step_ready(cache, start, backend)
+    stores = None if ready is None else fused_stores(cache)
+    if stores is None or not _scores_every_k(ready[0][0], stores, model.cfg.head_dim):
         return None
-    attn, stores, paged = ready
+    attn, paged = ready
     x = model.embed(ids).contiguous()
     cos, sin = model.ropes[0].rows(start, 1)
     rope = (cos.numpy()[0], sin.numpy()[0])
     table = cache.table if paged else None
     bad = timed(model.profiler, "layers", decoder.run, x.numpy(), start, rope, stores, attn, table)
     if bad >= 0:
-        k, v = (torch.from_numpy(r) for r in decoder.kv_rows)
-        check_kv_finite(bad, start, k, v)
-        for store, rows in ((cache.k[bad], k), (cache.v[bad], v)):
-            if store.kind.int4:
-                check_q4_range(store.basis(rows).numpy(), store.kind.scale_search)
-        raise AssertionError(f"the fused step stopped at layer {bad} on finite K/V in range")
+        raise _refused(cache, bad, start, *(torch.from_numpy(r) for r in decoder.kv_rows))
     cache.length = max(cache.length, start + 1)
     return rms_norm(x, model.w.norm, model.cfg.rms_eps)
 
@@ -128,22 +130,54 @@ def attend_fused(
     start: int, window: int | None, backend: str,
 ) -> torch.Tensor | None:  # fmt: skip
     """Decode attention of one token at ``start`` in ``layer`` (``q [H, 1, d]``, ``k``/``v [n_kv, 1, d]``
-    as the model hands them to ``attend``) as one compiled call: K/V written, the query turned into
-    K's basis, the fused kernel over the positions (``window``: the last ones), the output turned back
+    as the model hands them to ``attend``) as one compiled call (one per KV head for a layer stored per
+    head): K/V written, the query turned into K's basis, the fused kernel over the positions
+    (``window``: the last ones; a sink store's rows read from it), the output turned back
     (:class:`~kvlens.kernels.attend_step.AttendStep`; bit-identical to the general path). None where
-    that call does not apply: as :func:`forward_fused` (the stored kinds, the numba backends, no
-    mirror, sink store or block tracking), on the CPU. A non-finite K/V, or a 4-bit block out of fp16
-    range, raises the general path's error (nothing stored)."""
+    that call does not apply: not the numba backends, a mirror or block tracking, a kind it does not
+    store (bf16), a sink position still being written, a window that reaches the sink, a sink under an
+    integer kind, off the CPU. A non-finite K/V, or an fp16 scale out of range, raises the general
+    path's error."""
     if q.device.type != "cpu":
         return None
-    ready = _stores_for_step(cache, start, backend, q.shape[-1], range(layer, layer + 1))
-    if ready is None:
+    ready = _step_ready(cache, start, backend)
+    entries = None if ready is None else layer_stores(cache, layer)
+    if entries is None or not _scores_every_k(ready[0][0], entries, q.shape[-1]):
         return None
-    attn, stores, paged = ready
-    rows = [np.ascontiguousarray(x.reshape(x.shape[0], -1).numpy(), np.float32) for x in (q, k, v)]
-    if step.run(attn, *rows, stores[layer], start, window, cache.table if paged else None) != -1:
-        cache.write(layer, start, k, v)  # raises the general path's error for what the call refused
-        raise AssertionError(f"the fused attention stopped at layer {layer} on finite K/V in range")
+    attn, paged = ready
+    sink = _sink_rows(cache, layer, start, window, attn[0])
+    if sink is False:
+        return None
+    q2, k2, v2 = (np.ascontiguousarray(x.reshape(x.shape[0], -1).numpy(), np.float32) for x in (q, k, v))
+    table = cache.table if paged else None
+    if len(entries) == 1:
+        if step.run(attn, q2, k2, v2, entries[0], start, window, table, sink) != -1:
+            raise _refused(cache, layer, start, k, v)
+        out = step.out.copy()
+    else:  # one KV head and its query group at a time
+        head, g, out = step.head_step, q2.shape[0] // len(entries), np.empty_like(q2)
+        for h, entry in enumerate(entries):
+            rows = None if sink is None else tuple(x[h : h + 1] for x in sink)
+            hk, hv = k2[h : h + 1], v2[h : h + 1]
+            if head.run(attn, q2[h * g : (h + 1) * g], hk, hv, entry, start, window, table, rows) != -1:
+                raise _refused(cache, layer, start, k, v)
+            out[h * g : (h + 1) * g] = head.out
     if layer == cache.n_layers - 1:
         cache.length = max(cache.length, start + 1)
-    return torch.from_numpy(step.out.copy()).unsqueeze(1)
+    return torch.from_numpy(out).unsqueeze(1)
+
+
+def _sink_rows(cache: KVCache | PagedKV, layer: int, start: int, window: int | None, kind: int):
+    """The sink rows the call at ``start`` reads (numpy ``[n_kv, s, d]``, K then V), None for none, or
+    False where the general path must run the step: it writes the sink store (a position below the
+    sink), masks a window that reaches the sink, or an integer kind would read it."""
+    s = cache.sink
+    if s == 0:
+        return None
+    if start < s or window is not None and start + 1 - window < s:
+        return False
+    if window is not None:
+        return None
+    if kind != ATTN_FLOAT:
+        return False
+    return tuple(x.numpy() for x in cache.sink_rows(layer, start + 1))

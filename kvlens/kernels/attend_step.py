@@ -219,18 +219,33 @@ class AttendStep:
         self.rbuf = rotation_buffers(n_heads, n_kv, head_dim)
         self.out = np.empty((n_heads, head_dim), np.float32)
         self.inv_sqrt = head_scale(head_dim)
+        self.shape = (n_heads, n_kv, head_dim)
         self._entry: dict[tuple[int, int], object] = {}
+        self._head: AttendStep | None = None
+
+    @property
+    def head_step(self) -> AttendStep:
+        """The step of one KV head and its query group (a layer stored per KV head runs it per head)."""
+        if self._head is None:
+            n_heads, n_kv, head_dim = self.shape
+            self._head = AttendStep(n_heads // n_kv, 1, head_dim)
+        return self._head
 
     def run(
         self, attn: tuple[int, int], q: np.ndarray, k: np.ndarray, v: np.ndarray, layer: tuple, pos: int,
-        window: int | None, table: np.ndarray | None,
+        window: int | None, table: np.ndarray | None, sink_rows: tuple | None = None,
     ) -> int:  # fmt: skip
         """Write K/V ``[n_kv, d]`` at position ``pos`` of ``layer`` (a fused store tuple:
-        :func:`kvlens.kernels.decode_step.fused_stores`; ``table``: a paged cache's block table) and
+        :func:`kvlens.kernels.decode_step.layer_entry`; ``table``: a paged cache's block table) and
         attend ``q [H, d]`` over positions ``[0, pos]`` (the last ``window`` of them) into :attr:`out`;
-        returns :func:`attend_row`'s answer. Arrays are C-contiguous float32."""
+        returns :func:`attend_row`'s answer. Arrays are C-contiguous float32. ``sink_rows``: K and V
+        ``[n_kv, s, d]`` of the first s positions (the cache's sink store, in the stores' basis), read
+        in place of the stores' rows there (the float kind only: its scaled query is the one the sink
+        state is seeded from, as in ``cpu.decode_attention``)."""
         plan = StepPlan.of(k.shape[0], layer[0][0].shape[1], pos, window, table)
-        sink = flash.sink_args(self.out, None, plan.first)
+        if sink_rows is not None and attn[0] != ATTN_FLOAT:
+            raise ValueError("sink rows are read by the float attention kind only")
+        sink = flash.sink_args(self.abuf[0], sink_rows, plan.first)  # abuf[0]: _attend's scaled query
         args = (*attn, q, k, v, layer[0], layer[1], plan.row, plan.layer_args(layer, self.inv_sqrt),
                 self.abuf, self.rbuf, self.out, sink)  # fmt: skip
         entry = self._entry.get(attn)

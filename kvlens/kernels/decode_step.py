@@ -146,16 +146,17 @@ def decode_layer(kind, path, x, lw, ks, vs, pos, rope, at, buf, min_work):  # pr
 
 # -- the Python side: arrays and buffers set up once, the compiled entry points looked up once ---------
 _NO_CENTER = np.zeros((0, 1), np.float32)  # an uncentered layer's K centers (step_kv.center_rows)
-# not the packed N-bit kinds (q7h, q6h, q5h): a cache holding one runs the general path (tested)
-_STORE_KINDS = (StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H, StoreKind.F16, StoreKind.F32)
+# not bf16 (a cache holding it runs the general path, tested)
+_STORE_KINDS = (StoreKind.Q8, StoreKind.Q8H, StoreKind.Q4, StoreKind.Q4H, StoreKind.F16, StoreKind.F32,
+                StoreKind.Q7H, StoreKind.Q6H, StoreKind.Q5H)  # fmt: skip
 
 
 def store_tuple(store) -> tuple[np.ndarray, ...] | None:
-    """A RowStore as :func:`step_kv.store_row` takes it, or None for a kind not written here (bf16,
-    the packed N-bit kinds) and for a layer stored per KV head (kv.cache.HeadSplitStore): zero-copy
-    views (row bytes, int8 max_abs, 4-bit fp16 scale bits, int8 code sums), the same numba type for
-    every kind (the storage code travels beside it). Memoized on the store while its tensors are the
-    same objects."""
+    """A RowStore as :func:`step_kv.store_row` takes it, or None for a kind not written here (bf16)
+    and for a layer stored per KV head (kv.cache.HeadSplitStore: see :func:`layer_stores`): zero-copy
+    views (row bytes, int8 max_abs, fp16 scale bits, int8 code sums), the same numba type for every
+    kind (the storage code travels beside it). Memoized on the store while its tensors are the same
+    objects."""
     if not hasattr(store, "data") or store.kind not in _STORE_KINDS:  # a per-head split store too
         return None
     memo = store.__dict__.get("_step_tuple")
@@ -173,12 +174,41 @@ def _span(store) -> int:
     return store.kind.rotation_span(store.head_dim)
 
 
+def layer_entry(ks, vs) -> tuple | None:
+    """One layer's (or one KV head's) K and V RowStores as :func:`attend_row` and :meth:`FusedDecoder.run`
+    take them: (K tuple, V tuple, K code, V code, K span, V span, K centers, K search, V search), or
+    None where a kind is not written here."""
+    kt, vt = store_tuple(ks), store_tuple(vs)
+    if kt is None or vt is None:
+        return None
+    center = _NO_CENTER if ks.center is None else ks.center[:, 0].contiguous().numpy()
+    spans, search = (_span(ks), _span(vs)), (ks.kind.scale_search, vs.kind.scale_search)
+    return (kt, vt, _KIND_CODE[ks.kind], _KIND_CODE[vs.kind], *spans, center, *search)
+
+
+def layer_stores(cache, layer: int) -> list[tuple] | None:
+    """``layer`` of a KVCache (or a sequence's paged view) as :func:`layer_entry` tuples: one for a
+    layer stored whole, one per KV head for a layer stored per head (a per-head recipe), or None where
+    a kind is not written here. Memoized on the cache while the layer's stores keep their tensors."""
+    ks, vs = cache.k[layer], cache.v[layer]
+    split = hasattr(ks, "parts")  # kv.stores.HeadSplitStore
+    key = (ks.parts[0].data, vs.parts[-1].data) if split else (ks.data, vs.data)
+    memo = cache.__dict__.setdefault("_layer_stores", {}).get(layer)
+    if memo is not None and memo[0] is key[0] and memo[1] is key[1]:
+        return memo[2]
+    pairs = zip(ks.parts, vs.parts, strict=True) if split else [(ks, vs)]
+    entries = [layer_entry(k, v) for k, v in pairs]
+    entries = None if None in entries else entries
+    cache.__dict__["_layer_stores"][layer] = (*key, entries)
+    return entries
+
+
 def fused_stores(cache) -> list[tuple] | None:
-    """Per layer of a KVCache: (K tuple, V tuple, K code, V code, K span, V span, K centers, K search,
-    V search) for
-    :meth:`FusedDecoder.run`, or None if a layer's kind is not written here. Memoized on the cache while its stores keep their tensors
-    (they grow all together: :meth:`kvlens.kv.cache.KVCache.reserve`)."""
-    if cache.sink:  # the sink store is read by the layer-by-layer kernels only
+    """Per layer of a KVCache: its :func:`layer_entry` for :meth:`FusedDecoder.run`, or None if a layer
+    is stored per KV head or in a kind not written here, or the cache has a sink store (read by the
+    layer-by-layer calls only). Memoized on the cache while its stores keep their tensors (they grow all
+    together: :meth:`kvlens.kv.cache.KVCache.reserve`)."""
+    if cache.sink:
         return None
     first, last = (getattr(s, "data", s) for s in (cache.k[0], cache.v[-1]))
     memo = cache.__dict__.get("_step_stores")
@@ -186,13 +216,11 @@ def fused_stores(cache) -> list[tuple] | None:
         return memo[2]
     stores = []
     for ks, vs in zip(cache.k, cache.v, strict=True):
-        kt, vt = store_tuple(ks), store_tuple(vs)
-        if kt is None or vt is None:
+        entry = layer_entry(ks, vs)
+        if entry is None:
             stores = None
             break
-        center = _NO_CENTER if ks.center is None else ks.center[:, 0].contiguous().numpy()
-        spans, search = (_span(ks), _span(vs)), (ks.kind.scale_search, vs.kind.scale_search)
-        stores.append((kt, vt, _KIND_CODE[ks.kind], _KIND_CODE[vs.kind], *spans, center, *search))
+        stores.append(entry)
     cache.__dict__["_step_stores"] = (first, last, stores)
     return stores
 

@@ -4,9 +4,10 @@ attention reads: each the same float32 operations, in the same order, as the gen
 logits are bit-identical to it (tests/test_decode_step.py).
 
 Store tuples (zero-copy numpy views of a RowStore; :func:`kvlens.kernels.decode_step.store_tuple`):
-(row bytes, int8 max_abs, 4-bit fp16 scale bits, int8 code sums), one numba type for every kind
-(the unused members are dummies), with the storage code beside them read at run time.
-A rotated kind (q8h, q4h) is stored like its plain one after the rows' rotation (:func:`to_basis`).
+(row bytes, int8 max_abs, fp16 scale bits: a 4-bit store's per block, a packed store's per row as
+``[n_kv, cap, 1]``, int8 code sums), one numba type for every kind (the unused members are dummies),
+with the storage code beside them read at run time. A rotated kind (q8h, q4h, q7h, q6h, q5h) is
+stored like its plain rule after the rows' rotation (:func:`to_basis`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .bits import FP16_MAX, absmax
 from .q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
-from .q8store import row_code, row_scale, store_q8_rows
-from .stage import CODE_F16, CODE_Q4, CODE_Q8
+from .q8store import row_code, row_scale, store_packed_rows, store_q8_rows
+from .stage import CODE_F16, CODE_PACKED, CODE_Q4, CODE_Q8
 
 Q_BLOCK = 32  # the 8-bit query's block (cpu_int's 8-bit rule: kernels.cpu.QBLOCK)
 FP16_OVERFLOW = -2  # store_kv's answer when a 4-bit block's scale would overflow fp16
@@ -31,6 +33,8 @@ def store_row(code, s, rows, pos, search):  # pragma: no cover - compiled
         store_q8_rows(rows, s[0].view(np.int8), s[1], pos, s[3])
     elif code == CODE_Q4:  # packed code pairs, fp16 block-scale bits (range checked: store_kv)
         store_q4_rows(rows, s[0], s[2], pos, search)
+    elif code > CODE_PACKED:  # N-bit codes packed along the row, an fp16 max_abs (range checked: store_kv)
+        store_packed_rows(rows, s[0], s[2][:, :, 0], pos, code - CODE_PACKED)
     elif code == CODE_F16:
         _store_f16(rows, s[0].view(np.uint16), pos)
     else:
@@ -98,14 +102,26 @@ def to_basis(rows, span, signs, ones, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def out_of_fp16(code, rows, search):  # pragma: no cover - compiled
+    """Whether rows ``[n, d]`` of storage ``code`` would need an fp16 scale past its range: a 4-bit
+    block's step (:func:`~.q4store.first_fp16_overflow`), a packed row's max_abs
+    (:func:`~.q8store.store_packed_rows`' check)."""
+    if code == CODE_Q4:
+        return first_fp16_overflow(rows, search) >= 0
+    if code > CODE_PACKED:
+        for h in range(rows.shape[0]):
+            if absmax(rows[h]) > FP16_MAX:
+                return True
+    return False
+
+
+@njit(cache=True)
 def store_kv(ks, vs, k_code, v_code, k, v, pos, k_search, v_search):  # pragma: no cover - compiled
     """Store one position's K and V rows ``[n_kv, d]`` (finite, in the stores' bases) at row ``pos``
     of store tuples ``ks``/``vs`` of storage codes ``k_code``/``v_code`` (``k_search``/``v_search``: that side's 4-bit step is q4h's searched one); returns -1, or
-    :data:`FP16_OVERFLOW` (nothing stored) where a 4-bit store's block scale would overflow fp16
-    (``kv.quant.store_q4`` raises then; the caller does)."""
-    if k_code == CODE_Q4 and first_fp16_overflow(k, k_search) >= 0:
-        return FP16_OVERFLOW
-    if v_code == CODE_Q4 and first_fp16_overflow(v, v_search) >= 0:
+    :data:`FP16_OVERFLOW` (nothing stored) where a 4-bit or packed store's fp16 scale would overflow
+    (``kv.quant.store_q4`` / ``kv.nbit.store_packed`` raise then; the caller does)."""
+    if out_of_fp16(k_code, k, k_search) or out_of_fp16(v_code, v, v_search):
         return FP16_OVERFLOW
     store_row(k_code, ks, k.reshape(k.shape[0], 1, k.shape[1]), pos, k_search)
     store_row(v_code, vs, v.reshape(v.shape[0], 1, v.shape[1]), pos, v_search)
