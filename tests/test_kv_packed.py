@@ -8,8 +8,11 @@ here are independent of the code: numpy's own bit packing, and the rule transcri
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
+import mmap
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -131,19 +134,47 @@ def test_cpu_store_is_the_rule_then_the_packing_bit_for_bit(bits, hd):
     assert (store.data[:, :3] == 0xA5).all() and (store.data[:, 9:] == 0xA5).all()  # nothing else written
 
 
+@contextmanager
+def before_a_guard_page(data: np.ndarray):
+    """A copy of ``data`` whose last byte is the last readable one: an unreadable page follows it, so a
+    kernel that reads past the array's end faults (the test's process dies) instead of reading junk."""
+    page = mmap.PAGESIZE
+    n_pages = -(-data.nbytes // page) + 1
+    buf = mmap.mmap(-1, n_pages * page)
+    guard = ctypes.addressof(ctypes.c_char.from_buffer(buf)) + (n_pages - 1) * page
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(guard), page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    try:
+        start = (n_pages - 1) * page - data.nbytes
+        guarded = np.frombuffer(buf, np.uint8, data.nbytes, start).view(data.dtype).reshape(data.shape)
+        guarded[...] = data
+        yield guarded
+        del guarded
+    finally:
+        libc.mprotect(ctypes.c_void_p(guard), page, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
 @pytest.mark.parametrize("bits", [5, 6, 7])
-@pytest.mark.parametrize("hd", [8, 32, 64, 256])
+@pytest.mark.parametrize("hd", [8, 16, 24, 32, 40, 64, 256])
 def test_the_kernels_staging_is_each_code_times_its_step_exactly(bits, hd):
-    """The fused CPU kernel's staging of packed rows (kernels.stage: one 64-bit load per group split
-    into lanes, the scalar loop at head_dim 8) against numpy's packbits of every code in range (the
-    most negative included), times the row's step f16(max_abs) * (1/qmax), bit for bit, for tiles that
-    end at the store's last row (the last group's load must stay inside the row)."""
-    from kvlens.kernels.stage import CODE_PACKED, _stage
+    """The fused CPU kernel's staging of packed rows (kernels.stage: 16 codes per 16-byte load, the
+    last pair of an even count of groups from a load ending at the row's end, a remaining group one
+    64-bit load split into lanes, the scalar loop at head_dim 8; head_dim 16: no pair fits, 24 and 40:
+    an odd count of groups) against numpy's packbits of every code in range (the most negative
+    included), times the row's step f16(max_abs) * (1/qmax), bit for bit, for tiles that end at the
+    store's last row, the store's bytes followed by an unreadable page (no load may pass the row's end)."""
 
     rng = np.random.default_rng(bits * hd)
     half, n = 2 ** (bits - 1), 40
     codes = rng.integers(-half, half, size=(1, n, hd))
-    raw = np.ascontiguousarray(numpy_pack(codes, bits))[:, :, :]  # [1, n, hd * bits / 8], nothing after
+    with before_a_guard_page(np.ascontiguousarray(numpy_pack(codes, bits))) as raw:  # [1, n, hd * bits / 8]
+        _check_staging(raw, codes, bits, hd, rng)
+
+
+def _check_staging(raw: np.ndarray, codes: np.ndarray, bits: int, hd: int, rng) -> None:
+    from kvlens.kernels.stage import CODE_PACKED, _stage
+
+    half, n = 2 ** (bits - 1), codes.shape[1]
     scale = (rng.random((1, n)) * 50 + 0.01).astype(np.float16)
     bsc = scale.view(np.uint16)[:, :, None]
     step = scale.astype(np.float32) * (np.float32(1.0) / np.float32(half - 1))

@@ -81,41 +81,108 @@ def _convert_rows(src, h, t0, nt, dst, convert):  # pragma: no cover - compiled
             dst[j, d] = convert(src[h, t0 + j, d])
 
 
+PAIR_BITS = (5, 6, 7)  # the packed widths unpack_row reads 16 codes per load (two groups)
+
+
+def _splat(builder, x, vty: ir.VectorType):
+    one = builder.insert_element(ir.Constant(vty, None), x, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(
+        one, one, ir.Constant(ir.VectorType(ir.IntType(32), vty.count), [0] * vty.count)
+    )
+
+
+def _unpack_pair(builder, src, dst, steps, bits: int, skip: int) -> None:
+    """16 codes (two groups, ``2 * bits`` bytes from ``src + skip``) from one 16-byte load at ``src``:
+    code i (bits [i*N, i*N+N) of the pair) gets its two bytes in a 16-bit lane by one byte shuffle,
+    then a shift up by ``16 - N - (i*N & 7)`` and an arithmetic shift down by ``16 - N`` leave it
+    sign-extended; 16 exact conversions, one f32 product each, stored at ``dst``. ``bits`` and
+    ``skip`` are constants, so the shuffle and the shifts are too."""
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    v16b, v16h, v16f = ir.VectorType(i8, 16), ir.VectorType(i16, 16), ir.VectorType(f32, 16)
+    picks, ups = [], []
+    for i in range(16):
+        byte, shift = skip + ((i * bits) >> 3), (i * bits) & 7
+        picks += [byte, byte + 1]
+        ups.append(16 - bits - shift)
+    loaded = builder.load(builder.inttoptr(src, v16b.as_pointer()), align=1)
+    lanes = builder.bitcast(
+        builder.shuffle_vector(loaded, loaded, ir.Constant(ir.VectorType(i32, 32), picks)), v16h
+    )
+    codes = builder.ashr(builder.shl(lanes, ir.Constant(v16h, ups)), ir.Constant(v16h, [16 - bits] * 16))
+    builder.store(
+        builder.fmul(builder.sitofp(codes, v16f), steps), builder.inttoptr(dst, v16f.as_pointer()), align=4
+    )
+
+
+def _unpack_pairs(builder, row, out, step, n_groups, bits: int):
+    """The row's codes 16 at a time (:func:`_unpack_pair`) while a 16-byte load from the pair's first
+    byte stays inside the row; where the groups are even in number, the last pair too, from a load
+    that ends at the row's end. Returns the groups done."""
+    idx = n_groups.type
+    steps = _splat(builder, step, ir.VectorType(ir.FloatType(), 16))
+    n_bytes, half = builder.mul(n_groups, ir.Constant(idx, bits)), builder.sdiv(n_groups, ir.Constant(idx, 2))
+    # pairs p with 2p*bits + 16 <= n_bytes, at most n_groups // 2
+    fits = builder.add(
+        builder.sdiv(builder.sub(n_bytes, ir.Constant(idx, 16)), ir.Constant(idx, 2 * bits)),
+        ir.Constant(idx, 1),
+    )
+    fits = builder.select(builder.icmp_signed("<", n_bytes, ir.Constant(idx, 16)), ir.Constant(idx, 0), fits)
+    fits = builder.select(builder.icmp_signed("<", fits, half), fits, half)
+    with cgutils.for_range(builder, fits) as loop:
+        src = builder.add(row, builder.mul(loop.index, ir.Constant(idx, 2 * bits)))
+        _unpack_pair(
+            builder, src, builder.add(out, builder.mul(loop.index, ir.Constant(idx, 64))), steps, bits, 0
+        )
+    # an even count of groups of 16 bytes or more leaves one pair, 16 - 2*bits bytes short of a load
+    even = builder.icmp_signed("==", builder.srem(n_groups, ir.Constant(idx, 2)), ir.Constant(idx, 0))
+    tail = builder.and_(even, builder.icmp_signed("==", fits, builder.sub(half, ir.Constant(idx, 1))))
+    tail = builder.and_(tail, builder.icmp_signed(">=", n_bytes, ir.Constant(idx, 16)))
+    with builder.if_then(tail):
+        src = builder.add(row, builder.sub(n_bytes, ir.Constant(idx, 16)))
+        dst = builder.add(out, builder.mul(fits, ir.Constant(idx, 64)))
+        _unpack_pair(builder, src, dst, steps, bits, 16 - 2 * bits)
+    return builder.select(tail, n_groups, builder.mul(fits, ir.Constant(idx, 2)))
+
+
+def _unpack_groups(builder, row, out, step, first, n_groups, bits):
+    """Groups ``first..n_groups-1``, 8 codes per unaligned 64-bit load split into lanes by shifts (the
+    last group's load ends at the row's end, so no byte past the row is read)."""
+    idx, i64 = n_groups.type, ir.IntType(64)
+    v8, f8 = ir.VectorType(i64, 8), ir.VectorType(ir.FloatType(), 8)
+    n64 = builder.sext(bits, i64) if bits.type.width < 64 else bits
+    shifts = builder.mul(_splat(builder, n64, v8), ir.Constant(v8, list(range(8))))
+    up = _splat(builder, builder.sub(ir.Constant(i64, 64), n64), v8)
+    steps = _splat(builder, step, f8)
+    last = builder.sub(builder.mul(n_groups, bits), ir.Constant(idx, 8))  # the last 8 bytes of the row
+    with cgutils.for_range_slice(builder, first, n_groups, ir.Constant(idx, 1)) as (g, _):
+        gn = builder.mul(g, bits)
+        at = builder.select(builder.icmp_signed("<", gn, last), gn, last)
+        word = builder.load(builder.inttoptr(builder.add(row, at), i64.as_pointer()), align=1)
+        word = builder.lshr(word, builder.mul(builder.sub(gn, at), ir.Constant(idx, 8)))
+        codes = builder.ashr(builder.shl(builder.lshr(_splat(builder, word, v8), shifts), up), up)
+        vals = builder.fmul(builder.sitofp(codes, f8), steps)
+        dst = builder.add(out, builder.mul(g, ir.Constant(idx, 32)))
+        builder.store(vals, builder.inttoptr(dst, f8.as_pointer()), align=4)
+
+
 @intrinsic
 def unpack_row(typingctx, row_addr, n_groups, bits, step, out_addr):
     """``unpack_row(row, n_groups, bits, step, out)``: the ``8 * n_groups`` codes of one packed row at
     ``row`` (each group of 8 is ``bits`` bytes, little-endian, code i its bits [i*N, i*N+N), signed)
-    as f32 ``code * step`` at ``out``. Per group one unaligned 64-bit load, split into 8 lanes by
-    shifts (the last group's load ends at the row's end, so no byte past the row is read; the row must
-    hold ≥ 8 bytes). Generic IR (every CPU); the same values as the scalar loop (exact conversion,
-    one f32 product)."""
+    as f32 ``code * step`` at ``out``. For the kinds' widths (:data:`PAIR_BITS`) 16 codes per 16-byte
+    load (:func:`_unpack_pairs`) while the load stays inside the row, then the rest, and other widths
+    throughout, 8 per 64-bit load (:func:`_unpack_groups`); no byte past the row is read (the row
+    must hold ≥ 8 bytes). Generic IR (every CPU); the same values as the scalar loop (exact
+    conversion, one f32 product)."""
     sig = types.void(types.uintp, types.intp, types.intp, types.float32, types.uintp)
 
     def codegen(context, builder, signature, args):
-        ra, ng, nb, st, oa = args
-        idx, i64 = ng.type, ir.IntType(64)
-        v8, f8 = ir.VectorType(i64, 8), ir.VectorType(ir.FloatType(), 8)
-
-        def splat(x, vty):
-            one = builder.insert_element(ir.Constant(vty, None), x, ir.Constant(ir.IntType(32), 0))
-            return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
-
-        n64 = builder.sext(nb, i64) if nb.type.width < 64 else nb
-        shifts = builder.mul(splat(n64, v8), ir.Constant(v8, list(range(8))))
-        up = splat(builder.sub(ir.Constant(i64, 64), n64), v8)
-        steps = splat(st, f8)
-        last = builder.sub(builder.mul(ng, nb), ir.Constant(idx, 8))  # the last 8 bytes of the row
-        with cgutils.for_range(builder, ng) as loop:
-            gn = builder.mul(loop.index, nb)
-            at = builder.select(builder.icmp_signed("<", gn, last), gn, last)
-            word = builder.load(builder.inttoptr(builder.add(ra, at), i64.as_pointer()), align=1)
-            word = builder.lshr(word, builder.mul(builder.sub(gn, at), ir.Constant(idx, 8)))
-            codes = builder.ashr(builder.shl(builder.lshr(splat(word, v8), shifts), up), up)
-            vals = builder.fmul(builder.sitofp(codes, f8), steps)
-            out = builder.inttoptr(
-                builder.add(oa, builder.mul(loop.index, ir.Constant(idx, 32))), f8.as_pointer()
-            )
-            builder.store(vals, out, align=4)
+        row, n_groups, bits, step, out = args
+        done = cgutils.alloca_once_value(builder, ir.Constant(n_groups.type, 0))  # groups the pairs did
+        for width in PAIR_BITS:
+            with builder.if_then(builder.icmp_signed("==", bits, ir.Constant(bits.type, width))):
+                builder.store(_unpack_pairs(builder, row, out, step, n_groups, width), done)
+        _unpack_groups(builder, row, out, step, builder.load(done), n_groups, bits)
         return context.get_dummy_value()
 
     return sig, codegen
