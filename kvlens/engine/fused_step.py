@@ -12,11 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..kernels.attend_step import ATTN_FLOAT, ATTN_INT8, ATTN_INT16, AttendStep
 from ..kernels.decode_step import (
-    ATTN_FLOAT,
-    ATTN_INT8,
-    ATTN_INT16,
-    AttendStep,
     FusedDecoder,
     StepShape,
     attention_kind,
