@@ -256,6 +256,34 @@ def test_layer_stored_per_head_runs_one_call_per_head(tiny_dirs, keep_sink):
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_paged_per_head_recipe_with_a_sink_runs_one_call_per_head(tiny_dirs):
+    """A per-KV-head recipe with a sink store in the serving pool, the sequence's blocks out of order:
+    one compiled call per KV head writes at the block table's physical row, reads the sink rows of
+    the sequence's block 0, and gives the general path's logits and pool contents bit for bit."""
+    mode = per_head_recipe(keep_sink=3)
+    llm = kvlens.load(tiny_dirs["llama"], kv=mode, attn_backend="numba")
+    cfg, ids = llm.config, list(range(3, 43))
+    per_head = Spy(llm._attend_step.head_step)
+    outs = []
+    for fused in (True, False):
+        per_token = kv_bytes_per_token(mode, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+        pool = BlockPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, mode, 8 * BLOCK * per_token)
+        kv = PagedKV(pool)
+        kv.blocks = pool.allocate(2)[::-1]  # logical block 0 in physical block 1 and back
+        llm.forward(ids, kv, 0)
+        llm.fused_step = fused
+        try:
+            outs.append([llm.forward([5 + i], kv, len(ids) + i, prefill=False) for i in range(3)])
+        finally:
+            llm.fused_step = True
+        stores = pool.k + pool.v + pool.k_sink + pool.v_sink
+        outs[-1].append(torch.cat([p.data.flatten() for s in stores for p in getattr(s, "parts", [s])]))
+    assert per_head.calls == 3 * cfg.n_layers * cfg.n_kv_heads
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("kv", ["q6h", "k=q8h,v=q5h", "k=q7h,v=f16"])
 def test_packed_kinds_run_the_fused_step(tiny_dirs, kv):
     """The packed N-bit kinds (q7h, q6h, q5h) are written by the fused step (step_kv.store_row, the
