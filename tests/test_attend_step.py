@@ -160,14 +160,33 @@ def test_what_the_call_does_not_read_runs_the_general_path(gemma, kv, backend, o
 
 @pytest.mark.parametrize(
     "kv, backend, sink, calls",
-    [("q8", "numba", 2, 48), ("q4h", "numba", 6, 38), ("k=q6h,v=q4h", "numba", 9, 21), ("q8", "numba-int16", 2, 40)],
+    [("q8", "numba", 2, 48), ("q4h", "numba", 6, 38), ("k=q6h,v=q4h", "numba", 9, 21), ("q8", "numba-int16", 2, 48),
+     ("q4h", "numba-int", 3, 48)],
 )  # fmt: skip
 def test_a_sink_store_is_read_by_the_call(gemma, kv, backend, sink, calls):
     """A sink store (the first ``sink`` positions kept in f16, read in place of the stores' rows): the
     global layer reads its rows in the call; a windowed layer whose window has left them behind reads
     none; where the general path must run the step, it does: a position the sink store still takes (7
     and 8 for a sink of 9: every layer), a window that still reaches the sink (the 5 windowed layers at
-    positions 7..8 for a sink of 6, 9..11 for 9), an integer kind under a sink (the global layer).
-    Bit-identical either way, sink store included."""
+    positions 7..8 for a sink of 6, 9..11 for 9). The integer kinds read the sink from the query they
+    scale as ``cpu_int`` does. Bit-identical either way, sink store included."""
     llm = gemma.variant(kv=kv, attn_backend=backend, cache_options=CacheOptions(keep_sink=sink))
     assert_same_steps(llm, llm.kv, calls=calls)
+
+
+@pytest.fixture(scope="module")
+def gemma128(tmp_path_factory):
+    """The tiny Gemma-3 at head_dim 128, where 1/sqrt(d) is not a power of two: the float kinds scale
+    the query by a product, the integer kinds by a division, and the two differ in the last bit."""
+    _, path = write_gemma3(
+        tmp_path_factory.mktemp("gemma3-128") / "tiny.gguf", sliding_window=4, head_dim=128
+    )
+    return kvlens.load(path, kv="f32", attn_backend="numba")
+
+
+@pytest.mark.parametrize("kv, backend", [("q8", "numba"), ("q8", "numba-int16"), ("q4h", "numba-int")])
+def test_a_sink_store_is_read_with_each_kinds_own_query_scale(gemma128, kv, backend):
+    """At head_dim 128 the sink's softmax state must come from the query exactly as each general
+    kernel scales it (``cpu``: times 1/sqrt(d); ``cpu_int``: divided by sqrt(d)): bit-identical."""
+    llm = gemma128.variant(kv=kv, attn_backend=backend, cache_options=CacheOptions(keep_sink=2))
+    assert_same_steps(llm, llm.kv)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.attend_step import ATTN_FLOAT, ATTN_INT8, ATTN_INT16, AttendStep
+from ..kernels.attend_step import ATTN_INT8, ATTN_INT16, AttendStep
 from ..kernels.decode_step import (
     FusedDecoder,
     StepShape,
@@ -132,8 +132,7 @@ def attend_fused(
     (``window``: the last ones; a sink store's rows read from it), the output turned back
     (:class:`~kvlens.kernels.attend_step.AttendStep`; bit-identical to the general path). None where
     that call does not apply: not the numba backends, a mirror or block tracking, a kind it does not
-    store (bf16), a sink position still being written, a window that reaches the sink, a sink under an
-    integer kind, off the CPU. A non-finite K/V, or an fp16 scale out of range, raises the general
+    store (bf16), a sink position still being written, a window that reaches the sink, off the CPU. A non-finite K/V, or an fp16 scale out of range, raises the general
     path's error."""
     if q.device.type != "cpu":
         return None
@@ -142,7 +141,7 @@ def attend_fused(
     if entries is None or not _scores_every_k(ready[0][0], entries, q.shape[-1]):
         return None
     attn, paged = ready
-    sink = _sink_rows(cache, layer, start, window, attn[0])
+    sink = _sink_rows(cache, layer, start, window)
     if sink is False:
         return None
     q2, k2, v2 = (np.ascontiguousarray(x.reshape(x.shape[0], -1).numpy(), np.float32) for x in (q, k, v))
@@ -164,10 +163,10 @@ def attend_fused(
     return torch.from_numpy(out).unsqueeze(1)
 
 
-def _sink_rows(cache: KVCache | PagedKV, layer: int, start: int, window: int | None, kind: int):
+def _sink_rows(cache: KVCache | PagedKV, layer: int, start: int, window: int | None):
     """The sink rows the call at ``start`` reads (numpy ``[n_kv, s, d]``, K then V), None for none, or
     False where the general path must run the step: it writes the sink store (a position below the
-    sink), masks a window that reaches the sink, or an integer kind would read it."""
+    sink), or masks a window that still reaches the sink."""
     s = cache.sink
     if s == 0:
         return None
@@ -175,6 +174,4 @@ def _sink_rows(cache: KVCache | PagedKV, layer: int, start: int, window: int | N
         return False
     if window is not None:
         return None
-    if kind != ATTN_FLOAT:
-        return False
     return tuple(x.numpy() for x in cache.sink_rows(layer, start + 1))

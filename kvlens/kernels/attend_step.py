@@ -88,6 +88,11 @@ def _attend(kind, path, q, ks, vs, at, buf, out, sink):  # pragma: no cover - co
         _set_threads(1)
     k_raw, k_scale, k_bsc = ks[:3]  # row bytes, int8 max_abs, 4-bit fp16 scale bits (dummies if unused)
     v_raw, v_scale, v_bsc = vs[:3]
+    if kind != ATTN_FLOAT and sink[2].shape[1] > 0:  # the integer cores' sink query, as cpu_int makes it
+        root = np.float32(math.sqrt(q.shape[1]))
+        for hq in range(q.shape[0]):
+            for d in range(q.shape[1]):
+                qs[hq, d] = q[hq, d] / root
     if kind == ATTN_FLOAT:
         for hq in range(q.shape[0]):
             for d in range(q.shape[1]):
@@ -240,11 +245,9 @@ class AttendStep:
         attend ``q [H, d]`` over positions ``[0, pos]`` (the last ``window`` of them) into :attr:`out`;
         returns :func:`attend_row`'s answer. Arrays are C-contiguous float32. ``sink_rows``: K and V
         ``[n_kv, s, d]`` of the first s positions (the cache's sink store, in the stores' basis), read
-        in place of the stores' rows there (the float kind only: its scaled query is the one the sink
-        state is seeded from, as in ``cpu.decode_attention``)."""
+        in place of the stores' rows there, their softmax state seeded from the scaled query
+        :func:`_attend` leaves in ``abuf[0]`` (as ``cpu.decode_attention`` / ``cpu_int`` scale it)."""
         plan = StepPlan.of(k.shape[0], layer[0][0].shape[1], pos, window, table)
-        if sink_rows is not None and attn[0] != ATTN_FLOAT:
-            raise ValueError("sink rows are read by the float attention kind only")
         sink = flash.sink_args(self.abuf[0], sink_rows, plan.first)  # abuf[0]: _attend's scaled query
         args = (*attn, q, k, v, layer[0], layer[1], plan.row, plan.layer_args(layer, self.inv_sqrt),
                 self.abuf, self.rbuf, self.out, sink)  # fmt: skip
