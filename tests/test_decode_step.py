@@ -195,29 +195,37 @@ def test_serving_engine_runs_one_sequence_fused(tiny_dirs):
     assert spy.calls == 11
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_paged_sequence_with_blocks_out_of_order(tiny_dirs):
-    """A paged view whose blocks lie in reverse order in the pool: the fused step writes each layer's
-    K/V at the block table's physical row and attends through the table, as the general path does."""
-    llm = kvlens.load(tiny_dirs["llama"], kv="q8", weights="int4", attn_backend="numba")
-    cfg, ids = llm.config, list(range(3, 43))
-    spy = Spy(llm)
+def assert_paged_steps_agree(llm, ids: list[int]) -> None:
+    """Three decode steps after ``ids`` on a paged view whose two blocks lie in reverse order in the
+    pool (logical block 0 in physical block 1), with the compiled steps and without: the same hidden
+    states and the same pool contents (every store, sink stores and per-head parts included)."""
+    cfg, mode = llm.config, llm.kv
     outs = []
     for fused in (True, False):
-        per_token = kv_bytes_per_token(llm.kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-        pool = BlockPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, llm.kv, 4 * BLOCK * per_token)
+        per_token = kv_bytes_per_token(mode, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+        pool = BlockPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, mode, 8 * BLOCK * per_token)
         kv = PagedKV(pool)
-        kv.blocks = pool.allocate(2)[::-1]  # logical block 0 in physical block 1 and back
+        kv.blocks = pool.allocate(2)[::-1]
         llm.forward(ids, kv, 0)
         llm.fused_step = fused
         try:
             outs.append([llm.forward([5 + i], kv, len(ids) + i, prefill=False) for i in range(3)])
         finally:
             llm.fused_step = True
-        outs[-1].append(torch.cat([s.data for s in pool.k + pool.v]))
-    assert spy.calls == 3
+        stores = pool.k + pool.v + pool.k_sink + pool.v_sink
+        outs[-1].append(torch.cat([p.data.flatten() for s in stores for p in getattr(s, "parts", [s])]))
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_paged_sequence_with_blocks_out_of_order(tiny_dirs):
+    """A paged view whose blocks lie in reverse order in the pool: the fused step writes each layer's
+    K/V at the block table's physical row and attends through the table, as the general path does."""
+    llm = kvlens.load(tiny_dirs["llama"], kv="q8", weights="int4", attn_backend="numba")
+    spy = Spy(llm)
+    assert_paged_steps_agree(llm, list(range(3, 43)))
+    assert spy.calls == 3
 
 
 def per_head_recipe(keep_sink: int = 0):
@@ -260,27 +268,10 @@ def test_paged_per_head_recipe_with_a_sink_runs_one_call_per_head(tiny_dirs):
     """A per-KV-head recipe with a sink store in the serving pool, the sequence's blocks out of order:
     one compiled call per KV head writes at the block table's physical row, reads the sink rows of
     the sequence's block 0, and gives the general path's logits and pool contents bit for bit."""
-    mode = per_head_recipe(keep_sink=3)
-    llm = kvlens.load(tiny_dirs["llama"], kv=mode, attn_backend="numba")
-    cfg, ids = llm.config, list(range(3, 43))
+    llm = kvlens.load(tiny_dirs["llama"], kv=per_head_recipe(keep_sink=3), attn_backend="numba")
     per_head = Spy(llm._attend_step.head_step)
-    outs = []
-    for fused in (True, False):
-        per_token = kv_bytes_per_token(mode, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-        pool = BlockPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, mode, 8 * BLOCK * per_token)
-        kv = PagedKV(pool)
-        kv.blocks = pool.allocate(2)[::-1]  # logical block 0 in physical block 1 and back
-        llm.forward(ids, kv, 0)
-        llm.fused_step = fused
-        try:
-            outs.append([llm.forward([5 + i], kv, len(ids) + i, prefill=False) for i in range(3)])
-        finally:
-            llm.fused_step = True
-        stores = pool.k + pool.v + pool.k_sink + pool.v_sink
-        outs[-1].append(torch.cat([p.data.flatten() for s in stores for p in getattr(s, "parts", [s])]))
-    assert per_head.calls == 3 * cfg.n_layers * cfg.n_kv_heads
-    for a, b in zip(*outs, strict=True):
-        assert torch.equal(a, b)
+    assert_paged_steps_agree(llm, list(range(3, 43)))
+    assert per_head.calls == 3 * llm.config.n_layers * llm.config.n_kv_heads
 
 
 @pytest.mark.usefixtures("one_thread")
