@@ -61,6 +61,18 @@ def store_q8_rows(x, data, scale, start, ksum):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def first_row_past_fp16(x):  # pragma: no cover - compiled
+    """The flat index (``h * n + j``) of the first row of ``x [n_kv, n, d]`` whose max_abs exceeds the
+    fp16 range (65504): a packed row's scale could not be stored; -1 if none."""
+    n_kv, n = x.shape[0], x.shape[1]
+    for h in range(n_kv):
+        for j in range(n):
+            if absmax(x[h, j]) > FP16_MAX:
+                return h * n + j
+    return -1
+
+
+@njit(cache=True)
 def store_packed_rows(x, data, scale, start, bits):  # pragma: no cover - compiled
     """The same rule at ``bits`` (5..7: qmax ``2^(bits-1) - 1``) with an fp16 max_abs: the row's
     max_abs rounded to fp16 (nearest even; ``scale [n_kv, cap]`` holds its uint16 bits) and the codes
@@ -70,10 +82,9 @@ def store_packed_rows(x, data, scale, start, bits):  # pragma: no cover - compil
     -1, or the flat index (``h * n + j``) of the first row whose max_abs exceeds the fp16 range
     (65504), in which case nothing is stored."""
     n_kv, n, hd = x.shape
-    for h in range(n_kv):
-        for j in range(n):
-            if absmax(x[h, j]) > FP16_MAX:
-                return h * n + j
+    bad = first_row_past_fp16(x)
+    if bad >= 0:
+        return bad
     qmax = np.float32((1 << (bits - 1)) - 1)
     mask = np.uint64((1 << bits) - 1)
     for h in range(n_kv):

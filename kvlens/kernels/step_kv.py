@@ -15,9 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .bits import FP16_MAX, absmax
 from .q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
-from .q8store import row_code, row_scale, store_packed_rows, store_q8_rows
+from .q8store import first_row_past_fp16, row_code, row_scale, store_packed_rows, store_q8_rows
 from .stage import CODE_F16, CODE_PACKED, CODE_Q4, CODE_Q8
 
 Q_BLOCK = 32  # the 8-bit query's block (cpu_int's 8-bit rule: kernels.cpu.QBLOCK)
@@ -105,13 +104,11 @@ def to_basis(rows, span, signs, ones, out):  # pragma: no cover - compiled
 def out_of_fp16(code, rows, search):  # pragma: no cover - compiled
     """Whether rows ``[n, d]`` of storage ``code`` would need an fp16 scale past its range: a 4-bit
     block's step (:func:`~.q4store.first_fp16_overflow`), a packed row's max_abs
-    (:func:`~.q8store.store_packed_rows`' check)."""
+    (:func:`~.q8store.first_row_past_fp16`, the packer's own check)."""
     if code == CODE_Q4:
         return first_fp16_overflow(rows, search) >= 0
     if code > CODE_PACKED:
-        for h in range(rows.shape[0]):
-            if absmax(rows[h]) > FP16_MAX:
-                return True
+        return first_row_past_fp16(rows.reshape(rows.shape[0], 1, rows.shape[1])) >= 0
     return False
 
 
