@@ -44,37 +44,67 @@ def exp_inplace(x, n, e_u, e_f):  # pragma: no cover - compiled
 
 @njit(fastmath=_FM, cache=True)
 def dot_tile(qs, hq0, group, tile, nt, sc):  # pragma: no cover - compiled
-    """sc[g, j] = dot(qs[hq0 + g], tile[j]); 4 positions per pass so each query load feeds 4 FMAs."""
+    """sc[g, j] = dot(qs[hq0 + g], tile[j]); two query heads x four positions per pass, so each tile
+    load feeds two FMAs and each query load four (an odd group's last head: four positions alone)."""
     hd = tile.shape[1]
     n4 = nt - nt % 4
-    for g in range(group):
-        hq = hq0 + g
-        for j in range(0, n4, 4):
-            s0 = s1 = s2 = s3 = np.float32(0.0)
+    g2 = group - group % 2
+    for j in range(0, n4, 4):
+        for g in range(0, g2, 2):
+            a, b = qs[hq0 + g], qs[hq0 + g + 1]
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
             for d in range(hd):
-                qd = qs[hq, d]
-                s0 += qd * tile[j, d]
-                s1 += qd * tile[j + 1, d]
-                s2 += qd * tile[j + 2, d]
-                s3 += qd * tile[j + 3, d]
-            sc[g, j], sc[g, j + 1], sc[g, j + 2], sc[g, j + 3] = s0, s1, s2, s3
-        for j in range(n4, nt):
+                t0, t1, t2, t3 = tile[j, d], tile[j + 1, d], tile[j + 2, d], tile[j + 3, d]
+                a0 += a[d] * t0
+                a1 += a[d] * t1
+                a2 += a[d] * t2
+                a3 += a[d] * t3
+                b0 += b[d] * t0
+                b1 += b[d] * t1
+                b2 += b[d] * t2
+                b3 += b[d] * t3
+            sc[g, j], sc[g, j + 1], sc[g, j + 2], sc[g, j + 3] = a0, a1, a2, a3
+            sc[g + 1, j], sc[g + 1, j + 1], sc[g + 1, j + 2], sc[g + 1, j + 3] = b0, b1, b2, b3
+        for g in range(g2, group):
+            a = qs[hq0 + g]
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for d in range(hd):
+                a0 += a[d] * tile[j, d]
+                a1 += a[d] * tile[j + 1, d]
+                a2 += a[d] * tile[j + 2, d]
+                a3 += a[d] * tile[j + 3, d]
+            sc[g, j], sc[g, j + 1], sc[g, j + 2], sc[g, j + 3] = a0, a1, a2, a3
+    for j in range(n4, nt):
+        for g in range(group):
             s = np.float32(0.0)
             for d in range(hd):
-                s += qs[hq, d] * tile[j, d]
+                s += qs[hq0 + g, d] * tile[j, d]
             sc[g, j] = s
 
 
 @njit(fastmath=_FM, cache=True)
 def axpy_tile(sc, tile, nt, group, acc):  # pragma: no cover - compiled
-    """acc[g] += sum_j sc[g, j] * tile[j]; 4 positions per pass: one acc load/store per 4 FMAs."""
+    """acc[g] += sum_j sc[g, j] * tile[j]; two heads x four positions per pass: each tile load feeds
+    two heads, one acc load/store per four FMAs (an odd group's last head: four positions alone)."""
     hd = tile.shape[1]
     n4 = nt - nt % 4
-    for g in range(group):
+    g2 = group - group % 2
+    for g in range(0, g2, 2):
+        a, b = acc[g], acc[g + 1]
+        for j in range(0, n4, 4):
+            w0, w1, w2, w3 = sc[g, j], sc[g, j + 1], sc[g, j + 2], sc[g, j + 3]
+            u0, u1, u2, u3 = sc[g + 1, j], sc[g + 1, j + 1], sc[g + 1, j + 2], sc[g + 1, j + 3]
+            for d in range(hd):
+                t0, t1, t2, t3 = tile[j, d], tile[j + 1, d], tile[j + 2, d], tile[j + 3, d]
+                a[d] += w0 * t0 + w1 * t1 + w2 * t2 + w3 * t3
+                b[d] += u0 * t0 + u1 * t1 + u2 * t2 + u3 * t3
+    for g in range(g2, group):
+        a = acc[g]
         for j in range(0, n4, 4):
             w0, w1, w2, w3 = sc[g, j], sc[g, j + 1], sc[g, j + 2], sc[g, j + 3]
             for d in range(hd):
-                acc[g, d] += w0 * tile[j, d] + w1 * tile[j + 1, d] + w2 * tile[j + 2, d] + w3 * tile[j + 3, d]
+                a[d] += w0 * tile[j, d] + w1 * tile[j + 1, d] + w2 * tile[j + 2, d] + w3 * tile[j + 3, d]
+    for g in range(group):
         for j in range(n4, nt):
             w = sc[g, j]
             for d in range(hd):
