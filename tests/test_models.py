@@ -10,11 +10,14 @@ import pytest
 import torch
 from bounds import f32_forward_tol
 from ggml_blocks import BLOCK_BYTES, dequantize_blocks
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import write_gguf, write_hf
 
 import kvlens
 from kvlens.models.config import ModelLoadError
 from kvlens.models.gguf_loader import dequantize_tensor, open_gguf
+from kvlens.models.transformer import rms_norm
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 IDS = [5, 17, 200, 33, 41, 9, 128, 77, 64, 3, 250, 199]
@@ -152,3 +155,30 @@ def test_missing_and_unsupported_models(tmp_path):
     (tmp_path / "d" / "config.json").write_text('{"model_type": "gpt_neox"}')
     with pytest.raises(ModelLoadError, match="unsupported model_type 'gpt_neox'"):
         kvlens.load(tmp_path / "d")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    width=st.sampled_from([8, 64, 256, 576, 640]),
+    heads=st.integers(1, 4),
+    transposed=st.booleans(),
+    eps=st.sampled_from([1e-6, 1e-5]),
+    scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_is_transformers_rmsnorm_bit_for_bit(rows, width, heads, transposed, eps, scale, seed):
+    """``models.transformer.rms_norm`` against transformers' own ``LlamaRMSNorm`` module, bit for bit:
+    prefill rows, a decode row, and the head-major views that QK-norm layers pass (a transposed,
+    non-contiguous view)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, heads, width, generator=gen) * scale
+    if transposed:
+        x = x.transpose(0, 1)
+    module = LlamaRMSNorm(width, eps=eps)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(width, generator=gen))
+        want = module(x)
+    assert torch.equal(rms_norm(x, module.weight.detach(), eps), want)
