@@ -131,11 +131,14 @@ def test_smollm2_concurrent_requests_equal_alone(smol_loaded):
         _assert_same(_alone(llm, r), batched[r.request_id], r.request_id)
 
 
-def test_torch_glue_path_is_batch_invariant(tmp_path):
-    """Qwen3 (q/k norms) runs the per-row glue in torch rather than the JIT row functions."""
+@pytest.mark.parametrize("row_ops", [True, False])
+def test_qk_norm_glue_is_batch_invariant(tmp_path, row_ops):
+    """Qwen3 (q/k norms): its glue in the JIT row functions (QK-norm, then RoPE), and in torch (the
+    path a model whose norms are not f32 CPU tensors takes), alone and in a batch alike."""
     write_hf("qwen3", tmp_path / "hf", seed=4)
     llm = kvlens.load(tmp_path / "hf", kv="q8", attn_backend="numba", prefill_chunk=16)
-    assert not llm.model.row_ops
+    assert llm.model.row_ops and not llm.model.llama_rows
+    llm.model.row_ops = row_ops
     reqs = _requests([3, 17, 33, 8, 25, 1, 12, 40], [5] * 8)
     batched = _together(llm, reqs, EngineConfig(kv_budget_bytes=1 << 22, keep_logits=True))
     for r in reqs:

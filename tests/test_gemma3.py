@@ -82,8 +82,46 @@ def test_query_pre_attn_scalar_scales_attention(tmp_path):
     hf, path = write_gemma3(tmp_path / "s.gguf", n_layers=2, query_pre_attn_scalar=24)
     llm = kvlens.load(path, kv="f32", weights="f32", attn_backend="torch")
     llm.model = Transformer(dataclasses.replace(llm.config, query_pre_attn_scalar=24.0), llm.model.w)
+    assert llm.model.q_scale != 1.0 and llm.model.row_ops  # decode steps: the scale in the JIT QK-norm call
     ref = float64_logits(hf, IDS)
-    assert (llm.logits(IDS).double() - ref).abs().max().item() <= f32_forward_tol(llm.config, ref)
+    for out in (llm.logits(IDS), step_logits(llm, IDS)):
+        assert (out.double() - ref).abs().max().item() <= f32_forward_tol(llm.config, ref)
+
+
+def test_tiny_gemma3_decode_glue_in_jit_calls_equals_torch_glue(tiny_gemma):
+    """Decode steps run Gemma-3's glue (QK-norm, sandwich norms, GeGLU; the query scale: the test
+    above) as JIT row calls (kernels.rowops); the torch layer is the reference, on an f32 cache. Two
+    f32 passes: twice bounds.f32_forward_tol. test_tiny_gemma3_matches_transformers holds the JIT
+    path to transformers too."""
+    _, path, ref = tiny_gemma
+    llm = kvlens.load(path, kv="f32", weights="f32", attn_backend="numba")
+    assert llm.model.row_ops and not llm.model.llama_rows
+    jit = step_logits(llm, IDS)
+    llm.model.row_ops = False
+    torch_glue = step_logits(llm, IDS)
+    assert (jit - torch_glue).abs().max().item() <= 2 * f32_forward_tol(llm.config, ref)
+
+
+def test_tiny_gemma3_batch_rows_equal_each_sequence_alone(tiny_gemma):
+    """The scheduler's batched decode step (Transformer.decode_rows) computes each row bit for bit as
+    that sequence's own one-token step (the same JIT glue, per-layer RoPE tables), past the window."""
+    _, path, _ = tiny_gemma
+    llm = kvlens.load(path, kv="q8", weights="f32", attn_backend="numba")
+    seqs = [IDS, IDS[::-1], IDS[3:] + IDS[:3]]
+    n = len(IDS) - 1
+    batch_caches, alone = [llm.new_cache(len(IDS)) for _ in seqs], []
+    for cache, ids in zip(batch_caches, seqs, strict=True):
+        llm.forward(ids[:-1], cache, 0)
+    for ids in seqs:
+        cache = llm.new_cache(len(IDS))
+        llm.forward(ids[:-1], cache, 0)
+        alone.append(llm.model.logits(llm.forward([ids[-1]], cache, n, prefill=False))[0])
+    attends = [make_attend(c, False, "numba", llm.config.layer_windows) for c in batch_caches]
+    with torch.inference_mode():
+        hidden = llm.model.decode_rows(torch.tensor([ids[-1] for ids in seqs]), [n] * 3, attends)
+        rows = llm.model.logits_rows(hidden)
+    for b in range(3):
+        assert torch.equal(rows[b], alone[b]), f"row {b}"
 
 
 @pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])

@@ -31,9 +31,9 @@ from ..models.transformer import Transformer, rms_norm, timed
 
 def fused_decoder(model: Transformer) -> FusedDecoder | None:
     """The one-call-per-layer decoder of a model's weights, or None where it does not apply: layers
-    that are not Llama-style on the CPU (``model.row_ops``), a matrix with no CPU kernel tuple, or an
+    that are not Llama-style on the CPU (``model.llama_rows``), a matrix with no CPU kernel tuple, or an
     odd-width int4 input (the kernel would need it padded)."""
-    if not model.row_ops:
+    if not model.llama_rows:
         return None
 
     def arrays(w) -> tuple | None:

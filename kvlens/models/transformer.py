@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -106,6 +106,26 @@ def layer_ropes(cfg: ModelConfig, weights: Weights, device: torch.device) -> lis
 
 
 ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ROW_ACTIVATION = {"silu": rowops.silu_mul_rows, "gelu_tanh": rowops.gelu_mul_rows}
+
+
+class RowNorms(NamedTuple):
+    """A layer's norm weights as f32 numpy rows for the JIT glue (None: the layer has no such norm)."""
+
+    attn: np.ndarray
+    ffn: np.ndarray
+    q: np.ndarray | None
+    k: np.ndarray | None
+    post_attn: np.ndarray | None
+    post_ffn: np.ndarray | None
+
+    @classmethod
+    def of(cls, L: LayerWeights) -> RowNorms | None:
+        """The layer's norms, or None where one is not an f32 CPU tensor (the torch glue runs then)."""
+        norms = (L.attn_norm, L.ffn_norm, L.q_norm, L.k_norm, L.post_attn_norm, L.post_ffn_norm)
+        if any(n is not None and (n.dtype != torch.float32 or n.device.type != "cpu") for n in norms):
+            return None
+        return cls(*(None if n is None else n.numpy() for n in norms))
 
 
 class Transformer:
@@ -117,13 +137,14 @@ class Transformer:
         # the kernels scale scores by 1/sqrt(head_dim); a model's own attention scale goes into q
         self.q_scale = 1.0 if cfg.query_pre_attn_scalar is None else cfg.attn_scale * math.sqrt(cfg.head_dim)
         self.profiler: Profiler | None = None  # set to time the parts of each forward (bench decode)
-        # single-token steps run the layer glue as JIT calls (rowops): Llama-style layers only
+        # decode steps (one token, or the scheduler's batch rows) run the layer glue as JIT calls
+        # (rowops) on the CPU; a model's own attention scale rides on its QK-norm call
+        row_norms = [RowNorms.of(L) for L in weights.layers] if self.device.type == "cpu" else [None]
+        self.row_ops = all(n is not None for n in row_norms) and (cfg.qk_norm or self.q_scale == 1.0)
+        self._row_norms: list[RowNorms] = row_norms if self.row_ops else []
+        # Llama-style layers: what the fused one-call-per-layer decoder (engine.fused_step) runs
         plain = not cfg.qk_norm and not cfg.sandwich_norms and cfg.hidden_act == "silu"
-        self.row_ops = self.device.type == "cpu" and plain and weights.norm.dtype == torch.float32
-        self.row_ops = self.row_ops and cfg.embed_scale == 1.0 and self.q_scale == 1.0
-        self._row_norms = (
-            [(L.attn_norm.numpy(), L.ffn_norm.numpy()) for L in weights.layers] if self.row_ops else []
-        )
+        self.llama_rows = self.row_ops and plain and cfg.embed_scale == 1.0 and self.q_scale == 1.0
 
     def rope_tables(self, start: int, n: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] of ``layer`` for positions start..start+n-1 (tables grown on demand)."""
@@ -171,22 +192,48 @@ class Transformer:
         self, i: int, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
     ) -> torch.Tensor:
         """:meth:`layer` for one token on the CPU: the same math, the glue in JIT calls (rowops) on
-        numpy views (a torch ``.numpy()`` or index costs ~1.5 µs, and a step has ~30 per layer)."""
-        cfg, L = self.cfg, self.w.layers[i]
-        attn_norm, ffn_norm = self._row_norms[i]
+        numpy views (a torch ``.numpy()`` or index costs ~1.5 µs, and a step has ~30 per layer); the
+        scheduler's batch rows (:meth:`layer_rows`) call the same functions."""
+        cfg, L, norms = self.cfg, self.w.layers[i], self._row_norms[i]
         d, eps = cfg.head_dim, cfg.rms_eps
         h = np.empty((1, cfg.hidden), np.float32)
-        rowops.rms_norm_row(x.numpy()[0], attn_norm, eps, h[0])
-        qkv = self.linear(torch.from_numpy(h), L.wqkv, L.bqkv).numpy()[0]
-        q, k, v = (np.empty((m, 1, d), np.float32) for m in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads))
-        rowops.rope_split_row(qkv, cos.numpy()[0], sin.numpy()[0], q[:, 0], k[:, 0], v[:, 0])
-        o = attend(i, torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), start)
-        x = x + self.linear(o.reshape(1, cfg.n_heads * d), L.wo)
-        rowops.rms_norm_row(x.numpy()[0], ffn_norm, eps, h[0])
-        gate_up = self.linear(torch.from_numpy(h), L.w_gate_up).numpy()[0]
-        act = np.empty((1, gate_up.shape[0] // 2), np.float32)
-        rowops.silu_mul_row(gate_up, act[0])
-        return x + self.linear(torch.from_numpy(act), L.w_down)
+        rowops.rms_norm_row(x.numpy()[0], norms.attn, eps, h[0])
+        qkv = self.linear(torch.from_numpy(h), L.wqkv, L.bqkv).numpy()
+        q, k, v = self._split_rows(norms, qkv, cos.numpy(), sin.numpy())
+        o = attend(i, torch.from_numpy(q[0]), torch.from_numpy(k[0]), torch.from_numpy(v[0]), start)
+        x = self._add_rows(x, self.linear(o.reshape(1, cfg.n_heads * d), L.wo), norms.post_attn)
+        rowops.rms_norm_row(x.numpy()[0], norms.ffn, eps, h[0])
+        act = self._act_rows(self.linear(torch.from_numpy(h), L.w_gate_up))
+        return self._add_rows(x, self.linear(act, L.w_down), norms.post_ffn)
+
+    def _split_rows(
+        self, norms: RowNorms, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows ``qkv [B, ...]`` → ``q [B, H, 1, d]``, ``k``/``v [B, KV, 1, d]``, q/k-normed and rotated."""
+        cfg, n = self.cfg, qkv.shape[0]
+        q, k, v = (
+            np.empty((n, m, 1, cfg.head_dim), np.float32)
+            for m in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)
+        )
+        if norms.q is None:
+            rowops.rope_split_rows(qkv, cos, sin, q[:, :, 0], k[:, :, 0], v[:, :, 0])
+        else:
+            rowops.qk_norm_rope_split_rows(qkv, cos, sin, norms.q, norms.k, cfg.rms_eps, self.q_scale,
+                                           q[:, :, 0], k[:, :, 0], v[:, :, 0])  # fmt: skip
+        return q, k, v
+
+    def _act_rows(self, gate_up: torch.Tensor) -> torch.Tensor:
+        act = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+        ROW_ACTIVATION[self.cfg.hidden_act](gate_up.numpy(), act)
+        return torch.from_numpy(act)
+
+    def _add_rows(self, x: torch.Tensor, out: torch.Tensor, norm: np.ndarray | None) -> torch.Tensor:
+        """A sublayer's residual add, its output sandwich-normed first where the model has the norm."""
+        if norm is None:
+            return x + out
+        res = np.empty(tuple(x.shape), np.float32)
+        rowops.norm_add_rows(x.numpy(), np.ascontiguousarray(out.numpy()), norm, self.cfg.rms_eps, res)
+        return torch.from_numpy(res)
 
     def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Every weight matmul goes through here (the profiler times them)."""
@@ -251,12 +298,10 @@ class Transformer:
         cfg, L, d, n = self.cfg, self.w.layers[i], self.cfg.head_dim, qkv.shape[0]
         out = torch.empty(n, cfg.n_heads * d, dtype=qkv.dtype, device=qkv.device)
         if self.row_ops:
-            cos, sin = self._rope_rows(positions)
-            q, k, v = (
-                np.empty((n, m, 1, d), np.float32) for m in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)
+            q, k, v = map(
+                torch.from_numpy,
+                self._split_rows(self._row_norms[i], qkv.numpy(), *self._rope_rows(i, positions)),
             )
-            rowops.rope_split_rows(qkv.numpy(), cos, sin, q[:, :, 0], k[:, :, 0], v[:, :, 0])
-            q, k, v = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
             for b, pos in enumerate(positions):
                 out[b] = attends[b](i, q[b], k[b], v[b], pos).reshape(-1)
             return out
@@ -266,9 +311,9 @@ class Transformer:
             out[b] = attends[b](i, q, k, v, pos).reshape(-1)
         return out
 
-    def _rope_rows(self, positions: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """cos/sin rows [B, head_dim] of each row's position (numpy)."""
-        table = self.ropes[0]  # row ops run Llama-style layers only: one table
+    def _rope_rows(self, i: int, positions: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin rows [B, head_dim] of each row's position in layer ``i``'s table (numpy)."""
+        table = self.ropes[i]
         table.rows(max(positions), 1)  # grows the tables when needed
         idx = np.asarray(positions)
         return table.cos.numpy()[idx], table.sin.numpy()[idx]
@@ -277,18 +322,20 @@ class Transformer:
         self, i: int, x: torch.Tensor, positions: list[int], attends: list[AttendFn]
     ) -> torch.Tensor:
         L = self.w.layers[i]
-        norms = self._row_norms[i] if self.row_ops else (None, None)
-        qkv = linear_rows(self._norm_rows(x, L.attn_norm, norms[0]), L.wqkv, L.bqkv)
+        if self.row_ops:
+            norms = self._row_norms[i]
+            qkv = linear_rows(self._norm_rows(x, L.attn_norm, norms.attn), L.wqkv, L.bqkv)
+            x = self._add_rows(
+                x, linear_rows(self._attend_rows(i, qkv, positions, attends), L.wo), norms.post_attn
+            )
+            gate_up = linear_rows(self._norm_rows(x, L.ffn_norm, norms.ffn), L.w_gate_up)
+            return self._add_rows(x, linear_rows(self._act_rows(gate_up), L.w_down), norms.post_ffn)
+        qkv = linear_rows(self._norm_rows(x, L.attn_norm, None), L.wqkv, L.bqkv)
         x = self._post_rows(
             x, linear_rows(self._attend_rows(i, qkv, positions, attends), L.wo), L.post_attn_norm
         )
-        gate_up = linear_rows(self._norm_rows(x, L.ffn_norm, norms[1]), L.w_gate_up)
-        if self.row_ops:
-            act = np.empty((x.shape[0], gate_up.shape[1] // 2), np.float32)
-            rowops.silu_mul_rows(gate_up.numpy(), act)
-            act = torch.from_numpy(act)
-        else:
-            act = torch.cat([self._gated(gate_up[b : b + 1]) for b in range(x.shape[0])])
+        gate_up = linear_rows(self._norm_rows(x, L.ffn_norm, None), L.w_gate_up)
+        act = torch.cat([self._gated(gate_up[b : b + 1]) for b in range(x.shape[0])])
         return self._post_rows(x, linear_rows(act, L.w_down), L.post_ffn_norm)
 
     def _post_rows(self, x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
