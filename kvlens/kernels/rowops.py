@@ -27,6 +27,15 @@ def rms_norm_row(x, w, eps, out):  # pragma: no cover - compiled
 
 
 @njit(fastmath=_FM, cache=True)
+def copy_v_heads(qkv, first, v):  # pragma: no cover - compiled
+    """v[h] = the fused QKV row's head ``first + h`` (V follows the Q and K heads)."""
+    d = v.shape[1]
+    for h in range(v.shape[0]):
+        for i in range(d):
+            v[h, i] = qkv[(first + h) * d + i]
+
+
+@njit(fastmath=_FM, cache=True)
 def rope_split_row(qkv, cos, sin, q, k, v):  # pragma: no cover - compiled
     """Split one token's fused QKV row into ``q [H, d]``, ``k [KV, d]``, ``v [KV, d]``, rotating Q and K
     (rotate-half RoPE: ``x cos + [-x2, x1] sin``)."""
@@ -38,10 +47,7 @@ def rope_split_row(qkv, cos, sin, q, k, v):  # pragma: no cover - compiled
         for i in range(half):
             dst[i] = src[i] * cos[i] - src[i + half] * sin[i]
             dst[i + half] = src[i + half] * cos[i + half] + src[i] * sin[i + half]
-    off = (n_heads + n_kv) * d
-    for h in range(n_kv):
-        for i in range(d):
-            v[h, i] = qkv[off + h * d + i]
+    copy_v_heads(qkv, n_heads + n_kv, v)
 
 
 @njit(fastmath=_FM, cache=True)
@@ -71,10 +77,7 @@ def qk_norm_rope_split_row(qkv, cos, sin, q_norm, k_norm, eps, q_scale, q, k, v)
             a, b = dst[i], dst[i + half]
             dst[i] = a * cos[i] - b * sin[i]
             dst[i + half] = b * cos[i + half] + a * sin[i + half]
-    off = (n_heads + n_kv) * d
-    for h in range(n_kv):
-        for i in range(d):
-            v[h, i] = qkv[off + h * d + i]
+    copy_v_heads(qkv, n_heads + n_kv, v)
 
 
 GELU_K = np.float32(0.7978845608028654)  # sqrt(2 / pi)
@@ -115,21 +118,19 @@ def rope_split_rows(qkv, cos, sin, q, k, v):  # pragma: no cover - compiled
 
 
 @njit(fastmath=_FM, cache=True)
-def silu_mul_rows(gate_up, out):  # pragma: no cover - compiled
+def act_mul_rows(gate_up, out, gelu):  # pragma: no cover - compiled
+    """:func:`gelu_mul_row` (``gelu``) or :func:`silu_mul_row` for each row of ``gate_up [B, 2F]``."""
     for b in range(gate_up.shape[0]):
-        silu_mul_row(gate_up[b], out[b])
+        if gelu:
+            gelu_mul_row(gate_up[b], out[b])
+        else:
+            silu_mul_row(gate_up[b], out[b])
 
 
 @njit(fastmath=_FM, cache=True)
 def qk_norm_rope_split_rows(qkv, cos, sin, q_norm, k_norm, eps, q_scale, q, k, v):  # pragma: no cover
     for b in range(qkv.shape[0]):
         qk_norm_rope_split_row(qkv[b], cos[b], sin[b], q_norm, k_norm, eps, q_scale, q[b], k[b], v[b])
-
-
-@njit(fastmath=_FM, cache=True)
-def gelu_mul_rows(gate_up, out):  # pragma: no cover - compiled
-    for b in range(gate_up.shape[0]):
-        gelu_mul_row(gate_up[b], out[b])
 
 
 @njit(fastmath=_FM, cache=True)

@@ -106,7 +106,6 @@ def layer_ropes(cfg: ModelConfig, weights: Weights, device: torch.device) -> lis
 
 
 ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
-ROW_ACTIVATION = {"silu": rowops.silu_mul_rows, "gelu_tanh": rowops.gelu_mul_rows}
 
 
 class RowNorms(NamedTuple):
@@ -224,7 +223,7 @@ class Transformer:
 
     def _act_rows(self, gate_up: torch.Tensor) -> torch.Tensor:
         act = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-        ROW_ACTIVATION[self.cfg.hidden_act](gate_up.numpy(), act)
+        rowops.act_mul_rows(gate_up.numpy(), act, self.cfg.hidden_act == "gelu_tanh")
         return torch.from_numpy(act)
 
     def _add_rows(self, x: torch.Tensor, out: torch.Tensor, norm: np.ndarray | None) -> torch.Tensor:
