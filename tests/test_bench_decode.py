@@ -12,7 +12,7 @@ import pytest
 
 import kvlens
 from kvlens.bench import llama_cpp
-from kvlens.bench.bandwidth import MiB, ReadProbe
+from kvlens.bench.bandwidth import MachineProbe, MiB
 from kvlens.bench.decode import TABLE_HEADERS, run_decode_bench, table_rows
 from kvlens.bench.decode_rows import machine_caption
 from kvlens.bench.spread import spread
@@ -46,7 +46,7 @@ def int8_llm():
 
 def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
     exe, log = fake_llama_bench(tmp_path)
-    probe = ReadProbe(n_bytes=8 * MiB, reps=1)
+    probe = MachineProbe(n_bytes=8 * MiB, reps=1, arith_iters=1000, sync_reps=10)
     rows = run_decode_bench(
         [smol_f32, int8_llm], [64], ["f16", "q8", "q8-k"], steps=3, with_hf=False, llama_bench=str(exe),
         rounds=3, step_kinds=("fused", "general"), probe=probe,
@@ -66,9 +66,13 @@ def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
             assert r.weights_ms + r.attn_ms + r.other_ms == pytest.approx(r.ms_per_tok)  # one step's parts
         assert r.rounds == 3 and r.tok_per_s_min <= r.tok_per_s <= r.tok_per_s_max  # the median round
         assert r.as_dict()["spread"] == pytest.approx(r.tok_per_s_max / r.tok_per_s_min - 1)
-        # the machine's read bandwidth, sampled once after each round, the same for every row
-        assert len(probe.samples) == 3 and r.machine_spread == spread(probe.samples)
-    assert "ctx 64" in machine_caption(rows) and "not sampled" in machine_caption([])
+        # the machine's read bandwidth and arithmetic rate, sampled once after each round, the same for every row
+        assert len(probe.reads) == len(probe.ariths) == len(probe.syncs) == 3 and min(probe.syncs) > 0
+        assert r.machine_spread == spread(probe.reads) and r.arith_spread == spread(probe.ariths)
+        assert r.sync_spread == spread(probe.syncs)
+    caption = machine_caption(rows)
+    assert all(f" {n} " in caption for n in ("ctx 64", "read", "arithmetic", "fork/join"))
+    assert "not sampled" in machine_caption([])
     by = {(r.weights, r.mode): r for r in ours}
     assert by["int8", "q8"].kv_bytes < by["int8", "f16"].kv_bytes  # 68 vs 128 bytes per row
     # llama.cpp: one run per KV mode with a twin (q8-k has none), same depth and threads

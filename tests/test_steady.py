@@ -9,10 +9,12 @@ import sys
 from collections import deque
 
 import numba
+import numpy as np
 import pytest
 
 from kvlens.bench.spread import OtherLoad, Spread, spread, spread_warning
 from kvlens.kernels import threads
+from kvlens.kernels.probes import ARITH_CHAINS, arith_chains, fork_joins
 
 
 def test_spread_min_median_max():
@@ -77,6 +79,43 @@ def test_warning_without_other_load_points_inside():
     assert "not measured" in spread_warning("f16 tok/s", Spread(36.0, 47.4, 60.3), None)
     moved = spread_warning("f16 tok/s", Spread(36.0, 47.4, 60.3), IDLE, machine=Spread(22.0, 25.0, 27.5))
     assert moved.startswith(line) and "memory read bandwidth moved 25%" in moved and "22.0–27.5 GB/s" in moved
+    both = spread_warning(
+        "f16 tok/s",
+        Spread(36.0, 47.4, 60.3),
+        IDLE,
+        machine=Spread(22.0, 25.0, 27.5),
+        arith=Spread(8.0, 8.5, 9.2),
+    )
+    assert both.startswith(moved) and "arithmetic rate (no memory access) moved 15%" in both
+    assert "8.0–9.2 G multiply-adds/s" in both
+    apart = spread_warning("f16 tok/s", Spread(36.0, 47.4, 60.3), IDLE, sync=Spread(1.1, 1.2, 2.7))
+    assert apart.startswith(line) and "fork/join round trip moved 145% (1.1–2.7 µs)" in apart
+
+
+@pytest.mark.parametrize("n_threads,reps", [(1, 1), (2, 5), (3, 7)])
+def test_fork_join_probe_runs_every_region_on_every_row(n_threads, reps):
+    lines = np.zeros((n_threads, 16))
+    fork_joins(lines, reps)
+    expected = np.zeros((n_threads, 16))
+    expected[:, 0] = reps
+    assert np.array_equal(lines, expected)
+
+
+@pytest.mark.parametrize("n_iter,n_chunks", [(0, 1), (1, 2), (37, 3)])
+def test_arith_probe_runs_every_chain_step(n_iter, n_chunks):
+    """The arithmetic probe's chains, step by step in float32 (no reassociation: each chain's value is
+    exactly that of its own recurrence, so the compiler cannot have folded the work away)."""
+    m, b = np.float32(0.999), np.float32(1e-3)
+    total = np.float32(0.0)
+    for c in range(n_chunks):
+        a = np.full(ARITH_CHAINS, c, np.float32)
+        for _ in range(n_iter):
+            a = a * m + b
+        part = a[0]
+        for x in a[1:]:  # the kernel's order: a0 + a1 + ... + a7, then the parts in turn
+            part = part + x
+        total = total + part
+    assert arith_chains(n_iter, n_chunks) == total
 
 
 def test_env_defaults_keep_user_values():

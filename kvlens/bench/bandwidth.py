@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..kernels.cpu_int import IntAttn
-from ..kernels.readprobe import parallel_sum
+from ..kernels.probes import ARITH_CHAINS, arith_chains, fork_joins, parallel_sum
 
 DEFAULT_LLC = 32 * 2**20
 MiB = 2**20
@@ -65,26 +65,50 @@ def measure_bandwidth(n_bytes: int = 512 * MiB, reps: int = 5, device: str = "cp
     return Bandwidth(copy, read, device)
 
 
-class ReadProbe:
-    """The machine's memory read bandwidth, sampled between a benchmark's rounds (best of ``reps``
-    parallel sums over a buffer well beyond the LLC): a speed that moves with it from round to round or
-    run to run moved with the machine (another VM's memory traffic, the host's clocks), not the code."""
+def _best_seconds(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
-    def __init__(self, n_bytes: int = 256 * MiB, reps: int = 3) -> None:
+
+class MachineProbe:
+    """The machine's own speed, sampled between a benchmark's rounds on all the benchmark's threads, three
+    ways: memory read bandwidth (best of ``reps`` parallel sums over a buffer well beyond the LLC),
+    arithmetic rate (best of ``reps`` runs of register-only multiply-add chains) and the threads'
+    fork/join round trip (mean over ``sync_reps`` empty parallel regions), :mod:`kvlens.kernels.probes`.
+    A speed that moves with one of them moved with the machine, not the code: the host placing the
+    two vCPUs on two dies (read bandwidth up, fork/join 2-3x longer) or sharing their cores (arithmetic
+    down); docs/decode.md, the twenty-second pass."""
+
+    def __init__(
+        self, n_bytes: int = 256 * MiB, reps: int = 3, arith_iters: int = 1_000_000, sync_reps: int = 5000
+    ) -> None:
         self.buf = np.ones(n_bytes // 4, np.float32)  # pages faulted in here, not in the first sample
-        self.reps = reps
-        self.samples: list[float] = []
+        self.reps, self.arith_iters, self.sync_reps = reps, arith_iters, sync_reps
+        self.reads: list[float] = []  # GB/s
+        self.ariths: list[float] = []  # billions of multiply-adds per second, all threads
+        self.syncs: list[float] = []  # microseconds per fork/join
+        parallel_sum(self.buf[:16], 1)  # compiled (or loaded from cache) here, not in the first sample
+        arith_chains(1, 1)
+        fork_joins(np.zeros((1, 16)), 1)
 
-    def sample(self) -> float:
-        """Read GB/s now (also appended to :attr:`samples`)."""
-        best = float("inf")
-        for _ in range(self.reps):
-            t0 = time.perf_counter()
-            parallel_sum(self.buf, numba.get_num_threads())
-            best = min(best, time.perf_counter() - t0)
-        gb_per_s = self.buf.nbytes / best / 1e9
-        self.samples.append(gb_per_s)
-        return gb_per_s
+    def sample(self) -> tuple[float, float, float]:
+        """Read GB/s, arithmetic G multiply-adds/s and fork/join µs now (also appended to
+        :attr:`reads`, :attr:`ariths`, :attr:`syncs`)."""
+        n = numba.get_num_threads()
+        read = self.buf.nbytes / _best_seconds(lambda: parallel_sum(self.buf, n), self.reps) / 1e9
+        ops = n * self.arith_iters * ARITH_CHAINS
+        arith = ops / _best_seconds(lambda: arith_chains(self.arith_iters, n), self.reps) / 1e9
+        lines = np.zeros((n, 16))
+        fork_joins(lines, 1)
+        sync = 1e6 * _best_seconds(lambda: fork_joins(lines, self.sync_reps), 1) / self.sync_reps
+        self.reads.append(read)
+        self.ariths.append(arith)
+        self.syncs.append(sync)
+        return read, arith, sync
 
 
 def _layer() -> str:

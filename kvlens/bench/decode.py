@@ -28,10 +28,10 @@ from ..engine.llm import LLM
 from ..kernels.cpu_int import IntAttn
 from ..kv.cache import KVCache
 from ..kv.modes import KVMode
-from .bandwidth import ReadProbe
+from .bandwidth import MachineProbe
 from .decode_rows import TABLE_HEADERS, DecodeRow, machine_caption, table_rows
 from .llama_cpp import find_binary
-from .spread import LoadMeter, spread, spread_warning
+from .spread import LoadMeter, Spread, spread, spread_warning
 
 ROUNDS = 5  # timed rounds per (weights, mode, context) in ``kvlens bench decode``
 STEP_KINDS = ("fused", "general")
@@ -164,13 +164,13 @@ def run_decode_bench(
     progress=None,
     rounds: int = 5,
     step_kinds: tuple[str, ...] = ("fused",),
-    probe: ReadProbe | None = None,
+    probe: MachineProbe | None = None,
 ) -> list[DecodeRow]:
     """Rows for every (weights, KV mode, step kind) at every context: ``llms`` are the weight modes
     (one loaded model each); at one context all of them run interleaved, ``rounds`` times ``steps``
     timed steps each (the row's tok/s is the median round, its min and max show the spread), then HF
     and llama-bench if asked. ``step_kinds``: ``fused`` and/or ``general`` (module docstring).
-    ``probe``: samples the machine's memory read bandwidth after every round (the rows then carry it)."""
+    ``probe``: samples the machine's speed after every round (:class:`.bandwidth.MachineProbe`; rows carry it)."""
     rows: list[DecodeRow] = []
     first = llms[0]
     for ctx in contexts:
@@ -226,7 +226,7 @@ def step_variant(llm: LLM, kind: str) -> LLM:
 
 def timed_rows(
     runs: list[tuple[LLM, str, str]], caches: dict[str, KVCache], ctx: int, steps: int, rounds: int,
-    backend: str | None, probe: ReadProbe | None = None,
+    backend: str | None, probe: MachineProbe | None = None,
 ) -> list[DecodeRow]:  # fmt: skip
     """kvlens rows of every (llm, mode, step kind) run, timed interleaved at one context."""
     per_run: list[list[tuple[float, ...]]] = [[] for _ in runs]
@@ -236,7 +236,7 @@ def timed_rows(
             per_run[i].append(time_decode(llm, caches[m], ctx - 1, steps, backend or llm.attn_backend))
         if probe is not None:
             machine.append(probe.sample())
-    mem = spread(machine) if machine else None
+    probed = [spread(list(samples)) for samples in zip(*machine, strict=True)]  # read, arith, sync
     rss = psutil.Process().memory_info().rss
     rows = []
     for (llm, m, kind), timed in zip(runs, per_run, strict=True):
@@ -249,10 +249,15 @@ def timed_rows(
                 "kvlens", llm.weights_mode, m, ctx, 1 / t, 1e3 * t, caches[m].bytes_per_token() * ctx, rss,
                 backend or llm.attn_backend, kind, *split, 1e3 * lin, 1e3 * (t - attn - lin - layers),
                 1e3 * layers if layers else None, s.low, s.high, len(timed),
-                *((mem.median, mem.low, mem.high) if mem else (None, None, None)), [1 / r[0] for r in timed],
+                *_mml(probed, 0), [1 / r[0] for r in timed], *_mml(probed, 1), *_mml(probed, 2),
             )
         )  # fmt: skip
     return rows
+
+
+def _mml(probed: list[Spread], i: int) -> tuple[float | None, float | None, float | None]:
+    """Median, min and max of the ``i``-th machine probe's samples (None when none was sampled)."""
+    return (probed[i].median, probed[i].low, probed[i].high) if probed else (None, None, None)
 
 
 def llama_cpp_rows(llm: LLM, binary: str, modes: list[str], ctx: int, steps: int) -> list[DecodeRow]:
@@ -330,7 +335,7 @@ def main(cfg: DecodeBenchConfig, json_out: bool = False) -> None:
     if cfg.vs_llama_cpp and llms[0].source.suffix != ".gguf":
         raise ValueError("--vs-llama-cpp needs a GGUF model")
     rows: list[DecodeRow] = []
-    meter, probe = LoadMeter(), ReadProbe()
+    meter, probe = LoadMeter(), MachineProbe()
     for c in cfg.ctx:
         rows += run_decode_bench(
             llms, [c], cfg.kv, cfg.steps, rounds=ROUNDS, with_hf=cfg.hf and c <= cfg.hf_max_ctx,
@@ -352,6 +357,8 @@ def main(cfg: DecodeBenchConfig, json_out: bool = False) -> None:
     for r in rows:
         if r.spread is not None:
             what = f"{r.engine} {r.weights} {r.mode} ctx {r.ctx} tok/s"
-            line = spread_warning(what, r.spread, load, machine=r.machine_spread)
+            line = spread_warning(
+                what, r.spread, load, machine=r.machine_spread, arith=r.arith_spread, sync=r.sync_spread
+            )
             if line:
                 print(line, file=sys.stderr)

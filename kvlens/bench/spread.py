@@ -96,9 +96,13 @@ def spread_warning(
     load: OtherLoad | None,
     threshold: float = WIDE_SPREAD,
     machine: Spread | None = None,
+    arith: Spread | None = None,
+    sync: Spread | None = None,
 ) -> str | None:
     """A one-line warning when ``s`` is wider than ``threshold``, naming the likely cause; else None.
-    ``machine``: the machine's memory read bandwidth (GB/s) over the same rounds, when it was sampled."""
+    ``machine``, ``arith``, ``sync``: the machine's memory read bandwidth (GB/s), its cores' arithmetic
+    rate (G multiply-adds/s) and the threads' fork/join round trip (µs) over the same rounds, when they
+    were sampled (:class:`.bandwidth.MachineProbe`)."""
     if s.rel <= threshold:
         return None
     line = f"warning: {what} varies {s.rel:.0%} between rounds (max/min - 1 > {threshold:.0%}); "
@@ -116,5 +120,14 @@ def spread_warning(
         line += (
             f"; the machine's memory read bandwidth moved {machine.rel:.0%} over the same rounds "
             f"({machine.low:.1f}–{machine.high:.1f} GB/s)"
+        )
+    if arith is not None:
+        line += (
+            f"; the cores' arithmetic rate (no memory access) moved {arith.rel:.0%} "
+            f"({arith.low:.1f}–{arith.high:.1f} G multiply-adds/s)"
+        )
+    if sync is not None:
+        line += (
+            f"; the threads' fork/join round trip moved {sync.rel:.0%} ({sync.low:.1f}–{sync.high:.1f} µs)"
         )
     return line
