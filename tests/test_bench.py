@@ -8,15 +8,43 @@ import pytest
 
 from kvlens.bench import attention as ba
 from kvlens.bench import prefill_read
+from kvlens.bench.bandwidth import MachineProbe, MiB
+from kvlens.bench.spread import MachineSpread, spread
 
 KEYS = {"shape", "ctx", "mode", "backend", "us_per_call", "gb_per_s", "frac_of_copy_bw"}
 
 
 @pytest.fixture(scope="module")
-def bench():
+def probe():
+    return MachineProbe(n_bytes=MiB, reps=1, arith_iters=1000, sync_reps=10)
+
+
+@pytest.fixture(scope="module")
+def bench(probe):
     return ba.run_attention_bench(
-        [64], ["smollm2", "8b"], ["f32", "f16", "q8"], reps=1, bw_bytes=2**20, min_round_s=0.0, llc=1
+        [64],
+        ["smollm2", "8b"],
+        ["f32", "f16", "q8"],
+        reps=2,
+        bw_bytes=2**20,
+        min_round_s=0.0,
+        llc=1,
+        probe=probe,
     )
+
+
+def test_rows_carry_the_machine_probe_of_their_own_rounds(bench, probe, capsys):
+    """Each (shape, ctx)'s rows carry the spread of the probe's samples taken after its own rounds (2
+    rounds each: samples 0-1 for the first shape, 2-3 for the second), shown under the table."""
+    rows, bw = bench
+    assert len(probe.reads) == 4
+    for shape, first in (("smollm2", 0), ("8b", 2)):
+        window = slice(first, first + 2)
+        expected = MachineSpread(*(spread(s[window]) for s in (probe.reads, probe.ariths, probe.syncs)))
+        assert {r.machine for r in rows if r.shape == shape} == {expected}
+    ba.render(rows, bw)
+    out = capsys.readouterr().out
+    assert "machine between the rounds" in out and "8b ctx 64: memory read" in out
 
 
 def test_rows(bench):

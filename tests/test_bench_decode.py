@@ -15,7 +15,7 @@ from kvlens.bench import llama_cpp
 from kvlens.bench.bandwidth import MachineProbe, MiB
 from kvlens.bench.decode import TABLE_HEADERS, run_decode_bench, table_rows
 from kvlens.bench.decode_rows import machine_caption
-from kvlens.bench.spread import spread
+from kvlens.bench.spread import MachineSpread, spread
 
 FAKE = """#!{python}
 import json, sys
@@ -68,8 +68,7 @@ def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
         assert r.as_dict()["spread"] == pytest.approx(r.tok_per_s_max / r.tok_per_s_min - 1)
         # the machine's read bandwidth and arithmetic rate, sampled once after each round, the same for every row
         assert len(probe.reads) == len(probe.ariths) == len(probe.syncs) == 3 and min(probe.syncs) > 0
-        assert r.machine_spread == spread(probe.reads) and r.arith_spread == spread(probe.ariths)
-        assert r.sync_spread == spread(probe.syncs)
+        assert r.machine == MachineSpread(spread(probe.reads), spread(probe.ariths), spread(probe.syncs))
     caption = machine_caption(rows)
     assert all(f" {n} " in caption for n in ("ctx 64", "read", "arithmetic", "fork/join"))
     assert "not sampled" in machine_caption([])

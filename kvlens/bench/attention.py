@@ -46,8 +46,8 @@ from ..kernels.reference import sdpa_attention
 from ..kernels.threads import set_threads
 from ..kv.cache import RowStore
 from ..kv.modes import MODES, KVMode, StoreKind
-from .bandwidth import Bandwidth, MiB, llc_bytes, machine_line, measure_bandwidth, sync
-from .spread import OtherLoad, Spread, spread, spread_warning
+from .bandwidth import Bandwidth, MachineProbe, MiB, llc_bytes, machine_line, measure_bandwidth, sync
+from .spread import MachineSpread, OtherLoad, Spread, spread, spread_warning
 
 # heads, KV heads, head_dim: SmolLM2-135M, Llama-3-8B, Gemma-3-270M
 SHAPES: dict[str, tuple[int, int, int]] = {"smollm2": (9, 3, 64), "8b": (32, 8, 128), "gemma3": (4, 1, 256)}
@@ -73,6 +73,7 @@ class AttnRow:
     n_layers: int  # distinct layer caches rotated through
     threads: int
     device: str
+    machine: MachineSpread | None = None  # the machine's own speed between this (shape, ctx)'s rounds
 
     @property
     def spread(self) -> Spread:
@@ -84,7 +85,10 @@ class AttnRow:
 
 def spread_warnings(rows: list[AttnRow], load: OtherLoad | None) -> list[str]:
     """A warning line for every row whose rounds disagree by more than :data:`WIDE_SPREAD`."""
-    lines = (spread_warning(f"{r.shape} {r.ctx} {r.mode} {r.backend} µs/call", r.spread, load) for r in rows)
+    lines = (
+        spread_warning(f"{r.shape} {r.ctx} {r.mode} {r.backend} µs/call", r.spread, load, machine=r.machine)
+        for r in rows
+    )
     return [line for line in lines if line]
 
 
@@ -152,9 +156,17 @@ def triton_device() -> torch.device | None:
     return torch.device("cpu") if os.environ.get("TRITON_INTERPRET") == "1" else None
 
 
-def time_cells(cells: dict, n_layers: dict, reps: int, device_of: dict, min_round_s: float) -> dict:
+def time_cells(
+    cells: dict,
+    n_layers: dict,
+    reps: int,
+    device_of: dict,
+    min_round_s: float,
+    probe: MachineProbe | None = None,
+) -> dict:
     """Seconds per call of every cell: ``reps`` rounds, cells interleaved within each round, each
-    cell timing whole sweeps over its layers (repeated to last ``min_round_s``)."""
+    cell timing whole sweeps over its layers (repeated to last ``min_round_s``); ``probe`` samples the
+    machine after every round."""
 
     def sweep(key, times: int) -> float:
         call, dev, n = cells[key], device_of[key], n_layers[key]
@@ -174,6 +186,8 @@ def time_cells(cells: dict, n_layers: dict, reps: int, device_of: dict, min_roun
     for _ in range(reps):
         for key in cells:
             times[key].append(sweep(key, sweeps[key]))
+        if probe is not None:
+            probe.sample()
     return times
 
 
@@ -206,6 +220,7 @@ class _Sizing:
     min_round_s: float
     llc: int | None
     mem_gib: float
+    probe: MachineProbe | None = None
 
 
 class _Timed(NamedTuple):
@@ -214,6 +229,7 @@ class _Timed(NamedTuple):
     times: dict
     n_layers: dict
     device_of: dict
+    machine: MachineSpread | None = None
 
 
 def _time_shape(
@@ -244,9 +260,9 @@ def _time_shape(
                 cells[m, b] = call
                 n_layers[m, b] = len(stores[dev.type, m])
                 device_of[m, b] = dev
-    return _Timed(
-        time_cells(cells, n_layers, sizing.reps, device_of, sizing.min_round_s), n_layers, device_of
-    )
+    first_sample = len(sizing.probe.reads) if sizing.probe else 0
+    times = time_cells(cells, n_layers, sizing.reps, device_of, sizing.min_round_s, sizing.probe)
+    return _Timed(times, n_layers, device_of, sizing.probe.spread(first_sample) if sizing.probe else None)
 
 
 def _rows(
@@ -272,7 +288,7 @@ def _rows(
                 shape, ctx, m, b, 1e6 * t, 1e6 * spread(ts).median, 1e6 * max(ts), nbytes, gbs,
                 gbs / bw.copy_gb_per_s, gbs / bw.read_gb_per_s,
                 sdpa / t if sdpa else None, base / t if base else None,
-                timed.n_layers[m, b], threads, dev.type,
+                timed.n_layers[m, b], threads, dev.type, timed.machine,
             )
         )  # fmt: skip
     return rows
@@ -290,10 +306,12 @@ def run_attention_bench(
     bandwidth: dict[str, Bandwidth] | None = None,
     llc: int | None = None,
     progress: Callable[[str], None] | None = None,
+    probe: MachineProbe | None = None,
 ) -> tuple[list[AttnRow], dict[str, Bandwidth]]:
     """Time every (shape, ctx, mode, backend) cell; returns the rows and the bandwidths per device.
 
-    ``llc`` overrides the last-level cache size the working set is sized from (tests: 1 = one layer)."""
+    ``llc`` overrides the last-level cache size the working set is sized from (tests: 1 = one layer);
+    ``probe`` samples the machine between the rounds (each (shape, ctx)'s rows carry its spread)."""
     backends, tdev = check_cells(modes, shapes, backends)
     devices = {torch.device("cpu")} | ({tdev} if "triton" in backends else set())
     bandwidth = dict(bandwidth or {})
@@ -301,7 +319,7 @@ def run_attention_bench(
         if dev.type not in bandwidth:
             bandwidth[dev.type] = measure_bandwidth(bw_bytes, device=dev.type)
     threads = numba.get_num_threads()
-    sizing = _Sizing(reps, min_round_s, llc, mem_gib)
+    sizing = _Sizing(reps, min_round_s, llc, mem_gib, probe)
     rows: list[AttnRow] = []
     for shape in shapes:
         for ctx in contexts:
@@ -316,8 +334,12 @@ def render(rows: list[AttnRow], bw: dict[str, Bandwidth]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    per_cell = {(r.shape, r.ctx): r.machine for r in rows if r.machine is not None}
+    probed = "".join(f"\n{shape} ctx {ctx}: {m.describe()}" for (shape, ctx), m in per_cell.items())
     t = Table(
-        title="decode attention, one layer per call (min, median, max over rounds)", caption=machine_line(bw)
+        title="decode attention, one layer per call (min, median, max over rounds)",
+        caption=machine_line(bw)
+        + ("\nmachine between the rounds (median, min–max, spread):" + probed if probed else ""),
     )
     cols = ("shape", "ctx", "mode", "backend", "layers", "µs/call", "median", "max", "spread", "GB/s", "% copy", "% read",
             "× sdpa f32", "× dequant+sdpa")  # fmt: skip
@@ -369,7 +391,7 @@ def main(cfg: AttentionBenchConfig, json_out: bool = False) -> None:
 
     def run(_step: Callable[[str], None]) -> tuple[list[AttnRow], dict[str, Bandwidth]]:
         rows, bw = run_attention_bench(
-            cfg.ctx, cfg.shape, cfg.kv, cfg.backend, cfg.reps, cfg.mem_gib, progress=say
+            cfg.ctx, cfg.shape, cfg.kv, cfg.backend, cfg.reps, cfg.mem_gib, progress=say, probe=MachineProbe()
         )
         for line in spread_warnings(rows, meter.read()):
             print(line, file=sys.stderr)

@@ -15,6 +15,7 @@ import torch
 
 from ..kernels.cpu_int import IntAttn
 from ..kernels.probes import ARITH_CHAINS, arith_chains, fork_joins, parallel_sum
+from .spread import MachineSpread, spread
 
 DEFAULT_LLC = 32 * 2**20
 MiB = 2**20
@@ -78,7 +79,7 @@ class MachineProbe:
     """The machine's own speed, sampled between a benchmark's rounds on all the benchmark's threads, three
     ways: memory read bandwidth (best of ``reps`` parallel sums over a buffer well beyond the LLC),
     arithmetic rate (best of ``reps`` runs of register-only multiply-add chains) and the threads'
-    fork/join round trip (mean over ``sync_reps`` empty parallel regions), :mod:`kvlens.kernels.probes`.
+    fork/join round trip (best of ``reps`` means over ``sync_reps`` empty parallel regions), :mod:`kvlens.kernels.probes`.
     A speed that moves with one of them moved with the machine, not the code: the host placing the
     two vCPUs on two dies (read bandwidth up, fork/join 2-3x longer) or sharing their cores (arithmetic
     down); docs/decode.md, the twenty-second pass."""
@@ -104,11 +105,19 @@ class MachineProbe:
         arith = ops / _best_seconds(lambda: arith_chains(self.arith_iters, n), self.reps) / 1e9
         lines = np.zeros((n, 16))
         fork_joins(lines, 1)
-        sync = 1e6 * _best_seconds(lambda: fork_joins(lines, self.sync_reps), 1) / self.sync_reps
+        sync = 1e6 * _best_seconds(lambda: fork_joins(lines, self.sync_reps), self.reps) / self.sync_reps
         self.reads.append(read)
         self.ariths.append(arith)
         self.syncs.append(sync)
         return read, arith, sync
+
+    def spread(self, since: int = 0) -> MachineSpread | None:
+        """The spreads of the samples from the ``since``-th on (None: no sample since)."""
+        if len(self.reads) <= since:
+            return None
+        return MachineSpread(
+            spread(self.reads[since:]), spread(self.ariths[since:]), spread(self.syncs[since:])
+        )
 
 
 def _layer() -> str:

@@ -31,7 +31,7 @@ from ..kv.modes import KVMode
 from .bandwidth import MachineProbe
 from .decode_rows import TABLE_HEADERS, DecodeRow, machine_caption, table_rows
 from .llama_cpp import find_binary
-from .spread import LoadMeter, Spread, spread, spread_warning
+from .spread import LoadMeter, spread, spread_warning
 
 ROUNDS = 5  # timed rounds per (weights, mode, context) in ``kvlens bench decode``
 STEP_KINDS = ("fused", "general")
@@ -230,13 +230,13 @@ def timed_rows(
 ) -> list[DecodeRow]:  # fmt: skip
     """kvlens rows of every (llm, mode, step kind) run, timed interleaved at one context."""
     per_run: list[list[tuple[float, ...]]] = [[] for _ in runs]
-    machine = []
+    first_sample = len(probe.reads) if probe else 0
     for _ in range(rounds):  # interleave every run so drift hits them alike
         for i, (llm, m, _k) in enumerate(runs):
             per_run[i].append(time_decode(llm, caches[m], ctx - 1, steps, backend or llm.attn_backend))
         if probe is not None:
-            machine.append(probe.sample())
-    probed = [spread(list(samples)) for samples in zip(*machine, strict=True)]  # read, arith, sync
+            probe.sample()
+    machine = probe.spread(first_sample) if probe else None
     rss = psutil.Process().memory_info().rss
     rows = []
     for (llm, m, kind), timed in zip(runs, per_run, strict=True):
@@ -249,15 +249,10 @@ def timed_rows(
                 "kvlens", llm.weights_mode, m, ctx, 1 / t, 1e3 * t, caches[m].bytes_per_token() * ctx, rss,
                 backend or llm.attn_backend, kind, *split, 1e3 * lin, 1e3 * (t - attn - lin - layers),
                 1e3 * layers if layers else None, s.low, s.high, len(timed),
-                *_mml(probed, 0), [1 / r[0] for r in timed], *_mml(probed, 1), *_mml(probed, 2),
+                [1 / r[0] for r in timed], machine,
             )
         )  # fmt: skip
     return rows
-
-
-def _mml(probed: list[Spread], i: int) -> tuple[float | None, float | None, float | None]:
-    """Median, min and max of the ``i``-th machine probe's samples (None when none was sampled)."""
-    return (probed[i].median, probed[i].low, probed[i].high) if probed else (None, None, None)
 
 
 def llama_cpp_rows(llm: LLM, binary: str, modes: list[str], ctx: int, steps: int) -> list[DecodeRow]:
@@ -357,8 +352,6 @@ def main(cfg: DecodeBenchConfig, json_out: bool = False) -> None:
     for r in rows:
         if r.spread is not None:
             what = f"{r.engine} {r.weights} {r.mode} ctx {r.ctx} tok/s"
-            line = spread_warning(
-                what, r.spread, load, machine=r.machine_spread, arith=r.arith_spread, sync=r.sync_spread
-            )
+            line = spread_warning(what, r.spread, load, machine=r.machine)
             if line:
                 print(line, file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 
-from .spread import Spread
+from .spread import MachineSpread, Spread
 
 
 @dataclass
@@ -30,45 +30,18 @@ class DecodeRow:
     tok_per_s_min: float | None = None
     tok_per_s_max: float | None = None
     rounds: int | None = None
-    # the machine's memory read bandwidth, GB/s, sampled between the same rounds (bandwidth.MachineProbe):
-    # median, min, max; a tok/s that moves with it moved with the machine
-    mem_read_gb_s: float | None = None
-    mem_read_min: float | None = None
-    mem_read_max: float | None = None
     round_tok_per_s: list[float] | None = None  # tok/s of each round, in run order (rounds interleave rows)
-    # the cores' arithmetic rate, G multiply-adds/s on all threads, sampled with mem_read (MachineProbe)
-    arith_gops: float | None = None
-    arith_min: float | None = None
-    arith_max: float | None = None
-    # the threads' fork/join round trip, µs, sampled with them (a host that moves the vCPUs apart: longer)
-    sync_us: float | None = None
-    sync_min: float | None = None
-    sync_max: float | None = None
+    machine: MachineSpread | None = None  # the machine's own speed between the same rounds (MachineProbe)
 
     @property
     def spread(self) -> Spread | None:
-        return _spread_of(self.tok_per_s_min, self.tok_per_s, self.tok_per_s_max)
-
-    @property
-    def machine_spread(self) -> Spread | None:
-        return _spread_of(self.mem_read_min, self.mem_read_gb_s, self.mem_read_max)
-
-    @property
-    def arith_spread(self) -> Spread | None:
-        return _spread_of(self.arith_min, self.arith_gops, self.arith_max)
-
-    @property
-    def sync_spread(self) -> Spread | None:
-        return _spread_of(self.sync_min, self.sync_us, self.sync_max)
+        if self.tok_per_s_min is None or self.tok_per_s_max is None:
+            return None
+        return Spread(self.tok_per_s_min, self.tok_per_s, self.tok_per_s_max)
 
     def as_dict(self) -> dict:
         s = self.spread
         return asdict(self) | {"spread": None if s is None else s.rel}
-
-
-def _spread_of(low: float | None, median: float | None, high: float | None) -> Spread | None:
-    """The three figures as a :class:`Spread`, or None where one was not measured."""
-    return None if low is None or median is None or high is None else Spread(low, median, high)
 
 
 TABLE_HEADERS = (
@@ -131,16 +104,7 @@ def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
 
 
 def machine_caption(rows: list[DecodeRow]) -> str:
-    """One line under the table: the machine's memory read bandwidth, arithmetic rate and fork/join
-    round trip over each context's rounds (median, min–max, spread)."""
-    parts = []
-    for r in {r.ctx: r for r in rows if r.machine_spread is not None}.values():
-        probes = [("memory read", r.machine_spread, "GB/s"), ("arithmetic", r.arith_spread, "G/s"),
-                  ("fork/join", r.sync_spread, "µs")]  # fmt: skip
-        parts.append(
-            f"ctx {r.ctx} "
-            + ", ".join(
-                f"{n} {m.median:.1f} {u} ({m.low:.1f}–{m.high:.1f}, {m.rel:.0%})" for n, m, u in probes if m
-            )
-        )
+    """One line under the table: the machine's own speed over each context's rounds."""
+    per_ctx = {r.ctx: r.machine for r in rows if r.machine is not None}
+    parts = [f"ctx {c} {m.describe()}" for c, m in per_ctx.items()]
     return "machine between the rounds (median, min–max, spread): " + ("; ".join(parts) or "not sampled")

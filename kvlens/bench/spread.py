@@ -21,6 +21,7 @@ import psutil
 WIDE_SPREAD = 0.10  # max/min - 1 above this prints a warning
 BUSY_FRACTION = 0.25  # other processes using this share of the CPUs count as "other load"
 STOLEN_FRACTION = 0.05  # steal above this share of the CPUs is named as the likely cause
+SYNC_MOVED = 0.5  # a fork/join round trip that moves more than this moved with the machine (two dies: ~2.4x)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,35 @@ class Spread:
     def rel(self) -> float:
         """``high / low - 1``: 0.1 = the best round was 10% above the worst."""
         return self.high / self.low - 1 if self.low > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class MachineSpread:
+    """The machine's own speed over a benchmark's rounds (:class:`.bandwidth.MachineProbe`): memory read
+    bandwidth (GB/s), the cores' arithmetic rate (G multiply-adds/s, no memory access) and the threads'
+    fork/join round trip (µs). A benchmark figure that moves with one of them moved with the machine."""
+
+    read: Spread
+    arith: Spread
+    sync: Spread
+
+    def moved(self, threshold: float) -> list[str]:
+        """The probes whose spread is wider than ``threshold`` (the fork/join round trip: wider than
+        :data:`SYNC_MOVED`, its own jitter being ~10 %), by name."""
+        named = (("its memory read bandwidth", self.read, threshold), ("its cores' arithmetic rate", self.arith, threshold),
+                 ("its threads' fork/join round trip", self.sync, max(threshold, SYNC_MOVED)))  # fmt: skip
+        return [name for name, m, limit in named if m.rel > limit]
+
+    def describe(self) -> str:
+        """``memory read 33.3 GB/s (33.0–34.0, 3%), arithmetic …, fork/join …`` (median, min–max, spread)."""
+        probes = (
+            ("memory read", self.read, "GB/s"),
+            ("arithmetic", self.arith, "G/s"),
+            ("fork/join", self.sync, "µs"),
+        )
+        return ", ".join(
+            f"{n} {m.median:.1f} {u} ({m.low:.1f}–{m.high:.1f}, {m.rel:.0%})" for n, m, u in probes
+        )
 
 
 def spread(values: list[float]) -> Spread:
@@ -95,14 +125,10 @@ def spread_warning(
     s: Spread,
     load: OtherLoad | None,
     threshold: float = WIDE_SPREAD,
-    machine: Spread | None = None,
-    arith: Spread | None = None,
-    sync: Spread | None = None,
+    machine: MachineSpread | None = None,
 ) -> str | None:
     """A one-line warning when ``s`` is wider than ``threshold``, naming the likely cause; else None.
-    ``machine``, ``arith``, ``sync``: the machine's memory read bandwidth (GB/s), its cores' arithmetic
-    rate (G multiply-adds/s) and the threads' fork/join round trip (µs) over the same rounds, when they
-    were sampled (:class:`.bandwidth.MachineProbe`)."""
+    ``machine``: the machine's own speed over the same rounds, when it was sampled."""
     if s.rel <= threshold:
         return None
     line = f"warning: {what} varies {s.rel:.0%} between rounds (max/min - 1 > {threshold:.0%}); "
@@ -115,19 +141,12 @@ def spread_warning(
         return line + f"likely cause: other load on the machine ({busy}{': ' + top if top else ''})"
     if load.steal_cpus >= STOLEN_FRACTION * load.cpus:
         return line + f"likely cause: the hypervisor ran other guests on this machine's CPUs ({busy})"
-    line += f"no other load seen ({busy}): the cause is in this process or the machine (frequency, memory)"
-    if machine is not None:
-        line += (
-            f"; the machine's memory read bandwidth moved {machine.rel:.0%} over the same rounds "
-            f"({machine.low:.1f}–{machine.high:.1f} GB/s)"
-        )
-    if arith is not None:
-        line += (
-            f"; the cores' arithmetic rate (no memory access) moved {arith.rel:.0%} "
-            f"({arith.low:.1f}–{arith.high:.1f} G multiply-adds/s)"
-        )
-    if sync is not None:
-        line += (
-            f"; the threads' fork/join round trip moved {sync.rel:.0%} ({sync.low:.1f}–{sync.high:.1f} µs)"
-        )
-    return line
+    line += f"no other load seen ({busy})"
+    if machine is None:
+        return line + ": the cause is in this process or the machine (frequency, memory)"
+    moved = machine.moved(threshold)
+    if moved:
+        line += f": likely cause: the machine itself ({', '.join(moved)} moved)"
+    else:
+        line += ": the cause is in this process or a change of the machine its probes did not catch"
+    return line + f"; the machine over the same rounds: {machine.describe()}"
