@@ -47,7 +47,7 @@ from ..kernels.threads import set_threads
 from ..kv.cache import RowStore
 from ..kv.modes import MODES, KVMode, StoreKind
 from .bandwidth import Bandwidth, MachineProbe, MiB, llc_bytes, machine_line, measure_bandwidth, sync
-from .spread import MachineSpread, OtherLoad, Spread, spread, spread_warning
+from .spread import MachineSpread, OtherLoad, Spread, machine_lines, spread, spread_warning
 
 # heads, KV heads, head_dim: SmolLM2-135M, Llama-3-8B, Gemma-3-270M
 SHAPES: dict[str, tuple[int, int, int]] = {"smollm2": (9, 3, 64), "8b": (32, 8, 128), "gemma3": (4, 1, 256)}
@@ -334,13 +334,11 @@ def render(rows: list[AttnRow], bw: dict[str, Bandwidth]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    per_cell = {(r.shape, r.ctx): r.machine for r in rows if r.machine is not None}
-    probed = "".join(f"\n{shape} ctx {ctx}: {m.describe()}" for (shape, ctx), m in per_cell.items())
-    t = Table(
-        title="decode attention, one layer per call (min, median, max over rounds)",
-        caption=machine_line(bw)
-        + ("\nmachine between the rounds (median, min–max, spread):" + probed if probed else ""),
+    machine = machine_lines(
+        {f"{r.shape} ctx {r.ctx}": r.machine for r in rows if r.machine is not None}, "\n"
     )
+    title = "decode attention, one layer per call (min, median, max over rounds)"
+    t = Table(title=title, caption=f"{machine_line(bw)}\n{machine}")
     cols = ("shape", "ctx", "mode", "backend", "layers", "µs/call", "median", "max", "spread", "GB/s", "% copy", "% read",
             "× sdpa f32", "× dequant+sdpa")  # fmt: skip
     for col in cols:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 
-from .spread import MachineSpread, Spread
+from .spread import MachineSpread, Spread, machine_lines
 
 
 @dataclass
@@ -105,6 +105,4 @@ def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
 
 def machine_caption(rows: list[DecodeRow]) -> str:
     """One line under the table: the machine's own speed over each context's rounds."""
-    per_ctx = {r.ctx: r.machine for r in rows if r.machine is not None}
-    parts = [f"ctx {c} {m.describe()}" for c, m in per_ctx.items()]
-    return "machine between the rounds (median, min–max, spread): " + ("; ".join(parts) or "not sampled")
+    return machine_lines({f"ctx {r.ctx}": r.machine for r in rows if r.machine is not None})

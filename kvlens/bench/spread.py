@@ -67,6 +67,12 @@ class MachineSpread:
         )
 
 
+def machine_lines(labelled: dict[str, MachineSpread], sep: str = "; ") -> str:
+    """The line(s) under a benchmark's table: each label's (a context, a shape) machine spread."""
+    parts = sep.join(f"{label}: {m.describe()}" for label, m in labelled.items())
+    return "machine between the rounds (median, min–max, spread): " + (parts or "not sampled")
+
+
 def spread(values: list[float]) -> Spread:
     """The spread of ``values`` (one per round; at least one, all finite and positive)."""
     if not values:
