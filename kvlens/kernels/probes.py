@@ -36,14 +36,8 @@ def arith_chains(n_iter, n_chunks):  # pragma: no cover - compiled
         m, b = np.float32(0.999), np.float32(1e-3)
         a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(c)
         for _ in range(n_iter):
-            a0 = a0 * m + b
-            a1 = a1 * m + b
-            a2 = a2 * m + b
-            a3 = a3 * m + b
-            a4 = a4 * m + b
-            a5 = a5 * m + b
-            a6 = a6 * m + b
-            a7 = a7 * m + b
+            a0, a1, a2, a3 = a0 * m + b, a1 * m + b, a2 * m + b, a3 * m + b
+            a4, a5, a6, a7 = a4 * m + b, a5 * m + b, a6 * m + b, a7 * m + b
         part[c] = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7
     return part.sum()
 
