@@ -214,7 +214,8 @@ def check_cells(
 
 @dataclass(frozen=True)
 class _Sizing:
-    """Rounds, least seconds per round, LLC size the working set fits (None: the device's), cache cap."""
+    """Rounds, least seconds per round, LLC size the working set fits (None: the device's), cache cap,
+    and the machine probe sampled after every round (None: not sampled)."""
 
     reps: int
     min_round_s: float
