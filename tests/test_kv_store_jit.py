@@ -139,3 +139,24 @@ def test_cache_write_stores_the_reference_rules_bits(mode):
             q, max_abs = quantize_q8(basis)
             assert torch.equal(store.data[:, 3:23], q)
             assert torch.equal(store.scale[:, 3:23], max_abs)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU here (scripts/gpu-check runs it on one)"
+)
+@pytest.mark.parametrize("mode", ["f16", "bf16", "q8", "q8h", "q4", "q4h", "q6h", "q5h", "k=q8h,v=q4h"])
+def test_cache_written_on_cuda_holds_the_cpu_bytes(mode):
+    """The GPU's write (the torch ops) and the CPU's (the JIT passes) store the same bytes: a cache,
+    a prefix block or a disk-tier file means the same on either device."""
+    m = KVMode.parse(mode)
+    k, v = awkward_rows(2, 20, 64, seed=1), awkward_rows(2, 20, 64, seed=2)
+    caches = []
+    for dev in (torch.device("cpu"), torch.device("cuda")):
+        cache = KVCache(1, 2, 64, 64, m, dev)
+        cache.write(0, 3, k.to(dev), v.to(dev))
+        caches.append(cache)
+    cpu, gpu = caches
+    for a, b in ((cpu.k[0], gpu.k[0]), (cpu.v[0], gpu.v[0])):
+        assert torch.equal(a.data, b.data.cpu()), (mode, int((a.data != b.data.cpu()).sum()))
+        if a.kind.quantized:
+            assert torch.equal(a.scale, b.scale.cpu()), (mode, int((a.scale != b.scale.cpu()).sum()))
