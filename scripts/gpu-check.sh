@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of kvlens as one script, for a machine with an NVIDIA GPU, torch and triton
-# (docs/gpu.md records its runs). Logs go to $OUT (default out/gpu).
+# (docs/kernels.md, "Triton"). Logs go to $OUT (default out/gpu).
 #   1. the Triton kernel tests, the engine's Triton path and the CUDA cache writes, compiled for the GPU
 #   2. bench attention: the Triton kernel per call, every shape, f16 / q8 / q8h / q4h, 1K-64K
 # A folder of wheels (gguf, for the tiny GGUF checkpoints) may be passed as $1.

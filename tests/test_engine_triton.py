@@ -19,23 +19,17 @@ from tiny_models import write_hf
 
 import kvlens
 from kvlens.engine.attention import make_attend
-from kvlens.kernels.reference import reference_attention
+from kvlens.kernels.reference import attention_mask, reference_attention
 from kvlens.kv.cache import rotations
 from kvlens.kv.quant import rotation
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
-# One device per run: the Triton kernel is compiled for the GPU or interpreted, decided when first used.
+# One device per run: compiled for the GPU, or interpreted (conftest sets TRITON_INTERPRET=1 without CUDA).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IDS = [5, 17, 200, 33, 41, 9, 128, 77, 64, 3, 250, 199]
 # head_dim 64 (SmolLM2's), two query heads per KV head: 4-bit blocks and the rotations apply
 SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
-
-
-@pytest.fixture(autouse=True)
-def interpreted(monkeypatch):
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral-window"])
@@ -64,7 +58,7 @@ def test_triton_decode_equals_float64_hf(tiny):
 def test_triton_attend_reads_what_the_cache_holds(tiny, kv):
     """One decode step after a 40-token prefill: every layer's attention through the Triton path and
     the torch path on the SAME cache (both write the same new row, then read), each against float64
-    attention over the rows the cache holds (cache.read: dequantized, in the model's basis)."""
+    attention over the rows the cache holds (cache.read: dequantized, in the stores' basis)."""
     hf_dir, _ = tiny
     llm = kvlens.load(hf_dir, kv=kv, device=DEVICE, attn_backend="torch")
     ids = (IDS * 4)[:41]
@@ -80,9 +74,9 @@ def test_triton_attend_reads_what_the_cache_holds(tiny, kv):
         end = start + 1
         kd, vd = cache.read(layer, end)
         mask = None
-        if windows[layer] is not None:  # the model's window: the last `window` positions, this one included
-            mask = torch.zeros(kd.shape[0], end, dtype=torch.bool, device=kd.device)
-            mask[:, max(0, end - windows[layer]) :] = True
+        if windows[layer] is not None:  # the query at end - 1 and its window, for every KV head
+            q_pos = torch.tensor([end - 1], device=kd.device)
+            mask = attention_mask(q_pos, end, windows[layer]).expand(kd.shape[0], end)
         ref, bound = reference_in_store_basis(
             q[:, 0], kd, vd, mask, rotations(cache.k[layer], cache.v[layer])
         )
