@@ -150,3 +150,53 @@ def test_restored_prefix_gives_the_logits_of_a_fresh_prefill(tmp_path, tiny_dir,
     fresh = llm.prefill(prompt, llm.new_cache(len(prompt)))
     assert torch.equal(events[0].logits, fresh)
     assert engine.stats().disk.restored == disk.stats.restored
+
+
+# -- a tier it cannot write to: refused at start, or (once running) counted, never raised ----------
+def test_folder_that_cannot_be_made_is_refused_at_start(tmp_path):
+    (tmp_path / "a_file").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"cannot use .*a_file/tier as the KV disk tier"):
+        DiskTier(tmp_path / "a_file" / "tier", 1 << 20, random_pool("q8", 4), "m")
+
+
+def test_removed_folder_is_made_again_at_the_next_spill(tmp_path):
+    pool = random_pool("q8", 5)
+    disk = DiskTier(tmp_path / "tier", 1 << 20, pool, "m")
+    (tmp_path / "tier").rmdir()
+    disk.spill(1, b"r" * 32)
+    assert disk.path(b"r" * 32).exists() and (disk.stats.spilled, disk.stats.failed) == (1, 0)
+
+
+def test_block_it_cannot_write_is_counted_not_raised(tmp_path, caplog):
+    pool = random_pool("q8", 6)
+    disk = DiskTier(tmp_path / "tier", 1 << 20, pool, "m")
+    disk.spill(0, b"a" * 32)
+    (tmp_path / "tier" / (b"a" * 32).hex()).with_suffix(".kvb").unlink()
+    (tmp_path / "tier").rmdir()
+    (tmp_path / "tier").write_bytes(b"not a folder")  # every write now fails (ENOTDIR / EEXIST)
+    with caplog.at_level("WARNING", logger="kvlens.kv.disk"):
+        disk.spill(1, b"b" * 32)
+        disk.spill(2, b"c" * 32)
+    assert (disk.stats.spilled, disk.stats.failed) == (1, 2)
+    assert b"b" * 32 not in disk and b"c" * 32 not in disk and not disk.restore(3, b"b" * 32)
+    assert len([r for r in caplog.records if "cannot write block files" in r.message]) == 1  # once
+
+
+def test_engine_keeps_serving_when_the_tier_cannot_be_written(tmp_path, tiny_dir):
+    """The folder replaced by a file while the engine runs: every eviction's spill fails, yet every
+    request completes with the tokens of a run without a disk tier, and no pool block is lost."""
+    llm = kvlens.load(tiny_dir, kv="q8", attn_backend="numba", prefill_chunk=CHUNK)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 320) for _ in range(3 * CHUNK + 9)] for _ in range(3)]
+    engine = _engine(llm, tmp_path / "tier", blocks=8)
+    (tmp_path / "tier").rmdir()
+    (tmp_path / "tier").write_bytes(b"not a folder")
+    got = [[e.token_id for e in _run(engine, f"r{i}", p)] for i, p in enumerate(prompts)]
+    plain = Engine(llm, EngineConfig(kv_budget_bytes=engine.config.kv_budget_bytes, prefix_cache=True))
+    want = [[e.token_id for e in _run(plain, f"r{i}", p)] for i, p in enumerate(prompts)]
+    assert got == want
+    disk = engine.stats().disk
+    assert disk.failed > 0 and disk.spilled == 0 and disk.bytes == 0
+    pool = engine.pool
+    parked = len(engine.prefix.index.block_of)
+    assert pool.blocks_free == pool.n_blocks and parked <= pool.n_blocks  # every block back: free or parked

@@ -84,4 +84,5 @@ def test_second_turn_is_served_from_the_cache_then_from_disk(server, ref, smol_p
     assert m["kvlens_kv_disk_blocks_restored_total"] > 0 and m["kvlens_kv_disk_restore_seconds_count"] > 0
     assert r3.usage.prompt_tokens_details.cached_tokens >= want
     assert m["kvlens_kv_disk_corrupt_blocks_total"] == 0 and m["kvlens_prefix_evictions_total"] > 0
+    assert m["kvlens_kv_disk_spill_failures_total"] == 0
     _verified(ref, r3)

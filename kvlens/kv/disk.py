@@ -10,13 +10,19 @@ head shapes, and the payload length. A file is written to a temporary name and `
 place (a reader never sees half a file). On restore the checksum, the header and the length are all
 checked before a byte reaches the pool; a file that fails is counted, deleted and the block is
 recomputed. The directory is held to a byte budget by deleting the oldest files first.
+
+The tier is a cache: a block it cannot write (disk full, the folder removed or made read-only) is
+counted and logged, not raised, so the pool reuses the block as it would without a tier and no
+request fails; a removed folder is made again at the next spill.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import struct
 import time
@@ -28,6 +34,8 @@ import torch
 
 from .cache import BLOCK
 from .pool import BlockPool
+
+log = logging.getLogger("kvlens.kv.disk")
 
 MAGIC = b"KVLENS-BLOCK-4\n"  # 2: q4h rotates per 32-value block; 3: packed fp16 max_abs; 4: q4h searched
 SUFFIX = ".kvb"
@@ -58,6 +66,7 @@ class DiskStats:
     spilled: int = 0
     restored: int = 0
     corrupt: int = 0  # files refused on restore (checksum, header, length) and deleted
+    failed: int = 0  # blocks not spilled because their file could not be written
     bytes: int = 0  # on disk now
     restore_seconds: LatencyHistogram = field(default_factory=LatencyHistogram)
 
@@ -74,7 +83,11 @@ class DiskTier:
         if budget_bytes < 1:
             raise ValueError("the KV disk budget must be more than 0 bytes")
         self.root, self.budget, self.pool = Path(root), int(budget_bytes), pool
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot use {self.root} as the KV disk tier: {e.strerror or e}") from None
+        self._failing = False  # the last spill failed (its error logged once, until one succeeds)
         self.meta = {
             "model": model_digest, "mode": pool.mode.identity, "block": BLOCK, "layers": pool.n_layers,
             "kv_heads": pool.n_kv_heads, "head_dim": pool.head_dim, "mirror": pool.has_mirror,
@@ -107,13 +120,31 @@ class DiskTier:
         if len(blob) > self.budget:
             return
         self._trim(len(blob))
-        tmp = self.path(h).with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, self.path(h))
+        if not self._write(h, blob):
+            return
         self._files[h] = len(blob)
         self.stats.bytes += len(blob)
         self.stats.spilled += 1
+
+    def _write(self, h: bytes, blob: bytes) -> bool:
+        """Write the file of hash ``h`` (whole or not at all); False, counted and logged, if it cannot."""
+        tmp = self.path(h).with_suffix(".tmp")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)  # removed under a running server: made again
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, self.path(h))
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            self.stats.failed += 1
+            if not self._failing:
+                log.warning("KV disk tier: cannot write block files under %s (%s); blocks are dropped, "
+                            "not spilled, until a write succeeds", self.root, e.strerror or e)  # fmt: skip
+            self._failing = True
+            return False
+        self._failing = False
+        return True
 
     def restore(self, block: int, h: bytes) -> bool:
         """Fill ``block`` from the file of hash ``h``; False (the file deleted if bad) when it cannot."""
@@ -136,7 +167,8 @@ class DiskTier:
             t.copy_(raw.view(t.dtype).view(t.shape))
             offset += n
         self._files.move_to_end(h)  # used again: last to be deleted (mtime keeps the order over restarts)
-        os.utime(self.path(h))
+        with contextlib.suppress(OSError):  # deleted since the read: the block is already in the pool
+            os.utime(self.path(h))
         self.stats.restored += 1
         self.stats.restore_seconds.observe(time.perf_counter() - t0)
         return True
@@ -161,7 +193,8 @@ class DiskTier:
 
     def _drop(self, h: bytes) -> None:
         self.stats.bytes -= self._files.pop(h)
-        self.path(h).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only folder: the file stays, no longer counted
+            self.path(h).unlink(missing_ok=True)
 
     def _trim(self, room: int) -> None:
         """Delete the oldest files until ``room`` more bytes fit in the budget."""

@@ -53,6 +53,10 @@ _DISK_COUNTERS = {
         "block files refused on restore (checksum/header/length), deleted",
         "corrupt",
     ),
+    "kvlens_kv_disk_spill_failures": (
+        "evicted blocks not spilled: their file could not be written (disk full, folder gone)",
+        "failed",
+    ),
 }
 
 
