@@ -275,6 +275,30 @@ def test_a_bad_character_names_its_field(server, smol_path):
     assert err["param"] == "messages.0.content.0.text" and "bad character at index 1" in err["message"]
 
 
+@pytest.mark.parametrize(
+    "data,content_type,param,message",
+    [
+        # NaN (a JSON literal Python's json reads, or the string "nan") once failed "less than or
+        # equal to 2"; a validator's message once came with pydantic's "Value error, " before it
+        (b'{"model": "$M", "prompt": "hi", "temperature": NaN}', "application/json", "temperature",
+         "temperature: Input should be a finite number"),
+        (b'{"model": "$M", "prompt": "hi", "top_p": "inf"}', "application/json", "top_p",
+         "top_p: Input should be a finite number"),
+        (b'{"model": "$M", "prompt": "hi", "n": 2}', "application/json", None, "only n=1 is supported"),
+        # a body that is not an object, or not sent as JSON, once read "Input should be a valid dictionary"
+        (b"[]", "application/json", None, "the request body must be a JSON object sent as Content-Type: "
+         "application/json"),
+        (b'{"model": "$M", "prompt": "hi"}', "text/plain", None, "the request body must be a JSON object "
+         "sent as Content-Type: application/json (it was sent as text/plain)"),
+    ],
+)  # fmt: skip
+def test_the_error_message_says_what_is_wrong(server, smol_path, data, content_type, param, message):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": content_type}
+    data = data.replace(b"$M", smol_path.stem.encode())
+    err = _assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=data, headers=headers), 400)
+    assert (err["param"], err["message"]) == (param, message)
+
+
 def test_a_body_over_the_limit_is_a_413_and_the_server_goes_on(server, smol_path, client):
     """Declared (Content-Length) and chunked: refused without being held, answered after the client
     has sent it all, counted; a body within the limit is served as before."""

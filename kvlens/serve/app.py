@@ -65,12 +65,22 @@ def _first_error(errors: list) -> dict:
     return next((e for e in passed if tuple(e.get("loc", ()))[:tag] == loc[:tag]), first)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(
+    exc: RequestValidationError, content_type: str = "application/json"
+) -> tuple[str, str | None]:
     first = _first_error(exc.errors())
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     param = ".".join(_field_path(first)) or None
     kind, msg = first.get("type", ""), str(first.get("msg", "invalid request"))
+    if param is None and tuple(first.get("loc", ())) == ("body",) and kind.endswith("_type"):
+        # not an object: a JSON array or string, or a body FastAPI did not read as JSON at all
+        sent = (
+            "" if "json" in content_type.lower() else f" (it was sent as {content_type or 'no Content-Type'})"
+        )
+        return f"the request body must be a JSON object sent as Content-Type: application/json{sent}", None
+    if kind == "value_error" and isinstance(first.get("ctx", {}).get("error"), ValueError):
+        msg = str(first["ctx"]["error"])  # our validator's own words, without pydantic's "Value error, "
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     if kind == "missing":
@@ -88,8 +98,8 @@ def _install_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
         return answer(exc.status, exc.body(), exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc, request.headers.get("content-type", ""))
         return answer(400, error_body(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)

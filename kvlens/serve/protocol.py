@@ -9,6 +9,7 @@ except vLLM's ``ignore_eos`` (load generators use it to get exact output lengths
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -47,7 +48,20 @@ def _not_bool(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_not_bool)]
-Float = Annotated[float, BeforeValidator(_not_bool)]
+
+
+def _finite_number(value: Any) -> Any:
+    value = _not_bool(value)
+    try:
+        number = float(value)  # what pydantic's lax mode would read (a JSON NaN, or the string "nan")
+    except (TypeError, ValueError):
+        return value  # not a number at all: pydantic's own message says so
+    if not math.isfinite(number):  # else NaN would fail the field's ge / le, with a misleading message
+        raise ValueError("Input should be a finite number")
+    return value
+
+
+Float = Annotated[float, BeforeValidator(_finite_number)]
 
 
 class APIError(Exception):
