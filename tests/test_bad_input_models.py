@@ -131,6 +131,29 @@ def test_gguf_wrong_shape_is_refused(tiny, tmp_path):
     refused(bad, "'blk.0.ffn_down.weight' has shape (96, 64)", "(64, 96)")
 
 
+@pytest.mark.parametrize("weights", ["f32", "int8"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_gguf_non_finite_weights_are_refused(tiny, tmp_path, weights, bad):
+    """A NaN or Inf weight would run and put NaN into every logit (or K/V) it reaches."""
+    for name in ("blk.1.attn_v.weight", "output_norm.weight"):
+        a = tensor(tiny[2], name).copy()
+        a.flat[a.size // 2] = bad
+        path = rewrite_gguf(tiny[2], tmp_path / f"{name}.gguf", tensors={name: a})
+        refused(path, f"'{name}' holds NaN or Inf values", weights=weights)
+
+
+def test_hf_non_finite_weights_are_refused(tiny, tmp_path):
+    state = dict(tiny[1].state_dict())
+    for i, (name, bad) in enumerate(
+        [("model.embed_tokens.weight", math.nan), ("model.layers.0.input_layernorm.weight", math.inf)]
+    ):
+        t = state[name].clone()
+        t.view(-1)[7] = bad
+        for dtype in (torch.float32, torch.bfloat16):
+            poisoned = {**state, name: t.to(dtype)}
+            refused(resaved(tiny, tmp_path / f"{i}{dtype}", poisoned), f"'{name}' holds NaN or Inf values")
+
+
 def test_gguf_unknown_or_unused_tensors_are_refused(tiny, tmp_path):
     bias = np.zeros(64, np.float32)
     refused(

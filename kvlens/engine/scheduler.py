@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..checks import check_int, check_token_ids
-from ..kv.cache import BLOCK
+from ..kv.cache import BLOCK, NonFiniteKVError
 from ..kv.disk import DiskStats
 from ..kv.modes import MODES
 from ..kv.pool import BlockPool, PagedKV, kv_block_bytes, kv_bytes_per_token
@@ -90,9 +90,10 @@ class TokenEvent:
     logprob: float | None  # log-softmax of the chosen token (temperature-free logits)
     top_logprobs: list[tuple[int, float]] | None
     finished: bool
-    finish_reason: str | None  # "stop" (a stop id; the stop token IS reported), "length", "abort"
+    finish_reason: str | None  # "stop" (a stop id; the stop token IS reported), "length", "abort", "error"
     logits: torch.Tensor | None = field(default=None, repr=False)  # with EngineConfig.keep_logits
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (set on the first token's event)
+    error: Exception | None = None  # finish_reason "error": what failed in this request's own computation
 
 
 @dataclass
@@ -152,18 +153,13 @@ class Engine:
             )
         self.llm, self.config = llm, config
         cfg = llm.config
-        budget = config.kv_budget_bytes
-        if budget is None:
-            budget = default_kv_budget(llm, config.max_batch)
-        self.pool = BlockPool(
-            cfg.n_layers,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            llm.kv,
-            budget,
-            llm.device,
-            llm.cache_options.mirror_prefill,
+        budget = (
+            default_kv_budget(llm, config.max_batch)
+            if config.kv_budget_bytes is None
+            else config.kv_budget_bytes
         )
+        pool_args = (llm.kv, budget, llm.device, llm.cache_options.mirror_prefill)
+        self.pool = BlockPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, *pool_args)
         self.runner = ModelRunner(llm)
         self.prefix = None
         if config.prefix_cache:
@@ -281,10 +277,21 @@ class Engine:
         batch = [s for s in batch if s in self.running]  # a later reservation may have preempted it
         if not batch:
             return
+        self._decode_rows(batch, events)
+
+    def _decode_rows(self, batch: list[Sequence], events: list[TokenEvent]) -> None:
         positions = [s.kv.length for s in batch]
-        logits = self.runner.decode(
-            [s.kv for s in batch], [s.tokens[p] for s, p in zip(batch, positions, strict=True)], positions
-        )
+        try:
+            logits = self.runner.decode(
+                [s.kv for s in batch], [s.tokens[p] for s, p in zip(batch, positions, strict=True)], positions
+            )
+        except NonFiniteKVError as e:  # one sequence's own values: find it, the others go on
+            if len(batch) == 1:
+                return self._fail(batch[0], e, events)
+            for seq, pos in zip(batch, positions, strict=True):
+                seq.kv.length = pos  # rows before the failing one may have finished their step
+                self._decode_rows([seq], events)  # alone: the same computation as its batch row
+            return
         for b, seq in enumerate(batch):
             if seq.kv.length == len(seq.tokens):  # not a recompute replay: sample the next token
                 events.append(self._emit(seq, logits[b]))
@@ -322,11 +329,20 @@ class Engine:
         self.prefix.acquire(seq.kv, seq.req.prompt_ids)
 
     def _run_chunk(self, seq: Sequence, start: int, end: int, events: list[TokenEvent]) -> None:
-        logits = self.runner.prefill(seq.kv, seq.tokens[start:end], start)
+        try:
+            logits = self.runner.prefill(seq.kv, seq.tokens[start:end], start)
+        except NonFiniteKVError as e:
+            return self._fail(seq, e, events)
         if self.prefix is not None:
             self.prefix.publish(seq.kv, seq.req.prompt_ids, start, end)
         if end == len(seq.tokens):  # the prompt is in and nothing was generated yet
             events.append(self._emit(seq, logits))
+
+    def _fail(self, seq: Sequence, error: Exception, events: list[TokenEvent]) -> None:
+        """End ``seq`` alone: its own computation failed (a non-finite K/V), no other sequence's did."""
+        self.running.remove(seq)
+        seq.kv.free()
+        events.append(TokenEvent(seq.req.request_id, None, None, None, True, "error", error=error))
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
         req = seq.req
@@ -365,7 +381,10 @@ def run_alone(llm: LLM, req: Request, config: EngineConfig | None = None) -> Ite
     engine = Engine(llm, config or _fitted_config(llm, [req], max_batch=1))
     engine.add_request(req)
     while engine.has_unfinished():
-        yield from engine.step()
+        for ev in engine.step():
+            if ev.error is not None:
+                raise ev.error
+            yield ev
 
 
 def run_batch(llm: LLM, reqs: list[Request], config: EngineConfig | None = None) -> dict[str, list[int]]:
@@ -380,6 +399,8 @@ def run_batch(llm: LLM, reqs: list[Request], config: EngineConfig | None = None)
         out[req.request_id] = []
     while engine.has_unfinished():
         for ev in engine.step():
+            if ev.error is not None:
+                raise ev.error
             if ev.token_id is not None:
                 out[ev.request_id].append(ev.token_id)
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -12,7 +13,7 @@ import torch
 
 from ..checks import read_json
 from .config import ModelConfig, ModelLoadError, check_readable, config_from_hf
-from .gguf_loader import check_gguf_structure, config_from_gguf, load_gguf_tensors, open_gguf
+from .gguf_loader import check_gguf_structure, config_from_gguf, gguf_name, load_gguf_tensors, open_gguf
 from .gguf_repack import gguf_codes, gguf_modes
 from .qlinear import WEIGHT_MODES
 from .tokenizer import Tokenizer
@@ -128,14 +129,17 @@ def load_model(
     cfg = config_from_gguf(meta, str(path))
     check_gguf_structure(reader, cfg)
     tokenizer = check_vocab(Tokenizer.from_gguf_metadata(meta), cfg, path)
+    label = functools.partial(gguf_name, arch=cfg.arch)
     if weights == "f32":
         tensors = load_gguf_tensors(reader, cfg)
-        built = build_weights(cfg, tensors.get, dtype, device)
+        built = build_weights(cfg, tensors.get, dtype, device, label=label)
     else:
         codes = gguf_codes(reader, cfg)  # only moves bits; skips the float dequantization too
         tensors = load_gguf_tensors(reader, cfg, skip=codes)
         modes = gguf_modes(reader, cfg.arch) if weights == "auto" else {}
-        built = build_weights(cfg, tensors.get, dtype, device, lambda n: modes.get(n, weights), codes.get)
+        built = build_weights(
+            cfg, tensors.get, dtype, device, lambda n: modes.get(n, weights), codes.get, label
+        )
     return LoadedModel(cfg, built, tokenizer, path, weights)
 
 

@@ -136,20 +136,25 @@ def check_structure(cfg: ModelConfig, found: Shapes, label: Callable[[str], str]
 class _Getter:
     """Tensors by HF name, on the target device and dtype, with the loader's errors."""
 
-    def __init__(self, get, dtype, device, mode_for, get_codes) -> None:
-        self.get, self.dtype, self.device = get, dtype, device
+    def __init__(self, get, dtype, device, mode_for, get_codes, label: Callable[[str], str] = str) -> None:
+        self.get, self.dtype, self.device, self.label = get, dtype, device, label
         self.codes = get_codes or (lambda _name: None)
         self._matrix = None if mode_for is None else make_matrix(mode_for, self.need, self.codes, device)
 
     def need(self, name: str) -> torch.Tensor:
-        t = self.get(name)
+        t = self.opt(name)
         if t is None:
             raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
-        return t.to(device=self.device, dtype=self.dtype)
+        return t
 
-    def opt(self, name: str) -> torch.Tensor | None:
+    def opt(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """The tensor, checked finite as the file holds it (both loaders' float tensors pass here)."""
         t = self.get(name)
-        return None if t is None else t.to(device=self.device, dtype=self.dtype)
+        if t is None:
+            return None
+        if not bool(torch.isfinite(t).all()):
+            raise ModelLoadError(f"tensor {self.label(name)!r} holds NaN or Inf values (a corrupt file?)")
+        return t.to(device=self.device, dtype=dtype or self.dtype)
 
     def matrix(self, names: list[str]) -> Matrix:
         if self._matrix is not None:
@@ -198,14 +203,16 @@ def build_weights(
     device: torch.device,
     mode_for: Callable[[str], str] | None = None,
     get_codes: Callable[[str], QCodes | None] | None = None,
+    label: Callable[[str], str] = str,
 ) -> Weights:
     """Assemble :class:`Weights`; ``get(name)`` returns an HF-named tensor or None if absent.
+    ``label(name)``: the name the file gives that tensor, for errors (a GGUF's own names).
 
     Weight matrices are f32 tensors unless ``mode_for(name)`` picks a kept-quantized mode
     (bf16/int8/int4, :mod:`.qlinear`); ``get_codes(name)`` may hand over already-quantized codes
     (repacked GGUF blocks), which ``get`` then need not return.
     """
-    g = _Getter(get, dtype, device, mode_for, get_codes)
+    g = _Getter(get, dtype, device, mode_for, get_codes, label)
     layers = [_layer_weights(cfg, i, g) for i in range(cfg.n_layers)]
     embed = g.checked("embedding", ["model.embed_tokens.weight"], (cfg.vocab, cfg.hidden))
     lm_head = embed  # tied (some checkpoints tie without saying so)
@@ -213,13 +220,13 @@ def build_weights(
         get("lm_head.weight") is not None or g.codes("lm_head.weight") is not None
     ):
         lm_head = g.matrix(["lm_head.weight"])
-    factors = get("rope_freqs")
+    factors = g.opt("rope_freqs", torch.float32)
     return Weights(
         embed=embed,
         norm=g.need("model.norm.weight"),
         lm_head=lm_head,
         layers=layers,
-        rope_freq_factors=None if factors is None else factors.to(device=device, dtype=torch.float32),
+        rope_freq_factors=factors,
     )
 
 

@@ -106,7 +106,8 @@ class Runner:
                 ev = timed.event
                 if ev.finish_reason == "error":
                     job.finish_reason = "error"
-                    raise EngineFault(f"the engine failed while running request {job.rid}")
+                    why = f": {ev.error}" if ev.error is not None else ""
+                    raise EngineFault(f"the engine failed while running request {job.rid}{why}")
                 delta = ""
                 if ev.token_id is not None:
                     if job.first_at is None:
