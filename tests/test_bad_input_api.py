@@ -10,6 +10,7 @@ from tiny_models import VOCAB, write_hf
 
 import kvlens
 from kvlens.checks import check_device
+from kvlens.engine.scheduler import Engine, EngineConfig, Request
 from kvlens.kv.quant import dequantize_q8, quantize_q8
 from kvlens.models.loader import load_model
 
@@ -43,9 +44,44 @@ def test_token_ids_are_checked_at_every_entry(llm, ids, error, match):
         lambda: list(llm.generate_ids(ids, 2)),
         lambda: llm.capture_qkv(ids, [0]),
         lambda: llm.forward(ids, llm.new_cache(8), 0),
+        # the serving engine's own entry (a 2-D tensor once raised torch's "Boolean value of Tensor")
+        lambda: Engine(llm, EngineConfig(kv_budget_bytes=1 << 20)).add_request(Request("r", ids, 2)),
     ]
     for call in calls:
-        with pytest.raises(error, match=match):
+        with pytest.raises(
+            error,
+            match="the prompt is empty" if call is calls[-1] and isinstance(ids, list) and not ids else match,
+        ):
+            call()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"kv_budget_bytes": 1.5}, TypeError, "kv_budget_bytes must be an integer, got float"),  # was run
+        (
+            {"kv_budget_bytes": "1GiB"},
+            TypeError,
+            "kv_budget_bytes must be an integer, got str",
+        ),  # int()'s words
+        ({"kv_budget_bytes": 0}, ValueError, "kv_budget_bytes must be ≥ 1"),
+        ({"max_batch": True}, TypeError, "max_batch must be an integer, got bool"),
+        ({"max_batch": 0}, ValueError, "max_batch must be ≥ 1"),
+        ({"max_waiting": -1}, ValueError, "max_waiting must be ≥ 0"),
+        ({"prefill_token_budget": 2.0}, TypeError, "prefill_token_budget must be an integer"),
+    ],
+)
+def test_engine_config(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_a_prefill_chunk_is_checked_wherever_it_is_given(llm):
+    for call in (
+        lambda: list(llm.generate_ids([1, 2], 2, prefill_chunk=0)),
+        lambda: llm.variant(prefill_chunk=0),
+    ):
+        with pytest.raises(ValueError, match="prefill_chunk must be ≥ 1, got 0"):  # was ZeroDivisionError
             call()
 
 

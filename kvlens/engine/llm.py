@@ -161,6 +161,7 @@ class LLM:
             if not hasattr(self, name):
                 raise AttributeError(f"LLM has no setting {name!r}")
             setattr(other, name, value)
+        check_int(other.prefill_chunk, "prefill_chunk", minimum=1)
         other.kv = KVMode.parse(other.kv)
         other.kv.check_layout(other.config.n_layers, other.config.head_dim, other.config.n_kv_heads)
         other.attn_backend = resolve_backend(other.attn_backend, other.device)

@@ -65,10 +65,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "prefill_token_budget", "kv_disk_budget"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.max_waiting < 0:
-            raise ValueError("max_waiting must be >= 0")
+            check_int(getattr(self, name), name, minimum=1)
+        check_int(self.max_waiting, "max_waiting", minimum=0)
+        if self.kv_budget_bytes is not None:
+            check_int(self.kv_budget_bytes, "kv_budget_bytes", minimum=1)
         if self.kv_disk is not None and not self.prefix_cache:
             raise ValueError("the KV disk tier holds prefix-cache blocks: it needs prefix_cache=True")
 
@@ -194,9 +194,11 @@ class Engine:
     def _check(self, req: Request) -> None:
         if not isinstance(req, Request):
             raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
+        req.prompt_ids = check_token_ids(
+            req.prompt_ids, self.llm.config.vocab, "prompt token ids", allow_empty=True
+        )
         if not req.prompt_ids:
             raise ValueError("the prompt is empty")
-        req.prompt_ids = check_token_ids(req.prompt_ids, self.llm.config.vocab, "prompt token ids")
         check_int(req.max_tokens, "max_tokens", minimum=1)
         if req.logprobs is not None:
             check_int(req.logprobs, "logprobs", minimum=0)
