@@ -378,15 +378,20 @@ def _fitted_config(llm: LLM, reqs: list[Request], **changes) -> EngineConfig:
     )
 
 
-def run_alone(llm: LLM, req: Request, config: EngineConfig | None = None) -> Iterator[TokenEvent]:
-    """Events of one request run alone (a batch of one): what ``kvlens generate`` runs."""
-    engine = Engine(llm, config or _fitted_config(llm, [req], max_batch=1))
-    engine.add_request(req)
+def _run_out(engine: Engine) -> Iterator[TokenEvent]:
+    """Every event until nothing is left to run; a request's own failure is raised, not passed on."""
     while engine.has_unfinished():
         for ev in engine.step():
             if ev.error is not None:
                 raise ev.error
             yield ev
+
+
+def run_alone(llm: LLM, req: Request, config: EngineConfig | None = None) -> Iterator[TokenEvent]:
+    """Events of one request run alone (a batch of one): what ``kvlens generate`` runs."""
+    engine = Engine(llm, config or _fitted_config(llm, [req], max_batch=1))
+    engine.add_request(req)
+    yield from _run_out(engine)
 
 
 def run_batch(llm: LLM, reqs: list[Request], config: EngineConfig | None = None) -> dict[str, list[int]]:
@@ -399,10 +404,7 @@ def run_batch(llm: LLM, reqs: list[Request], config: EngineConfig | None = None)
     for req in reqs:
         engine.add_request(req)
         out[req.request_id] = []
-    while engine.has_unfinished():
-        for ev in engine.step():
-            if ev.error is not None:
-                raise ev.error
-            if ev.token_id is not None:
-                out[ev.request_id].append(ev.token_id)
+    for ev in _run_out(engine):
+        if ev.token_id is not None:
+            out[ev.request_id].append(ev.token_id)
     return out
