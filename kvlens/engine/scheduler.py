@@ -153,13 +153,9 @@ class Engine:
             )
         self.llm, self.config = llm, config
         cfg = llm.config
-        budget = (
-            default_kv_budget(llm, config.max_batch)
-            if config.kv_budget_bytes is None
-            else config.kv_budget_bytes
-        )
-        pool_args = (llm.kv, budget, llm.device, llm.cache_options.mirror_prefill)
-        self.pool = BlockPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, *pool_args)
+        budget = config.kv_budget_bytes or default_kv_budget(llm, config.max_batch)  # checked >= 1 or None
+        pool_settings = (llm.kv, budget, llm.device, llm.cache_options.mirror_prefill)
+        self.pool = BlockPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, *pool_settings)
         self.runner = ModelRunner(llm)
         self.prefix = None
         if config.prefix_cache:
