@@ -76,6 +76,11 @@ def test_engine_config(kwargs, error, match):
         EngineConfig(**kwargs)
 
 
+def test_a_request_id_is_a_string(llm):
+    with pytest.raises(TypeError, match="request_id must be a str, got int"):  # ran, keyed by 5
+        Engine(llm, EngineConfig(kv_budget_bytes=1 << 20)).add_request(Request(5, [1, 2], 2))
+
+
 def test_a_prefill_chunk_is_checked_wherever_it_is_given(llm):
     for call in (
         lambda: list(llm.generate_ids([1, 2], 2, prefill_chunk=0)),

@@ -190,6 +190,8 @@ class Engine:
     def _check(self, req: Request) -> None:
         if not isinstance(req, Request):
             raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
+        if not isinstance(req.request_id, str):  # events, aborts and records are keyed by it
+            raise TypeError(f"request_id must be a str, got {type(req.request_id).__name__}")
         req.prompt_ids = check_token_ids(
             req.prompt_ids, self.llm.config.vocab, "prompt token ids", allow_empty=True
         )
