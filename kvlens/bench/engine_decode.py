@@ -14,7 +14,7 @@ import argparse
 import time
 
 from ..engine.llm import LLM, load
-from ..engine.scheduler import Engine, EngineConfig, Request
+from ..engine.serving import Engine, EngineConfig, Request
 from ..kv.cache import BLOCK
 from ..kv.pool import kv_bytes_per_token
 

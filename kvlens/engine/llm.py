@@ -22,6 +22,7 @@ from ..models.transformer import Transformer
 from .attention import make_attend, resolve_backend
 from .fused_step import forward_fused, fused_decoder
 from .sampling import Sampler, SamplingParams
+from .sequence import Request
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -232,7 +233,7 @@ class LLM:
             return
         if max_new_tokens == 0:
             return
-        from .scheduler import Request, run_alone
+        from .scheduler import run_alone
 
         llm = (
             self if prefill_chunk in (None, self.prefill_chunk) else self.variant(prefill_chunk=prefill_chunk)
@@ -285,7 +286,7 @@ class LLM:
         """Continuations of every prompt, in order, run together through the serving engine (each
         output is what :meth:`generate` gives for that prompt alone). A seeded ``sampling`` seeds every
         request's own generator with that seed."""
-        from .scheduler import Request, run_batch
+        from .scheduler import run_batch
 
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of strings")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import secrets
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from .llm import LLM
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
+from .sequence import Request, Sequence, TokenEvent
 
 
 class QueueFullError(RuntimeError):
@@ -74,29 +75,6 @@ class EngineConfig:
 
 
 @dataclass
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_ids: frozenset[int] | None = None  # None: the tokenizer's EOS ids
-    logprobs: int | None = None  # None: no logprobs; N >= 0: chosen token's logprob + top-N
-
-
-@dataclass
-class TokenEvent:
-    request_id: str
-    token_id: int | None  # None only for a finish without a new token (abort)
-    logprob: float | None  # log-softmax of the chosen token (temperature-free logits)
-    top_logprobs: list[tuple[int, float]] | None
-    finished: bool
-    finish_reason: str | None  # "stop" (a stop id; the stop token IS reported), "length", "abort", "error"
-    logits: torch.Tensor | None = field(default=None, repr=False)  # with EngineConfig.keep_logits
-    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (set on the first token's event)
-    error: Exception | None = None  # finish_reason "error": what failed in this request's own computation
-
-
-@dataclass
 class EngineStats:
     blocks_total: int
     blocks_used: int
@@ -113,33 +91,6 @@ class EngineStats:
     prefix_evictions: int = 0  # cached blocks evicted from memory, cumulative
     prefix_cached_blocks: int = 0  # unreferenced cached blocks kept now
     disk: DiskStats | None = None  # the disk tier's counters (None: no disk tier)
-
-
-@dataclass
-class Sequence:
-    req: Request
-    kv: PagedKV
-    sampler: Sampler
-    stop_ids: frozenset[int]
-    tokens: list[int]  # prompt, then the generated tokens
-    cached_tokens: int | None = None  # prefix-cache hit at first admission
-
-    @property
-    def n_prompt(self) -> int:
-        return len(self.req.prompt_ids)
-
-    @property
-    def n_generated(self) -> int:
-        return len(self.tokens) - self.n_prompt
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.kv.length < self.n_prompt
-
-    def next_chunk(self, chunk: int) -> tuple[int, int]:
-        """The next prefill chunk ``[start, end)``: up to the next absolute multiple of ``chunk``."""
-        start = self.kv.length
-        return start, min(self.n_prompt, (start // chunk + 1) * chunk)
 
 
 class Engine:

@@ -1,16 +1,8 @@
 """The serving engine's public interface (used by kvlens.serve and the benchmarks)."""
 
 from .sampling import SamplingParams
-from .scheduler import (
-    Engine,
-    EngineConfig,
-    EngineStats,
-    QueueFullError,
-    Request,
-    TokenEvent,
-    run_alone,
-    run_batch,
-)
+from .scheduler import Engine, EngineConfig, EngineStats, QueueFullError, run_alone, run_batch
+from .sequence import Request, TokenEvent
 
 __all__ = [
     "Engine",

@@ -21,7 +21,8 @@ from ..checks import read_json
 from ..kv.modes import CacheOptions
 from .llm import LLM, load
 from .sampling import SamplingParams
-from .scheduler import Request, run_alone
+from .scheduler import run_alone
+from .sequence import Request
 
 RECORD_VERSION = 1
 SETTINGS = ("kv", "weights", "attn_backend", "prefill_chunk", "mirror_prefill", "device", "cpu")
