@@ -4,7 +4,7 @@ to the tokens they give alone, and every block goes back to the pool.
 The failure is real in the first two tests (one token's embedding row set to NaN in memory, since a file
 holding one is refused at load: K turns NaN at layer 0 wherever that token is fed, in prefill or in a
 batched decode row) and injected in the third (at the last layer of one row, after an earlier row has
-finished its step)."""
+finished its step; a non-finite K/V, and a RuntimeError standing for a fault of the code)."""
 
 from __future__ import annotations
 
@@ -108,9 +108,14 @@ def test_a_request_gone_non_finite_ends_alone(model_dir, phase):
         run_batch(llm, [a, b])
 
 
-def test_rows_that_finished_their_step_before_the_failure_run_it_again_alone(model_dir, monkeypatch):
+@pytest.mark.parametrize("fault_type", [NonFiniteKVError, RuntimeError])
+def test_rows_that_finished_their_step_before_the_failure_run_it_again_alone(
+    model_dir, monkeypatch, caplog, fault_type
+):
     """The failure at the LAST layer of b's row, after a's row wrote its last layer (and so advanced its
-    length): a is decoded again alone at the same position, and gives the tokens it gives alone."""
+    length): a is decoded again alone at the same position, and gives the tokens it gives alone. A
+    fault that is not the input's doing (here a RuntimeError) is isolated the same way, and logged
+    with its traceback."""
     llm = _load(model_dir)
     llm.fused_step = False  # every row through the general path (PagedKV.write, which the fault hooks)
     a, b = (
@@ -123,13 +128,20 @@ def test_rows_that_finished_their_step_before_the_failure_run_it_again_alone(mod
 
     def fault(layer, start, k, v):
         if layer == last and start == fail_at:
-            raise NonFiniteKVError(f"injected at layer {layer}, position {start}")
+            raise fault_type(f"injected at layer {layer}, position {start}")
         real(layer, start, k, v)
 
     monkeypatch.setattr(kvlens.kv.pool, "check_kv_finite", fault)
-    out = _drive(_engine(llm), [a, b])
+    with caplog.at_level("ERROR", logger="kvlens.engine"):
+        out = _drive(_engine(llm), [a, b])
     assert _tokens(out["a"]) == want
-    assert out["b"][-1].finish_reason == "error" and len(_tokens(out["b"])) == 3
+    end = out["b"][-1]
+    assert (end.finish_reason, type(end.error), len(_tokens(out["b"]))) == ("error", fault_type, 3)
+    logged = [r for r in caplog.records if r.name == "kvlens.engine"]
+    if fault_type is RuntimeError:  # a fault of the code, not of the input: its traceback is kept
+        assert len(logged) == 1 and "request b failed" in logged[0].message and logged[0].exc_info
+    else:
+        assert not logged
 
 
 def test_the_server_names_the_failure_of_that_request(model_dir):

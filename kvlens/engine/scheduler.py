@@ -28,6 +28,7 @@ makes a hit exact: it resumes at a chunk boundary, so every later chunk is the s
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections import deque
 from collections.abc import Iterator
@@ -47,6 +48,8 @@ from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
 from .sequence import Request, Sequence, TokenEvent
+
+log = logging.getLogger("kvlens.engine")
 
 
 class QueueFullError(RuntimeError):
@@ -236,7 +239,7 @@ class Engine:
             logits = self.runner.decode(
                 [s.kv for s in batch], [s.tokens[p] for s, p in zip(batch, positions, strict=True)], positions
             )
-        except NonFiniteKVError as e:  # one sequence's own values: find it, the others go on
+        except Exception as e:  # one sequence's own computation: find it, the others go on
             if len(batch) == 1:
                 return self._fail(batch[0], e, events)
             for seq, pos in zip(batch, positions, strict=True):
@@ -282,7 +285,7 @@ class Engine:
     def _run_chunk(self, seq: Sequence, start: int, end: int, events: list[TokenEvent]) -> None:
         try:
             logits = self.runner.prefill(seq.kv, seq.tokens[start:end], start)
-        except NonFiniteKVError as e:
+        except Exception as e:  # a chunk is one sequence's: it alone ends
             return self._fail(seq, e, events)
         if self.prefix is not None:
             self.prefix.publish(seq.kv, seq.req.prompt_ids, start, end)
@@ -290,7 +293,10 @@ class Engine:
             events.append(self._emit(seq, logits))
 
     def _fail(self, seq: Sequence, error: Exception, events: list[TokenEvent]) -> None:
-        """End ``seq`` alone: its own computation failed (a non-finite K/V), no other sequence's did."""
+        """End ``seq`` alone: its own computation failed (a non-finite K/V, or a fault while its rows
+        ran), no other sequence's did. Only its own blocks were written, and they are freed."""
+        if not isinstance(error, NonFiniteKVError):  # not the input's doing: keep the traceback
+            log.error("request %s failed while it ran", seq.req.request_id, exc_info=error)
         self.running.remove(seq)
         seq.kv.free()
         events.append(TokenEvent(seq.req.request_id, None, None, None, True, "error", error=error))

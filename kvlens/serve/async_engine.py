@@ -3,9 +3,9 @@
 ``Engine`` is not thread-safe, so only its own thread touches it. Requests to add or abort go
 through a thread-safe inbox drained between steps; each step's token events (and a stats
 snapshot) are handed to the event loop with ``call_soon_threadsafe`` and routed to per-request
-asyncio queues. A request whose own values fail (a non-finite K/V) is ended alone by the engine
-itself; any other fault inside ``step()`` ends the requests in flight with ``finish_reason
-"error"`` and frees their blocks; the thread keeps serving.
+asyncio queues. A request whose own computation fails is ended alone by the engine itself; any
+other fault inside ``step()`` (the scheduler's bookkeeping) ends the requests in flight with
+``finish_reason "error"`` and frees their blocks; the thread keeps serving.
 """
 
 from __future__ import annotations
