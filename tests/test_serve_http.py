@@ -208,6 +208,8 @@ BAD_COMPLETIONS = {
     "lone surrogate in a stop string": {"model": "$M", "prompt": "hi", "stop": ["\udc00"]},
     "max_tokens a boolean": {"model": "$M", "prompt": "hi", "max_tokens": True},  # pydantic read 1
     "temperature a boolean": {"model": "$M", "prompt": "hi", "temperature": False},
+    # an int past float's range: the finite check's float() raised OverflowError, a 500
+    "temperature a 400-digit int": {"model": "$M", "prompt": "hi", "temperature": int("9" * 400)},
 }
 BAD_CHAT = {
     "no messages": {"model": "$M", "messages": []},

@@ -54,8 +54,8 @@ def _finite_number(value: Any) -> Any:
     value = _not_bool(value)
     try:
         number = float(value)  # what pydantic's lax mode would read (a JSON NaN, or the string "nan")
-    except (TypeError, ValueError):
-        return value  # not a number at all: pydantic's own message says so
+    except (TypeError, ValueError, OverflowError):
+        return value  # not a number at all, or an int past float's range: pydantic's own message says so
     if not math.isfinite(number):  # else NaN would fail the field's ge / le, with a misleading message
         raise ValueError("Input should be a finite number")
     return value
