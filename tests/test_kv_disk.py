@@ -21,29 +21,46 @@ from kvlens.kv.prefix import block_hashes
 CHUNK = 2 * BLOCK
 
 
-def random_pool(mode: str, seed: int) -> BlockPool:
-    """A 2-layer pool whose rows hold random stored values (int8 codes, scales, f16 rows, mirror)."""
+def random_pool(mode: str, seed: int, head_dim: int = 16) -> BlockPool:
+    """A 2-layer pool whose every stored tensor (codes, scales, int8 K's code sums, mirror and sink
+    rows) holds random values."""
     m = KVMode.parse(mode)
-    pool = BlockPool(2, 2, 16, m, 4 * BLOCK * kv_bytes_per_token(m, 2, 2, 16))
+    pool = BlockPool(2, 2, head_dim, m, 4 * BLOCK * kv_bytes_per_token(m, 2, 2, head_dim))
     g = torch.Generator().manual_seed(seed)
-    for t in pool.block_rows(0) + pool.block_rows(1) + pool.block_rows(2) + pool.block_rows(3):
-        if t.dtype == torch.int8:
-            t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
+    for t in stored_tensors(pool):
+        if t.dtype in (torch.int8, torch.int16, torch.uint8):
+            t.copy_(torch.randint(-127 if t.is_signed() else 0, 128, t.shape, generator=g, dtype=t.dtype))
         else:
             t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     return pool
 
 
+def stored_tensors(pool: BlockPool) -> list[torch.Tensor]:
+    """Every tensor the pool stores, found from its stores' fields (not through ``block_rows``, the
+    list the disk tier writes, which is what is under test)."""
+    out = []
+    for store in (*pool.k, *pool.v, *pool.k_exact, *pool.v_exact):
+        out += [t for t in (store.data, store.scale, store.ksum) if t is not None]
+    return out + [store.data for store in (*pool.k_sink, *pool.v_sink)]
+
+
+def block_of(pool: BlockPool, t: torch.Tensor, block: int) -> torch.Tensor:
+    rows_per_block = BLOCK if t.shape[1] == pool.n_blocks * BLOCK else pool.sink  # sink stores: S rows
+    return t[:, block * rows_per_block : (block + 1) * rows_per_block]
+
+
 @pytest.mark.parametrize("mode", ["q8", "f16", "bf16", "q8+mirror", "q6h"])
 def test_round_trip_is_bit_exact_in_the_stored_form(tmp_path, mode):
-    pool = random_pool(mode, 0)
+    pool = random_pool(mode, 0, head_dim=64)  # int8 K keeps code sums from head_dim 32 on
     disk = DiskTier(tmp_path, 1 << 20, pool, "model-a")
-    before = [t.clone() for t in pool.block_rows(1)]
+    before = [block_of(pool, t, 1).clone() for t in stored_tensors(pool)]
+    assert any(t.dtype == torch.int16 for t in before) == (mode in ("q8", "q8+mirror"))  # the code sums
     disk.spill(1, b"h" * 32)
     assert disk.stats.spilled == 1 and disk.stats.bytes == disk.path(b"h" * 32).stat().st_size
     assert disk.restore(3, b"h" * 32)  # into another block
+    after = [block_of(pool, t, 3) for t in stored_tensors(pool)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     after = pool.block_rows(3)
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, after, strict=True))
     if mode == "q8":  # no conversion: int8 codes + fp32 scales, exactly their bytes on disk
         assert [t.dtype for t in after[:2]] == [torch.int8, torch.float32]
         payload = sum(t.numel() * t.element_size() for t in after)
@@ -58,6 +75,22 @@ def test_file_of_another_model_or_mode_is_refused(tmp_path):
     assert b"x" * 32 in other
     assert not other.restore(1, b"x" * 32)
     assert other.stats.corrupt == 1 and not other.path(b"x" * 32).exists()
+
+
+def test_file_under_another_blocks_name_is_refused(tmp_path):
+    """A file's name is its block's hash; one renamed (or copied) to another hash's name holds other
+    tokens' rows, and is refused by the hash in its header."""
+    pool = random_pool("q8", 1)
+    disk = DiskTier(tmp_path, 1 << 20, pool, "model-a")
+    disk.spill(0, b"x" * 32)
+    disk.path(b"x" * 32).rename(disk.path(b"y" * 32))
+    again = DiskTier(tmp_path, 1 << 20, pool, "model-a")  # a restart finds it under the new name
+    target = [block_of(pool, t, 1).clone() for t in stored_tensors(pool)]
+    assert b"y" * 32 in again and not again.restore(1, b"y" * 32)
+    assert all(
+        torch.equal(a, block_of(pool, t, 1)) for a, t in zip(target, stored_tensors(pool), strict=True)
+    )
+    assert again.stats.corrupt == 1 and not again.path(b"y" * 32).exists()
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
@@ -150,6 +183,25 @@ def test_restored_prefix_gives_the_logits_of_a_fresh_prefill(tmp_path, tiny_dir,
     fresh = llm.prefill(prompt, llm.new_cache(len(prompt)))
     assert torch.equal(events[0].logits, fresh)
     assert engine.stats().disk.restored == disk.stats.restored
+    assert engine.stats().blocks_used == 0 and (engine.pool.refcount == 0).all()  # a refused file's block too
+
+
+def test_blocks_spilled_under_another_prefill_chunk_are_not_reused(tmp_path, tiny_dir):
+    """A server restarted with another prefill chunk over the same folder: the files it finds were
+    computed in other chunks, so reusing them would not give a fresh prefill's logits. The chunk is
+    part of every block's hash: the new server neither finds nor restores them."""
+    rng = random.Random(9)
+    history = [rng.randrange(3, 320) for _ in range(3 * CHUNK + 9)]
+    before = _engine(kvlens.load(tiny_dir, kv="q8", attn_backend="numba", prefill_chunk=CHUNK), tmp_path, 8)
+    _run(before, "turn1", history)
+    _run(before, "filler", [rng.randrange(3, 320) for _ in range(7 * BLOCK)])
+    assert before.prefix.disk.stats.spilled == 6
+    llm = kvlens.load(tiny_dir, kv="q8", attn_backend="numba", prefill_chunk=BLOCK)
+    after = _engine(llm, tmp_path, 8)
+    assert after.prefix.disk.stats.bytes == before.prefix.disk.stats.bytes  # it sees the files
+    events = _run(after, "turn2", history + [5, 6, 7])
+    assert events[0].cached_tokens == 0 and after.prefix.disk.stats.restored == 0
+    assert torch.equal(events[0].logits, llm.prefill(history + [5, 6, 7], llm.new_cache(len(history) + 3)))
 
 
 # -- a tier it cannot write to: refused at start, or (once running) counted, never raised ----------

@@ -19,8 +19,8 @@ import kvlens
 from kvlens.engine.scheduler import Engine, EngineConfig, Request, run_alone
 from kvlens.kv.cache import BLOCK
 from kvlens.kv.modes import KVMode
-from kvlens.kv.pool import BlockPool, PoolExhaustedError
-from kvlens.kv.prefix import block_hashes
+from kvlens.kv.pool import BlockPool, PagedKV, PoolExhaustedError
+from kvlens.kv.prefix import block_hashes, cache_salt
 
 CHUNK = 2 * BLOCK  # a chunk of two blocks: a hit must round down to whole chunks
 
@@ -55,10 +55,14 @@ def test_second_turn_reuses_whole_chunks_and_matches_a_fresh_prefill(llm):
     turn1 = ids(rng, 2 * CHUNK + 40)  # its last, partial chunk holds a full block
     first = run(engine, "t1", turn1)
     assert first[0].cached_tokens == 0
+    # named: the 2 whole chunks' 4 blocks; not the full block inside the partial chunk (its rows
+    # came from a shorter chunk than a longer prompt's prefill runs there)
+    assert len(engine.prefix.index) == 2 * CHUNK // BLOCK
     turn2 = turn1 + [e.token_id for e in first] + ids(rng, 40)
     second = run(engine, "t2", turn2)
     # the first turn published its 2 whole chunks (not its partial one, not the decoded tokens)
     assert second[0].cached_tokens == 2 * CHUNK
+    assert [e.cached_tokens for e in second[1:]] == [0, 0]  # on the first token's event only
     assert torch.equal(second[0].logits, fresh_logits(llm, turn2))
     alone = list(run_alone(llm, Request("x", turn2, 3, stop_ids=frozenset()), EngineConfig(keep_logits=True)))
     assert [e.token_id for e in alone] == [e.token_id for e in second]
@@ -160,6 +164,65 @@ def test_block_hashes_chain_and_salt():
     ha, hb = block_hashes(a, 3, b"s"), block_hashes(b, 3, b"s")
     assert ha[0] == hb[0] and ha[1] != hb[1] and ha[2] != hb[2]  # the chain carries the difference
     assert block_hashes(a, 3, b"t")[0] != ha[0]
+
+
+def test_the_salt_names_everything_a_block_depends_on_besides_its_tokens():
+    """Model file and weights, KV mode, mirror prefill source and prefill chunk each change the salt,
+    so every hash: a disk folder shared by servers that differ in any of them hands none of them
+    another's rows."""
+    q8, f16 = KVMode.parse("q8"), KVMode.parse("f16")
+    settings_ = [
+        ("model-a", q8, "exact", 64),
+        ("model-b", q8, "exact", 64),
+        ("model-a", f16, "exact", 64),
+        ("model-a", q8, "q8", 64),
+        ("model-a", q8, "exact", 32),
+    ]
+    assert len({block_hashes(list(range(BLOCK)), 1, cache_salt(*s))[0] for s in settings_}) == len(settings_)
+
+
+def test_a_freed_sequence_parks_its_tail_first_so_eviction_keeps_its_head():
+    """A hit takes a prompt's cached blocks from its first one on, so a cached prefix is worth only
+    its unbroken head: freeing parks the last block first, and eviction (oldest parked first) takes
+    tails before heads."""
+    pool = BlockPool(1, 1, 8, KVMode.parse("q8"), 4 * BLOCK * 24)
+    index = pool.enable_prefix()
+    kv = PagedKV(pool)
+    kv.grow(4 * BLOCK)
+    head_to_tail = list(kv.blocks)
+    for j, b in enumerate(head_to_tail):
+        index.publish(bytes([j]) * 4, b)
+    kv.free()
+    assert pool.allocate(2) == head_to_tail[:1:-1]  # the last block, then the one before it
+    assert set(index.hash_of) == set(head_to_tail[:2])
+
+
+def test_a_recompute_that_takes_back_its_own_chunks_is_no_prefix_hit(tiny_dir):
+    """Preemption frees a sequence's blocks while its published chunks stay cached, so its recompute
+    takes them back. That is the request's own work, not reuse: cached_tokens (usage) and the hit
+    counter count first admissions only, and every output is the lone run's."""
+    llm = kvlens.load(tiny_dir, kv="q8", attn_backend="numba", prefill_chunk=CHUNK)
+    rng = random.Random(9)
+    reqs = [Request(f"p{i}", ids(rng, CHUNK + 10 + 7 * i), 40, stop_ids=frozenset()) for i in range(3)]
+    budget = 9 * BLOCK * engine_bytes_per_token(llm)
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget, prefix_cache=True, max_batch=3))
+    reused: list[int] = []
+    acquire = engine.prefix.acquire
+    engine.prefix.acquire = lambda kv, prompt: reused.append(acquire(kv, prompt)) or reused[-1]
+    for r in reqs:
+        engine.add_request(r)
+    out: dict[str, list] = {r.request_id: [] for r in reqs}
+    for _ in range(500):
+        for ev in engine.step():
+            out[ev.request_id].append(ev)
+        if not engine.has_unfinished():
+            break
+    s = engine.stats()
+    assert s.preemptions > 0 and any(reused), "premise: a recompute took back its own cached chunks"
+    assert s.prefix_hit_tokens == 0 and all(out[r.request_id][0].cached_tokens == 0 for r in reqs)
+    for r in reqs:
+        alone = run_alone(llm, Request("x", r.prompt_ids, r.max_tokens, stop_ids=frozenset()))
+        assert [e.token_id for e in out[r.request_id]] == [e.token_id for e in alone]
 
 
 # -- pool invariants under random operations (hypothesis), against a plain model of the pool ------------

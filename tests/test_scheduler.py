@@ -155,3 +155,19 @@ def test_refusals(llm):
     s = engine.stats()
     assert (s.blocks_total, s.block_size, s.waiting, s.blocks_used) == (3, BLOCK, 2, 0)
     assert s.f16_tokens_same_bytes < s.tokens_capacity  # q8 holds more than f16 in the same bytes
+
+
+def test_a_chunk_larger_than_the_prefill_budget_still_runs_one_per_step(llm):
+    """The first chunk of a step always runs: a budget below the chunk size slows prefill to one
+    chunk per step, it never stalls it, and the output is the lone run's."""
+    r = req("big", 40, 3, seed=9)  # chunks [0, 16), [16, 32), [32, 40) at prefill_chunk=16
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget(llm, 4), prefill_token_budget=4))
+    engine.add_request(r)
+    steps = []
+    for step in range(12):  # bounded: a stalled prefill fails here, it does not hang
+        steps += [(step, ev.token_id) for ev in engine.step()]
+        if not engine.has_unfinished():
+            break
+    assert [s for s, _ in steps] == [2, 3, 4]  # one chunk per step; the third one's logits give token 1
+    alone = run_alone(llm, req("big", 40, 3, seed=9))
+    assert [t for _, t in steps] == [e.token_id for e in alone]

@@ -164,6 +164,46 @@ def test_stop_string_cuts_the_text_plain_and_streamed(client, ref, smol_path):
     _assert_verified(ref, chunks[-1].model_extra["kvlens"])  # a re-run of its record stops there too
 
 
+def test_a_stop_string_ends_the_requests_generation(server, client, ref, smol_path):
+    """Cut by a stop string, the request stops generating: it does not run on to max_tokens behind
+    the client's back (ignore_eos: nothing but the cut can end it early)."""
+    full = _ref_text(ref, PROMPT, 10)
+    stop = full.strip().split()[1][:3]
+    before = server.wait_blocks_freed()["kvlens_generation_tokens_total"]
+    r = client.completions.create(
+        model=smol_path.stem, prompt=PROMPT, max_tokens=400, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.index(stop)]
+    generated = server.wait_blocks_freed(timeout=60)["kvlens_generation_tokens_total"] - before
+    # the engine may have run a few steps ahead of the cut before the abort landed; not 400
+    assert r.usage.completion_tokens <= generated < r.usage.completion_tokens + 32
+
+
+def _ends_early(ref) -> str:
+    """A chat message the model answers, greedily, with EOS within 12 tokens on this machine (the
+    premise of the test below, checked rather than assumed: a near-tie can differ between CPUs)."""
+    for text in ("Hi!", "What is 2+2? Answer with a number only.", "Say hello."):
+        ids = ref.tokenizer.encode(ref.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+        if len(list(ref.generate_ids(ids, 12))) < 12:
+            return text
+    pytest.fail("premise: none of the chat messages ends with EOS within 12 tokens on this machine")
+
+
+def test_no_max_tokens_runs_to_eos_and_ignore_eos_runs_past_it(client, ref, smol_path):
+    """Without max_tokens a request may fill the room the pool and the context leave (it is not
+    refused for asking the default) and ends at EOS; with ignore_eos it runs past EOS to max_tokens."""
+    text = _ends_early(ref)
+    msgs = [{"role": "user", "content": text}]
+    r = client.chat.completions.create(model=smol_path.stem, messages=msgs, temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 12
+    assert r.choices[0].message.content == _ref_text(ref, text, 16, chat=True)
+    r = client.chat.completions.create(
+        model=smol_path.stem, messages=msgs, temperature=0, max_tokens=16, extra_body={"ignore_eos": True}
+    )
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 16)
+
+
 def test_logprobs_are_the_models_log_softmax(client, ref, smol_path):
     import torch
 
@@ -183,6 +223,38 @@ def test_logprobs_are_the_models_log_softmax(client, ref, smol_path):
     assert lp.token_logprobs[0] == pytest.approx(max(got.values()), abs=1e-6)  # greedy took the top one
 
 
+def test_streamed_logprobs_are_the_plain_ones_each_token_once(client, smol_path):
+    kwargs = dict(model=smol_path.stem, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    plain = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    got = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for lp in got for t in lp.tokens] == plain.tokens and len(plain.tokens) == 6
+    assert [v for lp in got for v in lp.token_logprobs] == plain.token_logprobs
+
+
+def test_chat_logprobs_without_top_logprobs_and_max_completion_tokens(client, smol_path):
+    """logprobs=true alone gives each token's logprob with no alternatives (OpenAI's default of
+    top_logprobs); max_completion_tokens, the newer name, wins over max_tokens."""
+    r = client.chat.completions.create(
+        model=smol_path.stem, messages=CHAT, temperature=0, logprobs=True, max_tokens=2,
+        max_completion_tokens=5, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert r.usage.completion_tokens == len(content) == 5
+    assert all(e.logprob <= 0 and e.top_logprobs == [] for e in content)
+
+
+def test_top_p_near_zero_keeps_only_the_top_token_and_four_stops_are_allowed(client, ref, smol_path):
+    """Sampling at temperature 1 from the smallest top-p prefix is greedy decoding; OpenAI allows up
+    to 4 stop sequences."""
+    greedy = client.completions.create(model=smol_path.stem, prompt=PROMPT, max_tokens=8, temperature=0)
+    r = client.completions.create(
+        model=smol_path.stem, prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=1e-6, seed=3,
+        stop=["#1#", "#2#", "#3#", "#4#"],
+    )  # fmt: skip
+    assert r.choices[0].text == greedy.choices[0].text and r.choices[0].finish_reason == "length"
+
+
 BAD_COMPLETIONS = {
     "malformed JSON": b'{"model": "m", "prompt": "hi"',
     "not an object": b"[1, 2]",
@@ -191,6 +263,7 @@ BAD_COMPLETIONS = {
     "prompt wrong type": {"model": "$M", "prompt": 5},
     "max_tokens wrong type": {"model": "$M", "prompt": "hi", "max_tokens": "ten"},
     "negative max_tokens": {"model": "$M", "prompt": "hi", "max_tokens": -1},
+    "seed past int64": {"model": "$M", "prompt": "hi", "seed": 2**63},
     "zero max_tokens": {"model": "$M", "prompt": "hi", "max_tokens": 0},
     "absurd max_tokens": {"model": "$M", "prompt": "hi", "max_tokens": 10**12},
     "temperature < 0": {"model": "$M", "prompt": "hi", "temperature": -0.5},
@@ -367,6 +440,22 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server, client, smol_path
     assert "finish=cancelled" in server.output()
 
 
+def test_a_client_gone_before_a_plain_answer_frees_its_blocks(server, smol_path):
+    """Not streamed, the server only learns the client left by asking the connection (once a second):
+    a gone client's request is cancelled all the same, it does not run on to max_tokens."""
+    before = server.wait_blocks_freed()
+    body = {"model": smol_path.stem, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=2.0,
+                   headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    after = server.wait_blocks_freed(timeout=20)  # 4000 tokens would take minutes here
+    cancelled = {"endpoint": "completions", "finish_reason": "cancelled"}
+    assert (
+        _counter(after, "kvlens_requests_total", **cancelled)
+        == _counter(before, "kvlens_requests_total", **cancelled) + 1
+    )
+
+
 async def _flood(url: str, model: str, n: int, max_tokens: int) -> list[httpx.Response]:
     body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -402,6 +491,30 @@ def test_metrics_exposes_pool_queue_tokens_and_latency(server):
         assert name in m, name
     assert m["kvlens_kv_blocks_total"] > 0 and m["kvlens_requests_waiting"] == 0
     assert m["kvlens_generation_tokens_total"] > 0 and m["kvlens_time_to_first_token_seconds_count"] > 0
+
+
+def test_metrics_count_each_request_its_tokens_and_each_refusal(server, client, smol_path):
+    """One answered request: one time to first token, one inter-token gap per later token, one
+    request by endpoint and finish reason; one 400 and one 404 counted by status."""
+    before = server.wait_blocks_freed()
+    r = client.completions.create(model=smol_path.stem, prompt=PROMPT, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    for body in (
+        {"model": smol_path.stem, "prompt": "hi", "max_tokens": -1},
+        {"model": "nope", "prompt": "hi"},
+    ):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    after = server.wait_blocks_freed()
+
+    def moved(name: str, **labels: str) -> float:
+        return _counter(after, name, **labels) - _counter(before, name, **labels)
+
+    assert r.usage.completion_tokens == 5
+    assert moved("kvlens_time_to_first_token_seconds_count") == 1
+    assert moved("kvlens_inter_token_latency_seconds_count") == 4
+    assert moved("kvlens_requests_total", endpoint="completions", finish_reason="length") == 1
+    assert moved("kvlens_request_errors_total", status="400") == 1
+    assert moved("kvlens_request_errors_total", status="404") == 1
 
 
 def test_bench_serve_load_gets_exact_output_lengths(server, ref):

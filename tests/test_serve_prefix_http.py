@@ -70,6 +70,17 @@ def test_second_turn_is_served_from_the_cache_then_from_disk(server, ref, smol_p
     m = srv.metrics()
     assert m["kvlens_prefix_hit_tokens_total"] == want
     assert m["kvlens_prompt_tokens_total"] == r1.usage.prompt_tokens + r2.usage.prompt_tokens
+    # turn 2 again, streamed: now its own whole chunks are cached too (all but its last token's chunk)
+    chunks = list(client.chat.completions.create(
+        model=model, messages=turn2, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == r2.choices[0].message.content
+    )
+    again = (r2.usage.prompt_tokens - 1) // CHUNK * CHUNK
+    assert again >= want and chunks[-1].usage.prompt_tokens_details.cached_tokens == again
 
     # two long conversations fill the 6 MiB pool (16 blocks of 32): turn 2's blocks go to disk
     for topic in ("minerals and crystals", "early mammals"):

@@ -70,6 +70,21 @@ def test_stop_token_counts_but_adds_no_text_or_logprob(tok):
     assert out.push(eos, logprob=-0.1, top=[], is_stop_token=True) == ""
     assert out.text + out.finish() == "the a"
     assert out.token_ids == [*ids, eos] and len(out.logprobs) == len(ids)
+    # a stop id that is an ordinary token (a GGUF whose EOS is not marked special): still no text
+    plain = OutputText(tok, [])
+    (b,) = tok.encode("b")
+    assert plain.push(b, is_stop_token=True) == "" and plain.text + plain.finish() == ""
+
+
+def test_text_offset_is_where_each_tokens_text_starts_even_while_text_is_held_back(tok):
+    """A tail that could still begin a stop string is held back from the client, not from the text:
+    each token's offset is the length of the decode of the tokens before it."""
+    ids = tok.encode("the az b thaz ab")
+    out = OutputText(tok, ["zq", "a z"])  # "a", "z" and "a " begin stop strings that never complete
+    for t in ids:
+        out.push(t, logprob=-1.0, top=[])
+    assert not out.stopped and out.text + out.finish() == "the az b thaz ab"
+    assert [e.text_offset for e in out.logprobs] == [len(tok.decode(ids[:i])) for i in range(len(ids))]
 
 
 @pytest.mark.parametrize(
