@@ -171,13 +171,14 @@ def test_a_stop_string_ends_the_requests_generation(server, client, ref, smol_pa
     stop = full.strip().split()[1][:3]
     before = server.wait_blocks_freed()["kvlens_generation_tokens_total"]
     r = client.completions.create(
-        model=smol_path.stem, prompt=PROMPT, max_tokens=400, temperature=0, stop=[stop],
+        model=smol_path.stem, prompt=PROMPT, max_tokens=1000, temperature=0, stop=[stop],
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.index(stop)]
     generated = server.wait_blocks_freed(timeout=60)["kvlens_generation_tokens_total"] - before
-    # the engine may have run a few steps ahead of the cut before the abort landed; not 400
-    assert r.usage.completion_tokens <= generated < r.usage.completion_tokens + 32
+    # the engine may have run some steps ahead of the cut before the abort landed (more on a loaded
+    # machine); a run to max_tokens would be 1000
+    assert r.usage.completion_tokens <= generated < r.usage.completion_tokens + 100
 
 
 def _ends_early(ref) -> str:
