@@ -35,9 +35,11 @@ def test_too_short_corpus_for_prompts() -> None:
 
 
 def test_compare_agreement_and_divergence_by_hand() -> None:
-    m = compare("q8", [[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 0, 4], [5, 6, 7, 8]], 2.0)
-    assert m.agreement == 7 / 8 and m.first_div == [2, 4] and m.identical == 1
-    assert m.to_json(4)["tokens_per_s"] == 4.0 and m.to_json(4)["first_divergence_median"] == 3.0
+    tokens, ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]], [[1, 2, 0, 4], [5, 6, 7, 8], [9, 9, 9, 1]]
+    m = compare("q8", tokens, ref, 2.0)
+    # the third prompt differs at its last token only: not identical
+    assert m.agreement == 10 / 12 and m.first_div == [2, 4, 3] and m.identical == 1
+    assert m.to_json(4)["tokens_per_s"] == 6.0 and m.to_json(4)["first_divergence_median"] == 3.0
 
 
 def test_first_divergence() -> None:

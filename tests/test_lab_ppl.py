@@ -74,6 +74,10 @@ def test_chunk_metrics_equal_stats_token_metrics() -> None:
     ours, ref = chunk_metrics(BaseLogProbs(base), q, t), token_metrics(base, q, t)
     for k in ref:
         assert torch.allclose(ours[k].double(), ref[k].double(), rtol=1e-12, atol=1e-15), k
+    q[:, 7] = base.max(dim=1).values + 1.0  # every row's top token moves to 7, where base's is not
+    ours = chunk_metrics(BaseLogProbs(base), q, t)
+    assert torch.equal(ours["top_q"], torch.full((6,), 7)) and not torch.any(ours["top_base"] == 7)
+    assert torch.equal(ours["top_base"], base.argmax(dim=-1))
     same = chunk_metrics(BaseLogProbs(base), base.clone(), t)
     assert torch.all(same["kld"] == 0)  # identical logits: exactly 0, as llama.cpp's "base vs base"
 
@@ -348,6 +352,7 @@ class _FakeDecodeLLM(_FakeLLM):
     def __init__(self) -> None:
         super().__init__(add_bos=True)
         self.steps: list[tuple[str, int, bool]] = []
+        self.fed: list[tuple[int, list[int]]] = []  # (position, ids) of each decode step
 
     def variant(self, **changes):
         other = copy.copy(self)
@@ -356,6 +361,7 @@ class _FakeDecodeLLM(_FakeLLM):
 
     def forward(self, ids, cache, pos, prefill):
         self.steps.append((cache.kv, pos, prefill))
+        self.fed.append((pos, list(ids)))
         return torch.tensor([[pos + (0.5 if cache.kv == "q8" else 0.0)]], dtype=torch.float64)
 
 
@@ -370,3 +376,13 @@ def test_attn_backend_scores_test_modes_as_decode_steps() -> None:
     assert llm.steps == [("q8", 4, False)] * 2  # position 4 as a decode step
     assert r.modes[0].stats["ppl_q"] == pytest.approx(math.exp(np.mean([_nll0(3.5), _nll0(4.5)])), rel=1e-12)
     assert "numba-int16" in r.modes[0].note and "decode steps" in r.modes[0].note
+
+
+def test_decode_steps_feed_each_scored_position_its_own_token() -> None:
+    """Teacher forcing: the decode step at position p is fed the chunk's token p (its logits then
+    score token p + 1), after a prefill of positions 0 .. first."""
+    llm = _FakeDecodeLLM()
+    llm.attn_backend = "numba"
+    logits = scored_logits(llm, [7, 11, 12, 13, 14, 15, 16], "q8", 2, 3)
+    assert llm.seen == [("q8", 2, [7, 11, 12, 13])] and llm.fed == [(4, [14]), (5, [15])]
+    assert logits[:, 0].tolist() == [3.5, 4.5, 5.5]  # positions 3 (prefill), 4 and 5 (decode steps)
