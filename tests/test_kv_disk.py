@@ -44,22 +44,25 @@ def stored_tensors(pool: BlockPool) -> list[torch.Tensor]:
     return out + [store.data for store in (*pool.k_sink, *pool.v_sink)]
 
 
-def block_of(pool: BlockPool, t: torch.Tensor, block: int) -> torch.Tensor:
-    rows_per_block = BLOCK if t.shape[1] == pool.n_blocks * BLOCK else pool.sink  # sink stores: S rows
-    return t[:, block * rows_per_block : (block + 1) * rows_per_block]
+def block_tensors(pool: BlockPool, block: int) -> list[torch.Tensor]:
+    """``block``'s rows of each of :func:`stored_tensors` (BLOCK rows a block; S of a sink store)."""
+    out = []
+    for t in stored_tensors(pool):
+        rows = BLOCK if t.shape[1] == pool.n_blocks * BLOCK else pool.sink
+        out.append(t[:, block * rows : (block + 1) * rows])
+    return out
 
 
 @pytest.mark.parametrize("mode", ["q8", "f16", "bf16", "q8+mirror", "q6h"])
 def test_round_trip_is_bit_exact_in_the_stored_form(tmp_path, mode):
     pool = random_pool(mode, 0, head_dim=64)  # int8 K keeps code sums from head_dim 32 on
     disk = DiskTier(tmp_path, 1 << 20, pool, "model-a")
-    before = [block_of(pool, t, 1).clone() for t in stored_tensors(pool)]
+    before = [t.clone() for t in block_tensors(pool, 1)]
     assert any(t.dtype == torch.int16 for t in before) == (mode in ("q8", "q8+mirror"))  # the code sums
     disk.spill(1, b"h" * 32)
     assert disk.stats.spilled == 1 and disk.stats.bytes == disk.path(b"h" * 32).stat().st_size
     assert disk.restore(3, b"h" * 32)  # into another block
-    after = [block_of(pool, t, 3) for t in stored_tensors(pool)]
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, block_tensors(pool, 3), strict=True))
     after = pool.block_rows(3)
     if mode == "q8":  # no conversion: int8 codes + fp32 scales, exactly their bytes on disk
         assert [t.dtype for t in after[:2]] == [torch.int8, torch.float32]
@@ -85,11 +88,9 @@ def test_file_under_another_blocks_name_is_refused(tmp_path):
     disk.spill(0, b"x" * 32)
     disk.path(b"x" * 32).rename(disk.path(b"y" * 32))
     again = DiskTier(tmp_path, 1 << 20, pool, "model-a")  # a restart finds it under the new name
-    target = [block_of(pool, t, 1).clone() for t in stored_tensors(pool)]
+    target = [t.clone() for t in block_tensors(pool, 1)]
     assert b"y" * 32 in again and not again.restore(1, b"y" * 32)
-    assert all(
-        torch.equal(a, block_of(pool, t, 1)) for a, t in zip(target, stored_tensors(pool), strict=True)
-    )
+    assert all(torch.equal(a, b) for a, b in zip(target, block_tensors(pool, 1), strict=True))
     assert again.stats.corrupt == 1 and not again.path(b"y" * 32).exists()
 
 
@@ -199,9 +200,10 @@ def test_blocks_spilled_under_another_prefill_chunk_are_not_reused(tmp_path, tin
     llm = kvlens.load(tiny_dir, kv="q8", attn_backend="numba", prefill_chunk=BLOCK)
     after = _engine(llm, tmp_path, 8)
     assert after.prefix.disk.stats.bytes == before.prefix.disk.stats.bytes  # it sees the files
-    events = _run(after, "turn2", history + [5, 6, 7])
+    prompt = history + [5, 6, 7]
+    events = _run(after, "turn2", prompt)
     assert events[0].cached_tokens == 0 and after.prefix.disk.stats.restored == 0
-    assert torch.equal(events[0].logits, llm.prefill(history + [5, 6, 7], llm.new_cache(len(history) + 3)))
+    assert torch.equal(events[0].logits, llm.prefill(prompt, llm.new_cache(len(prompt))))
 
 
 # -- a tier it cannot write to: refused at start, or (once running) counted, never raised ----------

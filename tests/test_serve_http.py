@@ -185,8 +185,7 @@ def _ends_early(ref) -> str:
     """A chat message the model answers, greedily, with EOS within 12 tokens on this machine (the
     premise of the test below, checked rather than assumed: a near-tie can differ between CPUs)."""
     for text in ("Hi!", "What is 2+2? Answer with a number only.", "Say hello."):
-        ids = ref.tokenizer.encode(ref.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-        if len(list(ref.generate_ids(ids, 12))) < 12:
+        if len(list(ref.generate_ids(ref.encode_prompt(text, chat=True), 12))) < 12:
             return text
     pytest.fail("premise: none of the chat messages ends with EOS within 12 tokens on this machine")
 
