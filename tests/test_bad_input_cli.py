@@ -17,12 +17,13 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tiny_models import write_hf
 
 from kvlens import cli, cli_args
 from kvlens.cli_args import MAX_SIZE, parse_floats, parse_sizes
+from kvlens.engine import llm as llm_module
 
 
 def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -78,6 +79,10 @@ BAD_OPTIONS = [
 
 @pytest.mark.parametrize(("args", "option"), BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
 def test_bad_option_values_are_usage_errors_before_anything_runs(monkeypatch, capsys, args, option):
+    def no_load(*_args, **_kwargs):  # a value that slipped through must not start a run (serve: forever)
+        raise RuntimeError("a model was loaded: the option passed its parse-time check")
+
+    monkeypatch.setattr(llm_module, "load_model", no_load)
     code, out, err = run_main(monkeypatch, capsys, *args)
     assert code == 2, err
     assert out == ""
@@ -216,6 +221,16 @@ def render(n: int, draw_k: bool, upper: bool, pad: bool) -> str:
     return f" {text} " if pad else text
 
 
+@pytest.mark.parametrize(
+    ("text", "minimum", "maximum"), [("4", 5, 8), ("9", 5, 8), ("1k", 1, 1023), ("8,9", 1, 8)]
+)
+def test_parse_sizes_keeps_each_item_within_its_bounds(text, minimum, maximum):
+    with pytest.raises(ValueError, match=rf"outside \[{minimum}, {maximum}\]"):
+        parse_sizes(text, minimum, maximum)
+    assert parse_sizes(str(maximum), minimum, maximum) == [maximum]
+    assert parse_sizes(str(minimum), minimum, maximum) == [minimum]
+
+
 @settings(deadline=None)  # a shared, loaded box must not turn slowness into failure
 @given(st.lists(st.tuples(st.integers(1, MAX_SIZE), st.booleans(), st.booleans(), st.booleans()), min_size=1))
 def test_parse_sizes_reads_back_what_was_written(items):
@@ -236,6 +251,10 @@ def reference_size(item: str) -> int | None:
 
 @settings(deadline=None)  # a shared, loaded box must not turn slowness into failure
 @given(st.text(alphabet="0123456789kK,.-+e ", max_size=24))
+@example("2147483647")  # MAX_SIZE itself, then one past it, plainly and with k
+@example("2147483648")
+@example("2097152k")
+@example("512,2097152K")
 def test_parse_sizes_accepts_exactly_the_grammar(text):
     expected = [reference_size(item) for item in text.split(",")]
     if None in expected:

@@ -275,6 +275,29 @@ BAD_HF_CONFIG = [
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0},
         "rope_scaling.high_freq_factor",
     ),
+    # llama3's smoothing divides by high - low: equal factors are refused like reversed ones
+    (
+        "rope_scaling",
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 4.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "high_freq_factor must be > low_freq_factor",
+    ),
+    (
+        "rope_scaling",
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 5.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "high_freq_factor must be > low_freq_factor",
+    ),
     ("model_type", "gpt2", "unsupported model_type 'gpt2'"),
 ]
 
@@ -355,6 +378,8 @@ def test_model_config_checks_the_python_api_too():
         {"rms_eps": math.nan},
         {"vocab": True},
         {"sliding_window": 0},
+        {"embed_scale": 0.0},  # set by the loaders (Gemma: sqrt(hidden)), checked all the same
+        {"embed_scale": math.inf},
     ]:
         with pytest.raises(ModelLoadError):
             ModelConfig(**{**good, **change})

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvlens.lab.needle import NeedleConfig, build_prompt, recall_table, run_needle
+from kvlens.engine.llm import LLM
+from kvlens.lab.needle import ANSWER_TOKENS, NeedleConfig, build_prompt, recall_table, run_needle
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +30,35 @@ def test_prompt_errors(smol_f32):
         build_prompt(smol_f32, filler, 400, 0.5, "12345")
 
 
-def test_short_needle_run(smol_f32):
+def test_short_needle_run(smol_f32, monkeypatch):
     filler = open(__file__.replace("test_lab_needle.py", "data/excerpt.txt"), encoding="utf-8").read()
-    rows = run_needle(smol_f32, filler, NeedleConfig(ctx=[328], depth=[0.3], sparse_budget=[64], kv="q8"))
-    assert [r.mode for r in rows] == ["f32 dense", "q8 dense", "q8 quest 64"]
+    capacities, starts = [], []
+    new_cache, decode = LLM.new_cache, LLM.decode
+
+    def spy_new_cache(self, capacity, *args, **kwargs):
+        capacities.append(capacity)
+        return new_cache(self, capacity, *args, **kwargs)
+
+    def spy_decode(self, cache, logits, pos, *args, **kwargs):
+        starts.append((cache.length, pos))
+        yield from decode(self, cache, logits, pos, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "new_cache", spy_new_cache)
+    monkeypatch.setattr(LLM, "decode", spy_decode)
+    rows = run_needle(
+        smol_f32, filler, NeedleConfig(ctx=[328], depth=[0.3], sparse_budget=[64, 128], kv="q8")
+    )
+    assert [r.mode for r in rows] == ["f32 dense", "q8 dense", "q8 quest 64", "q8 quest 128"]
+    # the prompt leaves room for the answer: prompt + answer tokens is the context, not more
+    assert capacities == [328, 328]  # one cache per cache type: f32, then q8 (shared by three variants)
+    # every variant decodes from the bare prefill: the one before it rewound the shared cache
+    assert len(starts) == 4 and all(length == pos == 328 - ANSWER_TOKENS for length, pos in starts)
     assert rows[0].recalled  # the model finds a fact 200 tokens back
     table = recall_table(rows)
-    assert set(table) == {"f32 dense", "q8 dense", "q8 quest 64"} and table["f32 dense"][328] == 1.0
+    assert (
+        set(table) == {"f32 dense", "q8 dense", "q8 quest 64", "q8 quest 128"}
+        and table["f32 dense"][328] == 1.0
+    )
 
 
 def test_bad_depth_and_empty_lists_are_refused():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 WORK = Path(tempfile.gettempdir()) / "kvlens-planted" / "work"
+TIMEOUT_S = 300  # one bug's test run (added in the twenty-fifth session, after a run hung)
 
 
 def plant(bug: dict) -> None:
@@ -43,7 +44,11 @@ def main() -> None:
             continue
         plant(bug)
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-n", "2", *tests]
-        run = subprocess.run(cmd, cwd=WORK, env=env, capture_output=True, text=True)
+        try:
+            run = subprocess.run(cmd, cwd=WORK, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # a hang is reported, not counted as caught
+            print(bug["id"], f"HUNG (no result in {TIMEOUT_S} s)", flush=True)
+            continue
         failed = [ln for ln in run.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
         verdict = "CAUGHT" if run.returncode else "SURVIVED"
         print(bug["id"], verdict, failed[:2], run.stdout.splitlines()[-1:], flush=True)
