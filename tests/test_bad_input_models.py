@@ -241,6 +241,17 @@ def test_unreadable_paths_are_called_what_they_are(tmp_path, monkeypatch):
 
 
 # -- HF config.json: each bad value is named by its key ------------------------------------------------
+def llama3_scaling(low: float, high: float) -> dict:
+    """An HF llama3 rope_scaling whose every other number is valid."""
+    return {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": 64,
+    }
+
+
 BAD_HF_CONFIG = [
     ("num_hidden_layers", 0, "num_hidden_layers must be ≥ 1, got 0"),
     ("num_hidden_layers", -1, "num_hidden_layers must be ≥ 1, got -1"),
@@ -276,28 +287,8 @@ BAD_HF_CONFIG = [
         "rope_scaling.high_freq_factor",
     ),
     # llama3's smoothing divides by high - low: equal factors are refused like reversed ones
-    (
-        "rope_scaling",
-        {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 4.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-        "high_freq_factor must be > low_freq_factor",
-    ),
-    (
-        "rope_scaling",
-        {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 5.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-        "high_freq_factor must be > low_freq_factor",
-    ),
+    ("rope_scaling", llama3_scaling(low=4.0, high=4.0), "high_freq_factor must be > low_freq_factor"),
+    ("rope_scaling", llama3_scaling(low=5.0, high=4.0), "high_freq_factor must be > low_freq_factor"),
     ("model_type", "gpt2", "unsupported model_type 'gpt2'"),
 ]
 
