@@ -10,6 +10,7 @@ from tiny_models import VOCAB, write_hf
 
 import kvlens
 from kvlens.checks import check_device
+from kvlens.engine.llm import ContextOverflowError
 from kvlens.engine.scheduler import Engine, EngineConfig, Request
 from kvlens.kv.quant import dequantize_q8, quantize_q8
 from kvlens.models.loader import load_model
@@ -119,6 +120,33 @@ def test_counts_and_layers(llm):
         )  # checked before the model is touched
     with pytest.raises(TypeError, match="sampling must be a SamplingParams, got dict"):
         list(llm.generate_ids([1, 2], 2, sampling={"temperature": 1.0}))
+
+
+def test_decode_checks_its_sampling_argument(llm):
+    """``decode`` is public on its own (the lab's loops call it after their own prefill): a dict in
+    place of SamplingParams is named there too, not an AttributeError from inside the sampler."""
+    cache = llm.new_cache(4)
+    logits = llm.prefill([1, 2], cache)
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams, got dict"):
+        list(llm.decode(cache, logits, 2, 2, sampling={"temperature": 1.0}))
+
+
+def test_the_context_holds_exactly_max_ctx_tokens(llm):
+    """The tiny model's context is its max_position_embeddings, 256 (tests/tiny_models.py): 256 tokens
+    run, 257 are refused before any work, whether they come as a prompt or as prompt plus new tokens."""
+    assert llm.config.max_ctx == 256
+    assert llm.logits([1] * 256).shape == (256, VOCAB)
+    with pytest.raises(ContextOverflowError, match="257 tokens do not fit in the model's context of 256"):
+        llm.logits([1] * 257)
+    cache = llm.new_cache(256)
+    logits = llm.prefill([1, 2], cache)
+    assert len(list(llm.decode(cache, logits, 2, 254, stop_at_eos=False))) == 254
+    for call in (
+        lambda: list(llm.generate_ids([1, 2], 255)),
+        lambda: list(llm.decode(llm.new_cache(4), logits, 2, 255)),
+    ):
+        with pytest.raises(ContextOverflowError, match="257 tokens do not fit"):
+            call()
 
 
 def test_forward_starts_where_the_cache_ends_or_before(llm):

@@ -349,13 +349,16 @@ def test_hf_missing_extra_misshapen_and_mistyped_tensors(tiny, tmp_path):
     assert load_model(resaved(tiny, tmp_path / "e", ignored)).config.n_layers == 2
 
 
-def test_hf_tokenizer_larger_than_the_vocabulary(tiny, tmp_path):
+@pytest.mark.parametrize("rows", [300, 319])  # 319: one id, the last, with no embedding row
+def test_hf_tokenizer_larger_than_the_vocabulary(tiny, tmp_path, rows):
     state = dict(tiny[1].state_dict())
     state = {
-        k: (v[:300] if k in ("model.embed_tokens.weight", "lm_head.weight") else v) for k, v in state.items()
+        k: (v[:rows] if k in ("model.embed_tokens.weight", "lm_head.weight") else v) for k, v in state.items()
     }
     refused(
-        resaved(tiny, tmp_path / "m", state, vocab_size=300), "the tokenizer has 320 tokens", "vocab_size"
+        resaved(tiny, tmp_path / "m", state, vocab_size=rows),
+        "the tokenizer has 320 tokens",
+        f"(vocab_size, embedding rows) is {rows}",
     )
 
 

@@ -253,6 +253,17 @@ def test_bad_gemma3_files_are_refused(tmp_path):
     _, path = write_gemma3(tmp_path / "b.gguf", meta={"gemma3.final_logit_softcapping": 30.0})
     with pytest.raises(ModelLoadError, match="soft-capping"):
         kvlens.load(path, kv="f32")
+    # a bool period would count as 1 (every layer global) and a float as a truncated int: both refused
+    for n, pattern in enumerate((True, 2.0)):
+        _, path = write_gemma3(
+            tmp_path / f"p{n}.gguf", meta={"gemma3.attention.sliding_window_pattern": pattern}
+        )
+        with pytest.raises(
+            ModelLoadError, match=rf"sliding_window_pattern={pattern!r}; kvlens reads only an"
+        ):
+            kvlens.load(path, kv="f32")
+    _, path = write_gemma3(tmp_path / "p.gguf", meta={"gemma3.attention.sliding_window_pattern": 2})
+    assert kvlens.load(path, kv="f32").config.sliding_pattern == 2
     with pytest.raises(ModelLoadError, match="GGUF file only"):
         config_from_hf({"model_type": "gemma3_text", "hidden_size": 64})
 

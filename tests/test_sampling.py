@@ -95,3 +95,17 @@ def test_zero_temperature_is_argmax_and_seeds_reproduce():
 def test_bad_sampling_params(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_seed_takes_what_torch_generators_take_and_nothing_more():
+    """torch seeds a generator from any int in [-2**63, 2**64 - 1]; past either end the Python API names
+    the seed at once instead of torch's "Overflow when unpacking long" at the first draw."""
+    logits = torch.tensor([0.0, 1.0, 2.0])
+    for seed in (-(2**63), 2**64 - 1):
+        Sampler(SamplingParams(temperature=1.0, seed=seed))(logits)
+    with pytest.raises(ValueError, match=r"seed must be ≥ -9223372036854775808, got -9223372036854775809"):
+        SamplingParams(seed=-(2**63) - 1)
+    with pytest.raises(ValueError, match=r"seed must be ≤ 18446744073709551615, got 18446744073709551616"):
+        SamplingParams(seed=2**64)
+    with pytest.raises(TypeError, match="seed must be an integer, got float"):
+        SamplingParams(seed=1.0)

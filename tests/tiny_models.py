@@ -245,10 +245,17 @@ def spm_tokens() -> tuple[list[str], list[float], list[int]]:
     return tokens + [f"<unused{i}>" for i in range(pad)], scores + [-1000.0] * pad, types + [3] * pad
 
 
+META_TYPES = {
+    bool: gguf.GGUFValueType.BOOL,
+    int: gguf.GGUFValueType.UINT32,
+    float: gguf.GGUFValueType.FLOAT32,
+}
+
+
 def write_gemma3(path: Path, seed: int = 0, skip: tuple[str, ...] = (), meta: dict | None = None, **config):
     """A random Gemma-3 (HF model, the reference) and its GGUF as llama.cpp's converter writes it
     (norms stored as 1 + w, no output.weight); returns ``(hf_model, path)``. ``skip``: GGUF tensor
-    names left out; ``meta``: extra float metadata (to write damaged files)."""
+    names left out; ``meta``: extra metadata, bool / int / float (to write damaged files)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -271,8 +278,8 @@ def write_gemma3(path: Path, seed: int = 0, skip: tuple[str, ...] = (), meta: di
     w.add_unk_token_id(3)
     w.add_add_bos_token(True)
     w.add_add_space_prefix(False)
-    for key, value in (meta or {}).items():
-        w.add_float32(key, value)
+    for key, value in (meta or {}).items():  # typed as given: a bool stays a GGUF BOOL, not an int
+        w.add_key_value(key, value, META_TYPES[type(value)])
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":
             continue
