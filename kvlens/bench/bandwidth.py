@@ -77,7 +77,8 @@ def _best_seconds(fn, reps: int) -> float:
 
 class MachineProbe:
     """The machine's own speed, sampled between a benchmark's rounds on all the benchmark's threads, three
-    ways: memory read bandwidth (best of ``reps`` parallel sums over a buffer well beyond the LLC),
+    ways: memory read bandwidth (best of ``reps`` parallel sums over a buffer beyond the LLC share a
+    guest gets: a 2-vCPU guest whose socket's L3 is 480 MiB read at memory speed from 192 MB up),
     arithmetic rate (best of ``reps`` runs of register-only multiply-add chains) and the threads'
     fork/join round trip (best of ``reps`` means over ``sync_reps`` empty parallel regions), :mod:`kvlens.kernels.probes`.
     A speed that moves with one of them moved with the machine, not the code: the host placing the
@@ -95,6 +96,12 @@ class MachineProbe:
         parallel_sum(self.buf[:16], 1)  # compiled (or loaded from cache) here, not in the first sample
         arith_chains(1, 1)
         fork_joins(np.zeros((1, 16)), 1)
+
+    @property
+    def nbytes(self) -> int:
+        """The read buffer's bytes, all resident (filled at construction): a benchmark's memory figure
+        leaves them out."""
+        return self.buf.nbytes
 
     def sample(self) -> tuple[float, float, float]:
         """Read GB/s, arithmetic G multiply-adds/s and fork/join µs now (also appended to

@@ -195,7 +195,7 @@ def run_decode_bench(
         del caches
         gc.collect()
         if with_hf and (t := hf_decode_time(first, ids, steps)) is not None:
-            cfg, rss = first.config, psutil.Process().memory_info().rss
+            cfg, rss = first.config, bench_rss(probe)
             kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4 * ctx
             rows.append(
                 DecodeRow(
@@ -207,6 +207,11 @@ def run_decode_bench(
         if progress:
             progress(ctx)
     return rows
+
+
+def bench_rss(probe: MachineProbe | None) -> int:
+    """This process's resident bytes, less the machine probe's read buffer (not the model's memory)."""
+    return psutil.Process().memory_info().rss - (probe.nbytes if probe else 0)
 
 
 def runs_mode(llm: LLM, mode: str) -> bool:
@@ -237,7 +242,7 @@ def timed_rows(
         if probe is not None:
             probe.sample()
     machine = probe.spread(first_sample) if probe else None
-    rss = psutil.Process().memory_info().rss
+    rss = bench_rss(probe)
     rows = []
     for (llm, m, kind), timed in zip(runs, per_run, strict=True):
         t, attn, write, lin, layers = median_step(timed)  # the median round
