@@ -117,3 +117,34 @@ def test_gemma3_shape_times_4bit_k_with_the_8bit_query_kernel():
     hd = 256
     per_row = {"q8": 2 * (hd + 4), "q4h": 2 * (hd // 2 + 2 * hd // 32)}
     assert {r.mode: r.bytes_read for r in rows} == {m: 64 * b for m, b in per_row.items()}
+
+
+def test_llc_size_is_read_in_binary_units(tmp_path):
+    from kvlens.bench.bandwidth import DEFAULT_LLC, llc_bytes
+
+    f = tmp_path / "size"
+    for text, want in (("32768K\n", 32 * MiB), ("480M", 480 * MiB), ("1G", 2**30), ("512", 512)):
+        f.write_text(text)
+        assert llc_bytes(f) == want, text
+    f.write_text("lots")
+    assert llc_bytes(f) == DEFAULT_LLC
+    assert llc_bytes(tmp_path / "missing") == DEFAULT_LLC
+
+
+def test_bandwidth_figures_are_bytes_over_seconds(monkeypatch):
+    """On a clock where every timed call takes exactly one second: copy moves 2 x the buffer (read
+    and write), read moves it once; the probe's read is its buffer's bytes, its arithmetic rate the
+    threads' multiply-adds, its fork/join the mean over its regions."""
+    import numba
+
+    from kvlens.bench import bandwidth
+    from kvlens.kernels.probes import ARITH_CHAINS
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(bandwidth.time, "perf_counter", lambda: float(next(ticks)))
+    bw = bandwidth.measure_bandwidth(n_bytes=MiB, reps=2)
+    assert (bw.copy_gb_per_s, bw.read_gb_per_s) == (2 * MiB / 1e9, MiB / 1e9)
+    p = bandwidth.MachineProbe(n_bytes=MiB, reps=2, arith_iters=1000, sync_reps=10)
+    read, arith, sync = p.sample()
+    n = numba.get_num_threads()
+    assert (read, arith, sync) == (MiB / 1e9, n * 1000 * ARITH_CHAINS / 1e9, 1e6 / 10)

@@ -17,6 +17,7 @@ from kvlens.bench.bandwidth import MachineProbe, MiB
 from kvlens.bench.decode import TABLE_HEADERS, run_decode_bench, table_rows
 from kvlens.bench.decode_rows import machine_caption
 from kvlens.bench.spread import MachineSpread, spread
+from kvlens.corpus import load_corpus
 
 FAKE = """#!{python}
 import json, sys
@@ -78,7 +79,14 @@ def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
     assert "ctx 64: memory read" in caption and all(f", {n} " in caption for n in ("arithmetic", "fork/join"))
     assert "not sampled" in machine_caption([])
     by = {(r.weights, r.mode): r for r in ours}
-    assert by["int8", "q8"].kv_bytes < by["int8", "f16"].kv_bytes  # 68 vs 128 bytes per row
+    # every layer and KV head, 64 positions; a row of head_dim = 64 values: f16 2 bytes a value; q8 1 byte
+    # a value + a 4-byte max_abs, and K also its int16 code sums per 32 values (the integer kernels')
+    cfg = smol_f32.config
+    rows_64 = cfg.n_layers * cfg.n_kv_heads * 64
+    assert by["int8", "f16"].kv_bytes == rows_64 * 2 * (64 * 2)
+    assert by["int8", "q8"].kv_bytes == rows_64 * ((64 + 4 + 2 * 2) + (64 + 4))
+    kv_mib = [cells[TABLE_HEADERS.index("KV MiB")] for cells in table_rows(ours[:1], "f16")]
+    assert kv_mib == [f"{ours[0].kv_bytes / 2**20:.1f}"]  # MiB, not MB
     # llama.cpp: one run per KV mode with a twin (q8-k has none), same depth and threads
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(calls) == 2
@@ -88,7 +96,7 @@ def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
         assert flag["-m"] == str(smol_f32.source) and flag["-o"] == "json" and flag["-p"] == "0"
     lc = {r.mode: r for r in rows if r.engine == "llama.cpp"}
     assert set(lc) == {"f16", "q8"} and lc["q8"].tok_per_s == 42.5
-    cfg = smol_f32.config
+    assert lc["q8"].rss_bytes >= 4 * MiB  # the stand-in is a Python process: getrusage's KiB made bytes
     assert lc["q8"].kv_bytes == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 64 * 34 // 32
     assert all(r.spread is None for r in rows if r.engine != "kvlens")  # one figure, no rounds
     table = table_rows(rows, "f16")
@@ -162,3 +170,43 @@ def test_the_ratio_to_the_base_mode_pairs_the_rounds():
     assert [r[9] for r in table_rows([base, other], "q8")] == ["1.00", "1.10"]
     assert speed_ratio(row("q4h", None), base) == pytest.approx(10.0 / 20.0)
     assert speed_ratio(row("q4h", [5.0, 40.0]), base) == pytest.approx(40.0 / 20.0)
+
+
+def test_a_timed_step_is_the_median_after_warm_up_at_the_cache_end(int8_llm, monkeypatch):
+    """time_decode on a scripted clock: each forward takes the next duration; the first two (warm-up)
+    are not timed, the result is the median of the rest, and every step starts at ``pos`` with the
+    cache rewound to ``pos`` rows."""
+    from kvlens.bench import decode
+
+    now, durations, seen = [0.0], [100.0, 100.0, 4.0, 1.0, 5.0, 3.0, 2.0], []
+    forward = int8_llm.forward
+
+    def scripted(ids, cache, start, **kw):
+        seen.append((start, cache.length))
+        now[0] += durations[len(seen) - 1]
+        return forward(ids, cache, start, **kw)
+
+    cache = int8_llm.new_cache(16, "q8")
+    int8_llm.prefill(list(range(1, 11)), cache)
+    monkeypatch.setattr(int8_llm, "forward", scripted)
+    monkeypatch.setattr(decode.time, "perf_counter", lambda: now[0])
+    step = decode.time_decode(int8_llm, cache, 10, 5, int8_llm.attn_backend)
+    assert step[0] == 3.0 and seen == [(10, 10)] * 7 and cache.length == 10
+
+
+def test_the_bench_times_the_step_that_attends_exactly_ctx(int8_llm, monkeypatch):
+    """At ctx 40 the caches hold 39 corpus positions and each timed step runs at position 39."""
+    from kvlens.bench.decode import corpus_ids
+
+    ids = corpus_ids(int8_llm, 39)
+    assert len(ids) == 39 and ids == int8_llm.tokenizer.encode(load_corpus(None)[0])[:39]
+    steps, forward = [], type(int8_llm).forward
+
+    def spy(self, ids, cache, start, prefill=True, **kw):
+        if not prefill:
+            steps.append((start, cache.length))
+        return forward(self, ids, cache, start, prefill, **kw)
+
+    monkeypatch.setattr(type(int8_llm), "forward", spy)
+    rows = run_decode_bench([int8_llm], [40], ["q8"], steps=2, with_hf=False, rounds=1)
+    assert [r.ctx for r in rows] == [40] and steps == [(39, 39)] * 4  # 2 warm-up + 2 timed

@@ -73,6 +73,32 @@ def test_load_meter_counts_steal(monkeypatch):
     assert sp.LoadMeter().read().steal_cpus == pytest.approx(0.3)
 
 
+def test_thresholds_are_inclusive_where_the_docs_say_so():
+    """A spread of exactly the threshold is within it (WIDE_SPREAD: "above this prints a warning");
+    other processes using exactly BUSY_FRACTION of the CPUs are other load ("this share ... count").
+    1.25 / 1.0 - 1 and 0.25 * 2 are exact in binary floating point."""
+    assert spread_warning("q8 tok/s", Spread(1.0, 1.1, 1.25), BUSY, threshold=0.25) is None
+    at_share = OtherLoad(cpus=2, load_avg_1m=3.0, other_cpus=0.5)
+    assert "likely cause: other load" in spread_warning("q8 tok/s", Spread(30.0, 40.0, 45.0), at_share)
+
+
+def test_load_meter_counts_whole_lives_of_new_processes_busiest_first(monkeypatch):
+    """A process born during the run counts with all its CPU time; an old one with its delta; the top
+    list runs busiest first."""
+    import kvlens.bench.spread as sp
+
+    clock = iter([100.0, 104.0])
+    before = {1: ("old 1", 10.0), 2: ("steady 2", 5.0)}
+    after = {1: ("old 1", 11.0), 2: ("steady 2", 5.0), 3: ("new 3", 2.0), 4: ("busy 4", 3.0)}
+    seconds = iter([before, after])
+    monkeypatch.setattr(sp.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(sp, "_steal_seconds", lambda: 0.0)
+    monkeypatch.setattr(sp, "_cpu_seconds", lambda: next(seconds))
+    load = sp.LoadMeter().read()
+    assert load.other_cpus == pytest.approx((1.0 + 2.0 + 3.0) / 4)
+    assert load.top == [("busy 4", 0.75), ("new 3", 0.5), ("old 1", 0.25)]
+
+
 def test_warning_without_other_load_points_inside():
     line = spread_warning("f16 tok/s", Spread(36.0, 47.4, 60.3), IDLE)
     assert "67%" in line and "no other load seen" in line and "other load on the machine" not in line

@@ -28,10 +28,13 @@ class Bandwidth:
     device: str
 
 
-def llc_bytes() -> int:
-    """Last-level cache size from sysfs (index3 = L3), else 32 MiB."""
+LLC_SIZE_FILE = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")  # index3 = L3; "32768K"
+
+
+def llc_bytes(size_file: Path = LLC_SIZE_FILE) -> int:
+    """Last-level cache size from sysfs (binary K/M/G units), else 32 MiB."""
     try:
-        s = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip().upper()
+        s = size_file.read_text().strip().upper()
         mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1], 1)
         return int(s.rstrip("KMG")) * mult
     except (OSError, ValueError, IndexError):
