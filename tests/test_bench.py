@@ -9,7 +9,7 @@ import pytest
 from kvlens.bench import attention as ba
 from kvlens.bench import prefill_read
 from kvlens.bench.bandwidth import MachineProbe, MiB
-from kvlens.bench.spread import MachineSpread, spread
+from kvlens.bench.spread import MachineSpread, Spread, spread
 
 KEYS = {"shape", "ctx", "mode", "backend", "us_per_call", "gb_per_s", "frac_of_copy_bw"}
 
@@ -148,3 +148,28 @@ def test_bandwidth_figures_are_bytes_over_seconds(monkeypatch):
     read, arith, sync = p.sample()
     n = numba.get_num_threads()
     assert (read, arith, sync) == (MiB / 1e9, n * 1000 * ARITH_CHAINS / 1e9, 1e6 / 10)
+
+
+def test_the_probe_reads_each_working_set_it_is_given(monkeypatch):
+    """Sized reads: each size read once a sample over exactly that many bytes (the buffer grows to
+    hold the largest, the main read keeps its size), kept with the sample's index; a run's spread takes
+    the reads of its own size from its own samples."""
+    from kvlens.bench import bandwidth
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(bandwidth.time, "perf_counter", lambda: float(next(ticks)))
+    p = bandwidth.MachineProbe(n_bytes=MiB, reps=2, arith_iters=1000, sync_reps=10)
+    read_sizes = []
+    real_sum = bandwidth.parallel_sum
+    monkeypatch.setattr(bandwidth, "parallel_sum", lambda a, n: read_sizes.append(a.nbytes) or real_sum(a, n))
+    p.sample()
+    p.sample([2 * MiB, MiB // 2, 2 * MiB])
+    p.sample([MiB // 2])
+    assert read_sizes == [MiB] * 2 + [MiB] * 2 + [MiB // 2] * 2 + [2 * MiB] * 2 + [MiB] * 2 + [MiB // 2] * 2
+    assert p.nbytes == 2 * MiB and p.reads == [MiB / 1e9] * 3
+    assert p.sized == {2 * MiB: [(1, 2 * MiB / 1e9)], MiB // 2: [(1, MiB / 2e9), (2, MiB / 2e9)]}
+    assert p.spread(0, MiB // 2).own_read == Spread(MiB / 2e9, MiB / 2e9, MiB / 2e9)
+    assert p.spread(2, 2 * MiB).own_read is None and p.spread(2, 2 * MiB).own_bytes == 0
+    assert p.spread(1, 2 * MiB).own_bytes == 2 * MiB and p.spread(0).own_read is None
+    with pytest.raises(ValueError, match="at least 4 bytes"):
+        p.sample([2])

@@ -49,6 +49,8 @@ def int8_llm():
 def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
     exe, log = fake_llama_bench(tmp_path)
     probe = MachineProbe(n_bytes=64 * MiB, reps=1, arith_iters=1000, sync_reps=10)
+    probe.sample()  # an earlier context's sample, made far from any of this one's: no row may count it
+    probe.reads[0], probe.ariths[0], probe.syncs[0] = 1e6, 1e6, 1e6
     rows = run_decode_bench(
         [smol_f32, int8_llm], [64], ["f16", "q8", "q8-k"], steps=3, with_hf=False, llama_bench=str(exe),
         rounds=3, step_kinds=("fused", "general"), probe=probe,
@@ -72,11 +74,21 @@ def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
             assert r.weights_ms + r.attn_ms + r.other_ms == pytest.approx(r.ms_per_tok)  # one step's parts
         assert r.rounds == 3 and r.tok_per_s_min <= r.tok_per_s <= r.tok_per_s_max  # the median round
         assert r.as_dict()["spread"] == pytest.approx(r.tok_per_s_max / r.tok_per_s_min - 1)
-        # the machine's read bandwidth and arithmetic rate, sampled once after each round, the same for every row
-        assert len(probe.reads) == len(probe.ariths) == len(probe.syncs) == 3 and min(probe.syncs) > 0
-        assert r.machine == MachineSpread(spread(probe.reads), spread(probe.ariths), spread(probe.syncs))
+        # the machine's read bandwidth and arithmetic rate, sampled once after each of this context's rounds, the same for every row
+        assert len(probe.reads) == len(probe.ariths) == len(probe.syncs) == 4 and min(probe.syncs) > 0
+        # and a read of the step's own bytes (its weights and its whole cache) after each round: one a
+        # size, shared by the two step kinds
+        own = {"f32": smol_f32, "int8": int8_llm}[r.weights].step_weight_bytes + r.kv_bytes
+        assert [i for i, _ in probe.sized[own]] == [1, 2, 3]
+        own_read = spread([gbs for _, gbs in probe.sized[own]])
+        ours_only = (spread(probe.reads[1:]), spread(probe.ariths[1:]), spread(probe.syncs[1:]))
+        assert r.machine == MachineSpread(*ours_only, own_read, own)
+    assert len(probe.sized) == 6  # 2 weights x 3 KV modes
     caption = machine_caption(rows)
     assert "ctx 64: memory read" in caption and all(f", {n} " in caption for n in ("arithmetic", "fork/join"))
+    assert caption.count("read of its own") == len(ours)  # once a row, not in the context's line
+    r = next(r for r in ours if (r.weights, r.mode, r.step) == ("int8", "q8", "general"))
+    assert f"int8 q8 general ctx 64: read of its own {r.machine.own_bytes / 1e6:.0f} MB " in caption
     assert "not sampled" in machine_caption([])
     by = {(r.weights, r.mode): r for r in ours}
     # every layer and KV head, 64 positions; a row of head_dim = 64 values: f16 2 bytes a value; q8 1 byte
@@ -107,6 +119,25 @@ def test_rows_weights_split_and_llama_cpp(tmp_path, smol_f32, int8_llm):
             assert cells[col_base] == "1.00"
         if r.engine == "kvlens" and r.mode == "q8":
             assert float(cells[col_lcpp]) == pytest.approx(r.tok_per_s / 42.5, abs=0.01)
+
+
+def test_a_step_reads_every_matrix_and_norm_and_the_head_once(smol_f32, int8_llm):
+    """The weight bytes of one decode step, counted from the config: per layer the fused QKV, O,
+    gate/up and down matrices and two norms, then the final norm and the (tied) LM head; f32 weights 4
+    bytes a value, int8 ones a byte a value and a 4-byte scale per 32 inputs, rows in tiles of 64."""
+    cfg = smol_f32.config
+    h, d = cfg.hidden, cfg.head_dim
+    mats = [((cfg.n_heads + 2 * cfg.n_kv_heads) * d, h), (h, cfg.n_heads * d), (2 * cfg.ffn, h), (h, cfg.ffn)]
+    norms = (2 * cfg.n_layers + 1) * h
+    assert smol_f32.step_weight_bytes == 4 * (
+        cfg.n_layers * sum(n * k for n, k in mats) + norms + cfg.vocab * h
+    )
+
+    def int8(n: int, k: int) -> int:
+        return -(-n // 64) * 64 * (k + 4 * -(-k // 32))
+
+    layers = cfg.n_layers * sum(int8(n, k) for n, k in mats)
+    assert int8_llm.step_weight_bytes == layers + 4 * norms + int8(cfg.vocab, h)
 
 
 def test_llama_bench_failures(tmp_path):

@@ -109,6 +109,24 @@ def test_warning_without_other_load_points_inside():
 FLAT = Spread(10.0, 10.2, 10.5)  # 5%: within the 10% threshold
 
 
+def test_the_read_of_the_runs_own_bytes_is_a_probe_too_and_the_furthest_moved_comes_first():
+    """The read over the run's own working set is named when it moved, beside the others, the probe
+    furthest past its limit first (the fork/join trip's limit being 50 %), and quoted in every line."""
+    own = Spread(36.0, 44.0, 48.6)  # 35 %
+    machine = MachineSpread(
+        FLAT, Spread(8.0, 8.5, 9.2), Spread(1.1, 1.2, 2.0), own, 163_000_000
+    )  # 15 %, 82 %
+    line = spread_warning("q8 tok/s", Spread(36.0, 47.4, 49.0), IDLE, machine=machine)
+    cause = line.split("likely cause: the machine itself (")[1].split(" moved)")[0]
+    assert cause == (
+        "its read bandwidth over the run's own 163 MB, its threads' fork/join round trip, its cores' arithmetic rate"
+    )
+    assert line.endswith(f"; the machine over the same rounds: {machine.describe()}")
+    assert machine.describe().endswith(", read of its own 163 MB 44.0 GB/s (36.0–48.6, 35%)")
+    assert MachineSpread(FLAT, FLAT, FLAT, Spread(40.0, 41.0, 43.9), 163_000_000).moved(0.10) == []
+    assert MachineSpread(FLAT, FLAT, FLAT).describe_own() == ""
+
+
 @pytest.mark.parametrize(
     "read,arith,sync,named",
     [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,14 +87,18 @@ class MachineProbe:
     fork/join round trip (best of ``reps`` means over ``sync_reps`` empty parallel regions), :mod:`kvlens.kernels.probes`.
     A speed that moves with one of them moved with the machine, not the code: the host placing the
     two vCPUs on two dies (read bandwidth up, fork/join 2-3x longer) or sharing their cores (arithmetic
-    down); docs/decode.md, the twenty-second pass."""
+    down); docs/decode.md, the twenty-second pass. Where the benchmark names its working sets
+    (:meth:`sample`'s ``sizes``), also the read bandwidth at each of them: a speed that moves with that
+    read alone moved with the share of the L3 the host left this guest."""
 
     def __init__(
         self, n_bytes: int = 256 * MiB, reps: int = 3, arith_iters: int = 1_000_000, sync_reps: int = 5000
     ) -> None:
         self.buf = np.ones(n_bytes // 4, np.float32)  # pages faulted in here, not in the first sample
+        self.read_bytes = self.buf.nbytes  # the main read's size (a sized read may grow the buffer)
         self.reps, self.arith_iters, self.sync_reps = reps, arith_iters, sync_reps
         self.reads: list[float] = []  # GB/s
+        self.sized: dict[int, list[tuple[int, float]]] = {}  # bytes → (sample index, read GB/s) per sample
         self.ariths: list[float] = []  # billions of multiply-adds per second, all threads
         self.syncs: list[float] = []  # microseconds per fork/join
         parallel_sum(self.buf[:16], 1)  # compiled (or loaded from cache) here, not in the first sample
@@ -102,32 +107,50 @@ class MachineProbe:
 
     @property
     def nbytes(self) -> int:
-        """The read buffer's bytes, all resident (filled at construction): a benchmark's memory figure
+        """The read buffer's bytes, all resident (filled when allocated): a benchmark's memory figure
         leaves them out."""
         return self.buf.nbytes
 
-    def sample(self) -> tuple[float, float, float]:
+    def _read(self, n_bytes: int, n_threads: int) -> float:
+        """Best-of-``reps`` read GB/s over the buffer's first ``n_bytes`` (the buffer grows to hold them)."""
+        if n_bytes > self.buf.nbytes:
+            self.buf = np.ones(-(-n_bytes // 4), np.float32)
+        a = self.buf[: n_bytes // 4]
+        return a.nbytes / _best_seconds(lambda: parallel_sum(a, n_threads), self.reps) / 1e9
+
+    def sample(self, sizes: Iterable[int] = ()) -> tuple[float, float, float]:
         """Read GB/s, arithmetic G multiply-adds/s and fork/join µs now (also appended to
-        :attr:`reads`, :attr:`ariths`, :attr:`syncs`)."""
+        :attr:`reads`, :attr:`ariths`, :attr:`syncs`). ``sizes``: byte counts to read as well (a
+        benchmark's own working sets), kept in :attr:`sized`: a working set near the share of the L3
+        the host leaves this guest reads from cache or from memory as the neighbours allow, which the
+        main read, past that share, does not see (docs/decode.md, the twenty-seventh pass)."""
+        sizes = sorted(set(sizes))
+        if sizes and sizes[0] < 4:
+            raise ValueError(f"a sized read needs at least 4 bytes, got {sizes[0]}")
         n = numba.get_num_threads()
-        read = self.buf.nbytes / _best_seconds(lambda: parallel_sum(self.buf, n), self.reps) / 1e9
+        read = self._read(self.read_bytes, n)
         ops = n * self.arith_iters * ARITH_CHAINS
         arith = ops / _best_seconds(lambda: arith_chains(self.arith_iters, n), self.reps) / 1e9
         lines = np.zeros((n, 16))
         fork_joins(lines, 1)
         sync = 1e6 * _best_seconds(lambda: fork_joins(lines, self.sync_reps), self.reps) / self.sync_reps
+        for size in sizes:
+            self.sized.setdefault(size, []).append((len(self.reads), self._read(size, n)))
         self.reads.append(read)
         self.ariths.append(arith)
         self.syncs.append(sync)
         return read, arith, sync
 
-    def spread(self, since: int = 0) -> MachineSpread | None:
-        """The spreads of the samples from the ``since``-th on (None: no sample since)."""
+    def spread(self, since: int = 0, size: int | None = None) -> MachineSpread | None:
+        """The spreads of the samples from the ``since``-th on (None: no sample since), with the reads
+        of ``size`` bytes among them where there are any."""
         if len(self.reads) <= since:
             return None
+        own = [gbs for i, gbs in self.sized.get(size, ()) if i >= since] if size else []
         return MachineSpread(
-            spread(self.reads[since:]), spread(self.ariths[since:]), spread(self.syncs[since:])
-        )
+            spread(self.reads[since:]), spread(self.ariths[since:]), spread(self.syncs[since:]),
+            spread(own) if own else None, size if own else 0,
+        )  # fmt: skip
 
 
 def _layer() -> str:

@@ -236,15 +236,17 @@ def timed_rows(
     """kvlens rows of every (llm, mode, step kind) run, timed interleaved at one context."""
     per_run: list[list[tuple[float, ...]]] = [[] for _ in runs]
     first_sample = len(probe.reads) if probe else 0
+    # what each run's step reads: its weights and its whole cache (the probe reads as much between rounds)
+    step_bytes = [llm.step_weight_bytes + caches[m].bytes_per_token() * ctx for llm, m, _k in runs]
     for _ in range(rounds):  # interleave every run so drift hits them alike
         for i, (llm, m, _k) in enumerate(runs):
             per_run[i].append(time_decode(llm, caches[m], ctx - 1, steps, backend or llm.attn_backend))
         if probe is not None:
-            probe.sample()
-    machine = probe.spread(first_sample) if probe else None
+            probe.sample(step_bytes)
     rss = bench_rss(probe)
     rows = []
-    for (llm, m, kind), timed in zip(runs, per_run, strict=True):
+    for (llm, m, kind), timed, own in zip(runs, per_run, step_bytes, strict=True):
+        machine = probe.spread(first_sample, own) if probe else None
         t, attn, write, lin, layers = median_step(timed)  # the median round
         s = spread([1 / r[0] for r in timed])
         # fused layers: no attention split; a fused attention call (kernels.attend_step): no write split

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .spread import MachineSpread, Spread, machine_lines
 
@@ -104,5 +104,13 @@ def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:
 
 
 def machine_caption(rows: list[DecodeRow]) -> str:
-    """One line under the table: the machine's own speed over each context's rounds."""
-    return machine_lines({f"ctx {r.ctx}": r.machine for r in rows if r.machine is not None})
+    """The lines under the table: the machine's own speed over each context's rounds, then each row's
+    read of its own step's bytes (weights and cache)."""
+    sampled = [r for r in rows if r.machine is not None]
+    text = machine_lines({f"ctx {r.ctx}": replace(r.machine, own_read=None, own_bytes=0) for r in sampled})
+    own = [
+        f"{r.weights} {r.mode} {r.step} ctx {r.ctx}: {r.machine.describe_own()}"
+        for r in sampled
+        if r.machine.own_read
+    ]
+    return text + ("\nreads of each step's own bytes between the rounds: " + "; ".join(own) if own else "")

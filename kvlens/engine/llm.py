@@ -19,6 +19,7 @@ from ..kv.modes import MODES, CacheOptions, KVMode
 from ..kv.pool import PagedKV
 from ..models.loader import LoadedModel, check_weights_mode, load_model
 from ..models.transformer import Transformer
+from ..models.weights import step_read_bytes
 from .attention import make_attend, resolve_backend
 from .fused_step import forward_fused, fused_decoder
 from .sampling import Sampler, SamplingParams
@@ -145,6 +146,11 @@ class LLM:
         """The compiled one-call attention of decode steps (engine.attention.make_attend's ``step``), or
         None: off the CPU, or with ``fused_step`` False (every call unfused)."""
         return self._attend_step if self.fused_step else None
+
+    @property
+    def step_weight_bytes(self) -> int:
+        """The weight bytes one decode step reads (:func:`kvlens.models.weights.step_read_bytes`)."""
+        return step_read_bytes(self.model.w)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of final hidden states [n, hidden] (what :meth:`forward` returns)."""

@@ -267,6 +267,11 @@ class BF16Linear(QLinear):
 Matrix = torch.Tensor | QLinear
 
 
+def matrix_bytes(m: Matrix) -> int:
+    """The bytes a :data:`Matrix` holds (codes and scales for a :class:`QLinear`)."""
+    return m.nbytes if isinstance(m, QLinear) else m.numel() * m.element_size()
+
+
 def linear(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a float weight (one f32 row on the CPU: the JIT GEMV), the layer's own
     kernel for a quantized one."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from .config import ModelConfig, ModelLoadError
-from .qlinear import Matrix, QCodes, convert, make_matrix
+from .qlinear import Matrix, QCodes, convert, make_matrix, matrix_bytes
 
 
 @dataclass
@@ -239,3 +239,10 @@ def convert_weights(w: Weights, mode: str) -> Weights:
     embed = convert(w.embed, mode)
     lm_head = embed if w.lm_head is w.embed else convert(w.lm_head, mode)
     return replace(w, embed=embed, lm_head=lm_head, layers=layers)
+
+
+def step_read_bytes(w: Weights) -> int:
+    """The weight bytes one decode step reads: every layer's matrices, biases and norms, the final norm
+    and the LM head (the embedding gives one row, left out unless it is the tied head)."""
+    per_layer = (getattr(L, f.name) for L in w.layers for f in fields(L))
+    return sum(matrix_bytes(m) for m in (*per_layer, w.norm, w.lm_head) if m is not None)
