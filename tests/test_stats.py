@@ -175,6 +175,29 @@ def test_report_has_llama_blocks_and_fields() -> None:
     assert "KL divergence" in only_kld and "Perplexity" not in only_kld
 
 
+def test_summarize_gives_dp_the_probabilities_of_both_sides() -> None:
+    """Δp is taken between p_q = exp(-nll_q) and p_base = exp(-nll_base): here 0.5 against 0.25 on
+    every token, so +25 %, and the other blocks are the blocks of the same arrays."""
+    nll_q, nll_b = [math.log(2)] * 3, [math.log(4)] * 3
+    s = summarize(nll_q, nll_b, [0.1, 0.2, 0.3], [1, 2, 3], [1, 2, 4])
+    assert s["dp_mean"] == approx(25.0) and s["dp_min"] == approx(25.0) and s["rms_dp"] == approx(25.0)
+    assert s["same_top_p"] == approx(100 * 2 / 3) and s["kld_mean"] == approx(0.2)
+    assert s["ppl_q"] == approx(2.0) and s["ppl_base"] == approx(4.0) and s["ppl_ratio"] == approx(0.5)
+
+
+def test_report_prints_each_figure_on_its_own_line() -> None:
+    """The printed numbers are the named statistics', in llama-perplexity's units (Cor in %)."""
+    s = ppl_stats([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 2.0, 2.0])  # by hand: test_ppl_stats_by_hand
+    lines = {
+        x.split(":")[0].strip(): x.split(":", 1)[1] for x in format_kld_report(s).splitlines() if ":" in x
+    }
+    assert lines["Mean PPL(Q)"] == f" {math.exp(2.5):10.6f} ± {math.exp(2.5) * math.sqrt(1.25 / 3):10.6f}"
+    assert lines["Mean PPL(base)"] == f" {math.exp(1.5):10.6f} ± {math.exp(1.5) * math.sqrt(0.25 / 3):10.6f}"
+    assert lines["Cor(ln(PPL(Q)), ln(PPL(base)))"] == "  89.44%"  # r = 2 / sqrt(5)
+    assert lines["Mean ln(PPL(Q)/PPL(base))"] == f" {1.0:10.6f} ± {math.sqrt(1 / 6):10.6f}"
+    assert lines["Mean PPL(Q)/PPL(base)"].startswith(f" {math.e:10.6f} ± ")
+
+
 def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="differ in length"):
         ppl_stats([1.0, 2.0], [1.0])

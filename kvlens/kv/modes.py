@@ -106,11 +106,6 @@ class KVMode:
         return format(self.name, spec)
 
     @property
-    def quantized(self) -> bool:
-        pairs = [*(self.layers or ((self.k, self.v),)), *(p for layer in self.heads for p in layer)]
-        return any(k.quantized or v.quantized for k, v in pairs)
-
-    @property
     def per_head(self) -> bool:
         """Some layer gives its KV heads different kinds (a per-KV-head recipe)."""
         return any(self.heads)
