@@ -42,6 +42,16 @@ def test_round_trip_with_centers_is_exact(tmp_path, tiny):
     assert cache.v[0].center is None
 
 
+def test_a_modes_centers_are_its_own_copy():
+    """with_k_center copies: changing the caller's tensor afterwards changes neither the mode's centers
+    nor its digest (the digest names what the cache subtracts)."""
+    c = torch.ones(2, 2, 32)
+    mode = with_k_center(head_recipe_mode("r", [[(Q8, Q8)] * 2] * 2), c)
+    digest = mode.k_center_digest
+    c.add_(1.0)
+    assert torch.equal(mode.k_center, torch.ones(2, 2, 32)) and mode.k_center_digest == digest
+
+
 def test_a_recipe_without_centers_is_unchanged(tmp_path):
     mode = KVMode.parse(write(tmp_path / "old.json"))
     assert mode.k_center is None and mode.k_center_digest == "" and mode.identity == mode.name

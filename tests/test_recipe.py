@@ -88,6 +88,7 @@ def test_mixed_recipe_is_each_layer_its_own_mode(tmp_path, tiny):
     [
         ({"kvlens_recipe": 1, "layers": [{"k": "q3", "v": "q8"}] * 2}, "layer 0 K: unknown KV kind 'q3'"),
         ({"kvlens_recipe": 1, "layers": [{"k": "q8"}] * 2}, "layer 0 must be"),
+        ({"kvlens_recipe": 1, "layers": [{"k": "q8", "v": "q8", "K": "f16"}] * 2}, "layer 0 must be"),
         ({"kvlens_recipe": 1, "layers": []}, "non-empty list"),
         ({"layers": [{"k": "q8", "v": "q8"}]}, "not a kvlens KV recipe"),
     ],
@@ -119,6 +120,35 @@ def test_bad_recipe_files_and_layer_count(tmp_path, tiny, tiny_dir):
     )
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == ["error: KV recipe " + three + " has 3 layers; the model has 2"]
+
+
+def test_a_recipes_k_and_v_are_its_widest_kinds():
+    """KVMode's contract for a recipe: ``k`` / ``v`` name the widest kind any layer stores (by hand:
+    f16 rows are 2 bytes a value, q8h 1 + a 4-byte scale, q4h half a byte + fp16 block scales)."""
+    mode = recipe_mode("r", [(Q8H, Q4H), (F16, Q8H), (Q4H, Q4H)])
+    assert (mode.k, mode.v) == (F16, Q8H)
+    assert mode.kinds(2) == (Q4H, Q4H)
+
+
+def test_choice_counts_the_code_sums_an_int8_k_row_keeps():
+    """K and V of one layer cost the same KLD in q8h, and the budget takes one of them: V saves more
+    bytes (an int8 K row also keeps int16 code sums per 32 values: at head_dim 64, f16 128 bytes,
+    q8h 64 + 4, K's sums 4 more), so the greedy ratio takes V."""
+    hd = 64
+    assert (F16.row_bytes(hd), Q8H.row_bytes(hd), Q8H.row_bytes(hd, with_ksum=True)) == (128, 68, 72)
+    sens = {(0, "k", Q8H): 0.25, (0, "v", Q8H): 0.25}
+    chosen, predicted = choose(sens, hd, 0.375)
+    assert chosen == {(0, "k"): F16, (0, "v"): Q8H} and predicted == 0.25
+    sens = {(0, "k", Q8H): 0.25, (0, "v", Q8H): 0.26}  # V a little dearer: 60 / 0.26 still beats 56 / 0.25
+    chosen, _ = choose(sens, hd, 0.375)
+    assert chosen == {(0, "k"): F16, (0, "v"): Q8H}
+
+
+def test_a_budget_met_exactly_is_within():
+    """The budget bounds the summed KLD from above, inclusive (0.25 + 0.5 is exact in binary)."""
+    sens = {(0, "k", Q8H): 0.25, (0, "v", Q8H): 0.5}
+    chosen, predicted = choose(sens, 64, 0.75)
+    assert chosen == {(0, "k"): Q8H, (0, "v"): Q8H} and predicted == 0.75
 
 
 def brute_force(sens, n_layers, hd, budget):
@@ -198,6 +228,26 @@ def test_the_search_keeps_the_fewest_bytes_within_not_the_last_check_within():
 
     got, rounds = search_working_budget(check, 1.0)
     assert rounds == SEARCH_ROUNDS and (got.measured, got.bytes_per_token) == (0.5, 9000)
+
+
+def test_the_search_stops_once_the_bracket_is_two_percent_of_its_top():
+    """The search's steps by hand for scripted measurements (budget 1.0): over at w = 1, so the next
+    w is 1 / 1.01 * 0.9; within there, so bisect; stop when over - within <= 2 % of over."""
+    measured = iter([1.01, 0.99, 1.001, 0.99, 0.99, 0.99])
+    calls = []
+
+    def check(w: float) -> Checked:
+        calls.append(w)
+        return Checked(f"recipe@{w:.6f}", w, next(measured), round(10_000 - 1_000 * w))
+
+    got, rounds = search_working_budget(check, 1.0)
+    w2 = 1.0 / 1.01 * 0.9
+    w3 = (w2 + 1.0) / 2  # over: the bracket is (w2, w3)
+    w4 = (w2 + w3) / 2  # within: (w4, w3)
+    w5 = (w4 + w3) / 2  # within: (w5, w3), 1.4 % of w3 wide: done
+    assert (w3 - w5) <= 0.02 * w3 < (w3 - w4)
+    assert calls == pytest.approx([1.0, w2, w3, w4, w5], rel=1e-12) and rounds == 5
+    assert got.predicted == pytest.approx(w5)  # the fewest bytes within: the largest w within
 
 
 def test_the_search_stops_when_a_larger_budget_buys_nothing():

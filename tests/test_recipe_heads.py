@@ -14,7 +14,7 @@ from kvlens.kv.cache import HeadSplitStore, RowStore
 from kvlens.kv.modes import KVMode, StoreKind
 from kvlens.kv.pool import BlockPool, PagedKV
 from kvlens.kv.quant import rotation
-from kvlens.kv.recipe import RecipeError, head_recipe_mode, load_recipe, save_recipe
+from kvlens.kv.recipe import RecipeError, head_recipe_mode, load_recipe, mix, save_recipe
 
 F16, F32, Q8, Q8H, Q4, Q4H = (StoreKind(x) for x in ("f16", "f32", "q8", "q8h", "q4", "q4h"))
 # layer 0: heads differ in K and V; layer 1: one pair for both heads
@@ -44,6 +44,27 @@ def test_round_trip_json_engine(tmp_path, tiny):
     hd = 32  # bytes: every head's own rows, summed
     expected = sum(k.row_bytes(hd, with_ksum=True) + v.row_bytes(hd) for layer in HEADS for k, v in layer)
     assert cache.bytes_per_token() == expected == back.bytes_per_token(2, 2, hd)
+
+
+def test_a_role_whose_heads_agree_is_written_as_one_kind(tmp_path):
+    """The file format (kv.recipe's docstring): a role lists one kind per KV head only where the heads
+    differ; a single kind applies to every head."""
+    mode = head_recipe_mode("r", [[(Q4H, Q8), (Q8, Q8)], [(Q8, Q4H), (Q8, Q8)]])
+    path = tmp_path / "r.json"
+    save_recipe(mode, 2, path)
+    assert json.loads(path.read_text())["layers"] == [
+        {"k": ["q4h", "q8"], "v": "q8"},
+        {"k": "q8", "v": ["q4h", "q8"]},
+    ]
+    assert load_recipe(path).heads == mode.heads
+
+
+def test_mix_counts_layer_and_kv_head_pairs():
+    """By hand: 3 KV heads; a layer-wide pair counts once per head, a per-head layer per its heads."""
+    per_layer = head_recipe_mode("r", [[(Q8H, Q8H)] * 3, [(Q8H, Q4H)] * 3, [(Q8H, Q8H)] * 3])
+    assert mix(per_layer, 3, 3) == "6x K q8h / V q8h, 3x K q8h / V q4h"
+    per_head = head_recipe_mode("r", [[(Q8H, Q8H), (Q4H, Q4H), (Q4H, Q4H)], [(Q8H, Q8H)] * 3])
+    assert mix(per_head, 2, 3) == "4x K q8h / V q8h, 2x K q4h / V q4h"
 
 
 def stored_values(kind: StoreKind, rows: torch.Tensor) -> torch.Tensor:
