@@ -148,6 +148,13 @@ def test_growing_context_and_changing_shapes_reuse_scratch_correctly():
         assert quest_select(q, kmin, kmax, nb, 8).tolist() == want
 
 
+def test_a_budget_of_every_block_is_dense():
+    """The contract the engine relies on: None (dense attention) once n_select reaches the block count."""
+    q, kmin, kmax = integer_case(0, 2, 2, 64, 10)
+    assert quest_select(q, kmin, kmax, 10, 10) is None and quest_select(q, kmin, kmax, 10, 12) is None
+    assert quest_select(q, kmin, kmax, 10, 9).shape == (2, 9)
+
+
 def test_bad_arguments():
     q, kmin, kmax = integer_case(0, 2, 2, 64, 10)
     with pytest.raises(ValueError, match="n_select"):

@@ -97,6 +97,39 @@ def test_probe_scores_use_eight_spaced_keys():
     assert s.tolist() == [[0.0, 1.0]]
 
 
+def test_probe_scores_take_the_max_over_the_gqa_group():
+    """Two query heads share one KV head: the block's score is the larger of their two maxima (by
+    hand: the probe key at position 8 is (2, 0, 0, 0); the heads see +2 and -2)."""
+    keys = torch.zeros(1, BLOCK, 4)
+    keys[0, 8, 0] = 2.0
+    q = torch.tensor([[-1.0, 0, 0, 0], [1.0, 0, 0, 0]])
+    assert probe_scores(q, keys[:, probe_positions(BLOCK, BLOCK)]).tolist() == [[2.0]]
+
+
+@pytest.mark.parametrize(
+    "budget,length,blocks",
+    [
+        (0.5, 1000, 16),
+        (0.25, 1000, 8),
+        (1, 1000, 2),
+        (40, 1000, 2),
+        (65, 1000, 3),
+        (0.01, 1000, 2),
+        (2048, 100, 64),
+    ],
+)
+def test_budget_blocks_by_hand(budget, length, blocks):
+    """A budget below 1 is a share of the context, from 1 up a token count; rounded up to whole blocks
+    of 32, never fewer than 2 (the sink block and the most recent)."""
+    assert SparseConfig("quest", budget=budget).budget_blocks(length, BLOCK) == blocks
+
+
+def test_sparse_applies_from_the_first_sparse_layer_and_the_minimum_context_inclusive():
+    cfg = SparseConfig("quest", dense_layers=2, min_ctx=1024)
+    assert cfg.applies(2, 1024) and cfg.applies(5, 4096)
+    assert not cfg.applies(1, 4096) and not cfg.applies(2, 1023)
+
+
 @pytest.mark.parametrize("mode", ["q8", "f32", "f16"])
 def test_sparse_kernel_equals_masked_float64_reference(mode):
     c = filled_cache(n_kv=2, d=64, length=500, mode=mode)
