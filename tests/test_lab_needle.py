@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from kvlens.engine import attention
 from kvlens.engine.llm import LLM
-from kvlens.lab.needle import ANSWER_TOKENS, NeedleConfig, build_prompt, recall_table, run_needle
+from kvlens.kv.blocks import SparseConfig
+from kvlens.kv.modes import CacheOptions
+from kvlens.lab import needle
+from kvlens.lab.needle import ANSWER_TOKENS, NeedleConfig, NeedleRow, build_prompt, recall_table, run_needle
 
-pytestmark = pytest.mark.slow
+EXCERPT = __file__.replace("test_lab_needle.py", "data/excerpt.txt")
 
 
+@pytest.mark.slow
 def test_prompt_has_exact_length_and_depth(smol_f32):
     tok = smol_f32.tokenizer
     filler = tok.encode("The river runs through the old town and past the mill. " * 80, add_bos=False)
@@ -22,6 +29,7 @@ def test_prompt_has_exact_length_and_depth(smol_f32):
         assert abs(frac - depth * 0.8) < 0.15  # the question takes the last fifth or so
 
 
+@pytest.mark.slow
 def test_prompt_errors(smol_f32):
     filler = smol_f32.tokenizer.encode("word " * 50, add_bos=False)
     with pytest.raises(ValueError, match="too short"):
@@ -30,6 +38,7 @@ def test_prompt_errors(smol_f32):
         build_prompt(smol_f32, filler, 400, 0.5, "12345")
 
 
+@pytest.mark.slow
 def test_short_needle_run(smol_f32, monkeypatch):
     filler = open(__file__.replace("test_lab_needle.py", "data/excerpt.txt"), encoding="utf-8").read()
     capacities, starts = [], []
@@ -66,3 +75,71 @@ def test_bad_depth_and_empty_lists_are_refused():
         NeedleConfig(ctx=[512], depth=[1.5], sparse_budget=[0.25])
     with pytest.raises(ValueError, match="at least one context"):
         NeedleConfig(ctx=[], depth=[0.5], sparse_budget=[0.25])
+
+
+class _ByteTokenizer:
+    """One token per byte, BOS 1 (as Llama 3 and Gemma have; SmolLM2 has none)."""
+
+    bos_prefix = [1]
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return (self.bos_prefix if add_bos else []) + list(text.encode())
+
+
+def test_the_prompt_counts_the_bos_token_in_its_length():
+    llm = SimpleNamespace(tokenizer=_ByteTokenizer())
+    filler = list(range(100, 100 + 400))
+    ids = build_prompt(llm, filler, 300, 0.0, "12345")
+    assert len(ids) == 300 and ids[0] == 1 and ids[1:3] == list(b" T")  # the fact at depth 0
+    assert ids[-len(needle.QUESTION) :] == list(needle.QUESTION.encode())
+
+
+def test_recall_table_averages_over_depths_by_hand():
+    rows = [NeedleRow(512, d, "q8 dense", ok, "", "1") for d, ok in ((0.1, True), (0.5, False), (0.9, True))]
+    rows += [
+        NeedleRow(1024, 0.1, "q8 dense", False, "", "1"),
+        NeedleRow(512, 0.1, "f32 dense", True, "", "1"),
+    ]
+    assert recall_table(rows) == {"q8 dense": {512: 2 / 3, 1024: 0.0}, "f32 dense": {512: 1.0}}
+
+
+def test_depths_at_both_ends_are_accepted():
+    assert NeedleConfig(ctx=[512], depth=[0.0, 1.0]).depth == [0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_sparse_llm_refuses_a_cache_without_block_bounds(smol_f32):
+    sparse = smol_f32.variant(kv="q8", sparse=SparseConfig("quest", 64, 2, 0))
+    dense_cache = smol_f32.variant(kv="q8").new_cache(64, "q8", CacheOptions())
+    assert dense_cache.bounds is None
+    logits = sparse.prefill(list(range(40, 80)), dense_cache)
+    with pytest.raises(ValueError, match="track_blocks=True"):
+        list(sparse.decode(dense_cache, logits, 40, 2))
+
+
+@pytest.mark.slow
+def test_sparse_rows_select_blocks_and_dense_rows_do_not(smol_f32, monkeypatch):
+    """Each sparse variant selects blocks in every layer past the dense ones at each decode step after
+    the first token (which comes from the prefill's logits); the dense variants never do. The secret
+    of each (context, depth) is drawn from the seed: different for each depth, the same again."""
+    calls, secrets = [], []
+    select, build = attention.select_blocks, needle.build_prompt
+
+    def spy_select(q, cache, layer, length, sparse):
+        calls.append(sparse.budget)
+        return select(q, cache, layer, length, sparse)
+
+    def spy_build(llm, filler_ids, ctx, depth, secret):
+        secrets.append(secret)
+        return build(llm, filler_ids, ctx, depth, secret)
+
+    monkeypatch.setattr(attention, "select_blocks", spy_select)
+    monkeypatch.setattr(needle, "build_prompt", spy_build)
+    filler = open(EXCERPT, encoding="utf-8").read()
+    cfg = NeedleConfig(ctx=[200], depth=[0.2, 0.8], sparse_budget=[64], kv="q8", dense_layers=3)
+    run_needle(smol_f32, filler, cfg)
+    per_variant = (smol_f32.config.n_layers - 3) * (ANSWER_TOKENS - 1)
+    assert calls == [64] * (2 * per_variant)  # one sparse variant, two depths
+    run_needle(smol_f32, filler, NeedleConfig(ctx=[200], depth=[0.2, 0.8], sparse_budget=[], kv="q8"))
+    assert len(calls) == 2 * per_variant and len(secrets) == 4
+    assert secrets[0] != secrets[1] and secrets[2:] == secrets[:2]

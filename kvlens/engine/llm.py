@@ -114,12 +114,18 @@ class LLM:
                 f"positions {cache.length}..{start - 1}, which were never written"
             )
         self.check_fits(start + ids.shape[0])
+        if self.sparse is not None and not prefill and cache.bounds is None:
+            # decoding dense here would report dense figures under a sparse name
+            raise ValueError(
+                "sparse decode needs a cache that tracks block bounds: make it with this LLM's new_cache, "
+                "or pass CacheOptions(track_blocks=True)"
+            )
         if not prefill and ids.shape[0] == 1 and self.fused_step and self.fused is not None:
             with self._step_threads(True):
                 hidden = self.forward_fused(ids, cache, start, backend or self.attn_backend)
             if hidden is not None:
                 return hidden
-        sparse = self.sparse if cache.bounds is not None and not prefill else None
+        sparse = None if prefill else self.sparse
         attend = make_attend(
             cache,
             prefill,
