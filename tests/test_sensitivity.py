@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from kvlens.kv.modes import StoreKind
+from kvlens.kv.recipe import with_k_center
 from kvlens.lab.doctor import DoctorConfig, run_doctor
 from kvlens.lab.plan import PlanConfig, run_plan
 from kvlens.lab.ppl import BaseLogProbs, chunk_metrics, scored_logits, scored_span
 from kvlens.lab.recipe_search import SEARCH_ROUNDS, choice_mode, choose
 from kvlens.lab.sensitivity import Sensitivity, kld_rows, probe_mode
 
-Q4H, Q8H = StoreKind.Q4H, StoreKind.Q8H
+Q4H, Q8H, F32 = StoreKind.Q4H, StoreKind.Q8H, StoreKind.F32
 
 
 TINY_MODEL = ("qwen3", 7)  # conftest's tiny_dir / tiny: 2 layers, 2 KV heads, head_dim 32
@@ -46,6 +47,48 @@ def test_resumed_pass_equals_a_full_engine_pass(tiny, item):
     assert expected > 1e-7  # the probe changes something
     assert sens.kld(mode) == pytest.approx(expected, rel=1e-3, abs=1e-9)
     assert sens.layers_run == 2 - item[0]  # resumed at the probed layer
+
+
+def test_probe_modes_by_hand():
+    """One layer's K (or one KV head's V) in the probed kind, every other row f32."""
+    k1 = probe_mode(2, 2, (1, "k"), Q4H)
+    assert (k1.kinds(0), k1.kinds(1), k1.head_kinds(1)) == ((F32, F32), (Q4H, F32), None)
+    v10 = probe_mode(2, 2, (1, 0, "v"), Q8H)
+    assert v10.kinds(0) == (F32, F32) and v10.head_kinds(1) == ((F32, Q8H), (F32, F32))
+
+
+def engine_kld(llm, chunks: list[list[int]], mode, ctx: int) -> float:
+    """Mean KLD from f32 over every scored token of ``chunks``, each through two full engine passes."""
+    first = scored_span(ctx)[0]
+    rows = []
+    for chunk in chunks:
+        base = BaseLogProbs(scored_logits(llm, chunk, llm.kv, ctx, first))
+        full = scored_logits(llm, chunk, mode, ctx, first)
+        rows.append(chunk_metrics(base, full, torch.tensor(chunk[first + 1 :]))["kld"])
+    return float(torch.cat(rows).mean())
+
+
+def test_the_kld_pools_every_chunks_scored_tokens(tiny):
+    ctx = 48
+    chunks = [list(range(3, 3 + ctx)), list(range(60, 60 + ctx))]
+    mode = probe_mode(2, 2, (1, "v"), Q4H)
+    one, both = engine_kld(tiny, chunks[:1], mode, ctx), engine_kld(tiny, chunks, mode, ctx)
+    assert abs(both - one) > 1e-3 * both  # the second chunk moves the mean
+    assert Sensitivity(tiny, chunks, ctx).kld(mode) == pytest.approx(both, rel=1e-3, abs=1e-9)
+
+
+def test_smoothed_probes_carry_the_k_centers(tiny):
+    """With smooth_k the table's probe of layer 0's K is the centered probe: its KLD is that of a full
+    engine pass over the probe mode with the calibration's mean keys as centers, not the uncentered one."""
+    ctx = 48
+    chunk = list(range(3, 3 + ctx))
+    sens = Sensitivity(tiny, [chunk], ctx, smooth_k=True)
+    table = sens.table([Q4H], per_head=False)
+    probe = probe_mode(2, 2, (0, "k"), Q4H)
+    centered = engine_kld(tiny, [chunk], with_k_center(probe, sens.k_center), ctx)
+    plain = engine_kld(tiny, [chunk], probe, ctx)
+    assert abs(centered - plain) > 1e-3 * plain
+    assert table[(0, "k", Q4H)] == pytest.approx(centered, rel=1e-3, abs=1e-9)
 
 
 def test_per_head_choice_builds_a_per_head_recipe():
