@@ -127,6 +127,16 @@ def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def check_sparse_cache(sparse: SparseConfig | None, cache: KVCache | PagedKV) -> None:
+    """ValueError where sparse decode would run over a cache without block bounds: decoding dense
+    there would report dense figures under a sparse name."""
+    if sparse is not None and cache.bounds is None:
+        raise ValueError(
+            "sparse decode needs a cache that tracks block bounds: make it with the LLM's new_cache, "
+            "or pass CacheOptions(track_blocks=True)"
+        )
+
+
 def select_blocks(
     q: torch.Tensor, cache: KVCache, layer: int, length: int, sparse: SparseConfig
 ) -> torch.Tensor | None:
@@ -280,8 +290,7 @@ def make_attend(
     sink = cache.sink  # positions read from the cache's sink store (0: none)
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
     use_kernel = kernel is not None and not cache.options.keeps_exact
-    if sparse is not None and cache.bounds is None:
-        raise ValueError("sparse decode needs a cache created with track_blocks=True")
+    check_sparse_cache(sparse, cache)
     paged = isinstance(cache, PagedKV)  # the kernels then read through its block table
     # rotated kinds (q8h, q4h): the query goes into K's stored basis, the output back from V's
     rotation = [rotations(cache.k[i], cache.v[i]) for i in range(len(cache.k))]

@@ -20,7 +20,7 @@ from ..kv.pool import PagedKV
 from ..models.loader import LoadedModel, check_weights_mode, load_model
 from ..models.transformer import Transformer
 from ..models.weights import step_read_bytes
-from .attention import make_attend, resolve_backend
+from .attention import check_sparse_cache, make_attend, resolve_backend
 from .fused_step import forward_fused, fused_decoder
 from .sampling import Sampler, SamplingParams
 from .sequence import Request
@@ -114,18 +114,13 @@ class LLM:
                 f"positions {cache.length}..{start - 1}, which were never written"
             )
         self.check_fits(start + ids.shape[0])
-        if self.sparse is not None and not prefill and cache.bounds is None:
-            # decoding dense here would report dense figures under a sparse name
-            raise ValueError(
-                "sparse decode needs a cache that tracks block bounds: make it with this LLM's new_cache, "
-                "or pass CacheOptions(track_blocks=True)"
-            )
+        sparse = None if prefill else self.sparse
+        check_sparse_cache(sparse, cache)  # before the fused step, which runs dense
         if not prefill and ids.shape[0] == 1 and self.fused_step and self.fused is not None:
             with self._step_threads(True):
                 hidden = self.forward_fused(ids, cache, start, backend or self.attn_backend)
             if hidden is not None:
                 return hidden
-        sparse = None if prefill else self.sparse
         attend = make_attend(
             cache,
             prefill,
