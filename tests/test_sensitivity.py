@@ -34,16 +34,24 @@ def test_kld_rows_equals_the_float64_log_softmax_kld(scale):
     assert torch.allclose(got, ref, rtol=1e-3, atol=1e-9), (got, ref)
 
 
+def engine_kld(llm, chunks: list[list[int]], mode, ctx: int) -> float:
+    """Mean KLD from f32 over every scored token of ``chunks``, each through two full engine passes."""
+    first = scored_span(ctx)[0]
+    rows = []
+    for chunk in chunks:
+        base = BaseLogProbs(scored_logits(llm, chunk, llm.kv, ctx, first))
+        full = scored_logits(llm, chunk, mode, ctx, first)
+        rows.append(chunk_metrics(base, full, torch.tensor(chunk[first + 1 :]))["kld"])
+    return float(torch.cat(rows).mean())
+
+
 @pytest.mark.parametrize("item", [(0, "k"), (1, "v"), (1, 0, "k"), (0, 1, "v")])
 def test_resumed_pass_equals_a_full_engine_pass(tiny, item):
     ctx = 48
     chunk = list(range(3, 3 + ctx))
     sens = Sensitivity(tiny, [chunk], ctx)
     mode = probe_mode(2, 2, item, Q4H)
-    first = scored_span(ctx)[0]
-    base = BaseLogProbs(scored_logits(tiny, chunk, tiny.kv, ctx, first))
-    full = scored_logits(tiny, chunk, mode, ctx, first)
-    expected = float(chunk_metrics(base, full, torch.tensor(chunk[first + 1 :]))["kld"].mean())
+    expected = engine_kld(tiny, [chunk], mode, ctx)
     assert expected > 1e-7  # the probe changes something
     assert sens.kld(mode) == pytest.approx(expected, rel=1e-3, abs=1e-9)
     assert sens.layers_run == 2 - item[0]  # resumed at the probed layer
@@ -55,17 +63,6 @@ def test_probe_modes_by_hand():
     assert (k1.kinds(0), k1.kinds(1), k1.head_kinds(1)) == ((F32, F32), (Q4H, F32), None)
     v10 = probe_mode(2, 2, (1, 0, "v"), Q8H)
     assert v10.kinds(0) == (F32, F32) and v10.head_kinds(1) == ((F32, Q8H), (F32, F32))
-
-
-def engine_kld(llm, chunks: list[list[int]], mode, ctx: int) -> float:
-    """Mean KLD from f32 over every scored token of ``chunks``, each through two full engine passes."""
-    first = scored_span(ctx)[0]
-    rows = []
-    for chunk in chunks:
-        base = BaseLogProbs(scored_logits(llm, chunk, llm.kv, ctx, first))
-        full = scored_logits(llm, chunk, mode, ctx, first)
-        rows.append(chunk_metrics(base, full, torch.tensor(chunk[first + 1 :]))["kld"])
-    return float(torch.cat(rows).mean())
 
 
 def test_the_kld_pools_every_chunks_scored_tokens(tiny):
