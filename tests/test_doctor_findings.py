@@ -62,6 +62,13 @@ def test_the_median_is_of_channels_not_a_mean():
     assert f.value == 6.0 and f.detail.startswith("channel 7:")
 
 
+def test_the_ratio_is_of_root_mean_squares():
+    """A channel at 10, 0, 10, 0, ... has RMS sqrt(50) = 7.07 (flagged) where its mean |x| is 5."""
+    x = rows(*[SIGN] * 7, torch.tensor([10.0, 0.0] * (N // 2)))
+    (f,) = channel_findings(0, "v", x[None])
+    assert f.value == pytest.approx(math.sqrt(50.0), rel=1e-12) and f.detail.startswith("channel 7:")
+
+
 def test_the_key_offset_is_the_mean_over_the_spread_around_it():
     """K rows (3, ±2, ±2, ±1): mean (3, 0, 0, 0), spread sqrt(4 + 4 + 1) = 3, offset exactly 1.0
     (flagged: the boundary is >=); with 2.9 in place of 3 it is 0.967, not flagged. RMS per channel

@@ -135,11 +135,17 @@ def test_an_all_zero_block_has_llama_cpp_s_negative_zero_scale():
         assert scale.view(torch.int16).item() == -(2**15) and torch.equal(data, torch.full_like(data, 0x88))
 
 
+# a block where two of q4h's candidates have equal gains and different codes (found by
+# docs/testing/planted-kvquant29/q4h_ties.py): C keeps the first (its strict ``>``)
+EQUAL_GAINS = [0.0, -0.5, 7.0, 7.0, 1.0, 1.0, 1.0, 7.0, 7.0, 7.0, 1.0, -2.5, -7.0, 1.0, 8.0, 0.0,
+               1.0, 1.0, 1.0, 2.0, -7.0, -1.0, 7.0, 2.5, -7.0, 7.0, 1.0, 0.0, 0.0, 7.0, -7.0, 1.0]  # fmt: skip
+
+
 def test_q4h_ties_and_its_smallest_block_against_the_reference():
     """Blocks of exact .5 ties at the first candidate's scale (C's nearest rounds them to even; a
     neighbouring candidate reaches the other rounding's codes, so no block tried here or in 17,000
-    random ones tells the two roundings apart), and a block whose |max| is exactly make_qx_quants'
-    1e-15f (searched, not zeroed: its step rounds to an fp16 -0, bits 0x8000, where a zeroed block
+    random ones tells the two roundings apart), a block where two candidates' gains are equal (the
+    first wins), and a block whose |max| is exactly make_qx_quants' 1e-15f (searched, not zeroed: its step rounds to an fp16 -0, bits 0x8000, where a zeroed block
     stores +0): the torch rule and the JIT store against ``test_kv_q4_search``'s transcription."""
     from test_kv_q4_search import searched_reference
 
@@ -147,6 +153,7 @@ def test_q4h_ties_and_its_smallest_block_against_the_reference():
     x[0, 0, :32] = torch.tensor([-8.0, 2.5, 1.5, -0.5, 3.5, -6.5, 4.5, 0.5] * 4)  # iscale 1: ties
     x[0, 0, 32:] = torch.tensor([8.0, -2.5, -1.5, 0.5, -3.5, 6.5, -4.5, 5.5] * 4)
     x[0, 1, :32] = torch.arange(-16, 16) + 0.5  # every value a tie at iscale -8/15.5 ... and more
+    x[0, 1, 32:] = torch.tensor(EQUAL_GAINS)  # candidates with equal gains: the first one wins
     x[0, 2, :32] = float(np.float32(1e-15))
     x[0, 3, :32] = float(np.float32(1e-15)) * 0.5  # under it: zeroed
     ref_codes, ref_bits = searched_reference(x.numpy())

@@ -1,9 +1,12 @@
-"""Does q4h's search tell C's round-half-to-even from half-up? (planted bug ``q4h-round-half-up``)
+"""Can q4h's search tell its two surviving planted bugs from the rule? ``q4h-round-half-up``: C's
+round-half-to-even replaced by half up; ``q4h-last-of-equals``: the last of equal gains chosen
+instead of the first.
 
-Runs the torch rule (``kv.quant.quantize_q4_search_blocks``) as it is and with ``torch.round``
-replaced by ``floor(x + 0.5)`` on 17,000 random blocks of half-integers (exact ties at the first
-candidate's scale, the block's max at +-8) and prints every block where the two differ in codes or
-fp16 step. Run from the repository root: ``.venv/bin/python docs/testing/planted-kvquant29/q4h_ties.py``.
+Runs the torch rule (``kv.quant.quantize_q4_search_blocks``) as it is and with each change, on
+17,000 random blocks of half-integers (exact ties at the first candidate's scale, the block's max
+at +-8) and 200 blocks built for equal gains (codes -8, -8 at the first candidate's scale and -7, -7
+at the 7.1-7.4 ones, small values that move one code at each later candidate), and prints every
+block where a change alters the codes or fp16 step. Run from the repository root: ``.venv/bin/python docs/testing/planted-kvquant29/q4h_ties.py``.
 """
 
 import numpy as np
@@ -21,10 +24,30 @@ def half_up(xg: torch.Tensor):
         torch.round = orig
 
 
+def last_of_equals(xg: torch.Tensor):
+    orig = torch.Tensor.argmax
+
+    def argmax(self, dim=None, keepdim=False):
+        if dim == -1 and self.dtype == torch.float64:  # the gains: the last of equals
+            return self.shape[-1] - 1 - orig(self.flip(-1), dim=dim, keepdim=keepdim)
+        return orig(self, dim=dim, keepdim=keepdim)
+
+    try:
+        torch.Tensor.argmax = argmax
+        return quant.quantize_q4_search_blocks(xg)
+    finally:
+        torch.Tensor.argmax = orig
+
+
 def differs(x: np.ndarray) -> bool:
     xt = torch.from_numpy(x)[None]
-    (a, da), (b, db) = quant.quantize_q4_search_blocks(xt), half_up(xt)
-    return not (torch.equal(a, b) and torch.equal(da.view(torch.int16), db.view(torch.int16)))
+    a, da = quant.quantize_q4_search_blocks(xt)
+    for changed in (half_up, last_of_equals):
+        b, db = changed(xt)
+        if not (torch.equal(a, b) and torch.equal(da.view(torch.int16), db.view(torch.int16))):
+            print(changed.__name__, end=": ")
+            return True
+    return False
 
 
 gen = np.random.default_rng(0)
@@ -46,4 +69,12 @@ for lo, hi in [(-2, 2), (-4, 4), (0, 8), (-8, 0), (-1, 1)]:
         if differs(x):
             found += 1
             print(x.tolist())
-print(f"{tried} blocks tried, {found} where half-up rounding changes the stored codes or step")
+for big in np.linspace(0.9375, 0.95, 200):
+    x = np.zeros(32, np.float32)
+    x[0], x[1] = 1.0, big
+    x[2:11] = [0.5 / (8.05 + 0.1 * k) for k in range(9)]
+    tried += 1
+    if differs(x):
+        found += 1
+        print(x.tolist())
+print(f"{tried} blocks tried, {found} where either change alters the stored codes or step")
