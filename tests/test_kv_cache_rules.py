@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_lab_unit import _q8 as q8_codes_and_step
 
 from kvlens.kv.cache import KVCache
 from kvlens.kv.modes import CacheOptions, KVMode
@@ -18,9 +19,9 @@ def rows(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def q8_by_hand(x: torch.Tensor) -> torch.Tensor:
-    """The seed's rule written out: codes floor(x * 127/max + 0.5), values code * max/127."""
-    m = x.abs().amax(-1, keepdim=True)
-    return torch.floor(x * (127.0 / m) + 0.5).clamp(-127, 127) * (m / 127.0)
+    """The seed's rule as ``test_lab_unit`` writes it out: code times step."""
+    codes, step = q8_codes_and_step(x)
+    return codes * step
 
 
 def cache(mode: str, capacity: int = 32, **options) -> KVCache:
