@@ -13,14 +13,21 @@ from kvlens.lab.store import CellOutcome, Store, StoreError
 from kvlens.lab.sweep_spec import SpecError, parse_spec
 
 
-def spec(tmp_path: Path, body: str = "", measurements: str = '["ppl"]', model: str | None = None) -> list:
-    """Parse a spec in ``tmp_path/specs`` over a model file and a corpus file beside it."""
+def spec(
+    tmp_path: Path,
+    body: str = "",
+    measurements: str = '["ppl"]',
+    model: str = "model.gguf",
+    corpus: str = "text.txt",
+) -> list:
+    """Parse a spec in ``tmp_path/specs`` naming ``model`` and ``corpus``; a model file and a corpus
+    file (model.gguf, text.txt) are written beside it."""
     folder = tmp_path / "specs"
     folder.mkdir(exist_ok=True)
     (folder / "model.gguf").write_bytes(b"GGUF")  # only its existence is checked when parsing
     (folder / "text.txt").write_text("some text\n", encoding="utf-8")
     head = (
-        f'[sweep]\nmodels = ["{model or "model.gguf"}"]\nkv = ["q8"]\ncorpora = ["text.txt"]\n'
+        f'[sweep]\nmodels = ["{model}"]\nkv = ["q8"]\ncorpora = ["{corpus}"]\n'
         f"ctx = [64]\nmeasurements = {measurements}\n"
     )
     return parse_spec(head + body, folder / "spec.toml")
@@ -72,10 +79,8 @@ def test_a_corpus_reached_through_a_link_is_stored_by_its_real_path(tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "real" / "text.txt").write_text("x\n", encoding="utf-8")
     (tmp_path / "specs").mkdir()
-    (tmp_path / "specs" / "model.gguf").write_bytes(b"GGUF")
     (tmp_path / "specs" / "alias.txt").symlink_to(tmp_path / "real" / "text.txt")
-    text = '[sweep]\nmodels = ["model.gguf"]\nkv = ["q8"]\ncorpora = ["alias.txt"]\nctx = [64]\n'
-    (cell,) = parse_spec(text, tmp_path / "specs" / "spec.toml")
+    (cell,) = spec(tmp_path, corpus="alias.txt")
     assert cell.corpus == str((tmp_path / "real" / "text.txt").resolve())
 
 

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_tokenizer import _tiny_meta
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import models, pre_tokenizers
 
@@ -45,17 +46,17 @@ def test_sentencepiece_prepends_a_space_unless_the_file_says_not_to():
     assert off.decode(off.encode(" ab", add_bos=False)) == " ab"  # nothing to strip: a real space stays
 
 
-def byte_level_meta(pre: str) -> dict:
-    """Printable ASCII (byte-level maps it to itself), "xy" and the whole word "xyz": the merges make
-    "xy" but nothing makes "xyz"."""
-    tokens = ["<|endoftext|>", *map(chr, range(33, 127)), "xy", "xyz"]
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": pre,
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [3] + [1] * (len(tokens) - 1),
-        "tokenizer.ggml.merges": ["x y"],
-        "tokenizer.ggml.eos_token_id": 0,
+def byte_level_meta(
+    pre: str, tokens: tuple[str, ...] = ("xy", "xyz"), merges: tuple[str, ...] = ("x y",)
+) -> dict:
+    """``test_tokenizer``'s tiny byte-level vocabulary (printable ASCII maps to itself) plus ``tokens``
+    and ``merges``: by default "xy" and the whole word "xyz", where the merges make "xy" but nothing
+    makes "xyz"."""
+    meta = _tiny_meta(pre)
+    return meta | {
+        "tokenizer.ggml.tokens": [*meta["tokenizer.ggml.tokens"], *tokens],
+        "tokenizer.ggml.token_type": [*meta["tokenizer.ggml.token_type"], *[1] * len(tokens)],
+        "tokenizer.ggml.merges": [*meta["tokenizer.ggml.merges"], *merges],
     }
 
 
@@ -131,14 +132,7 @@ def test_the_stream_decoder_keeps_sentencepiece_spaces_between_pushes():
 def test_flush_resets_the_stream_decoder():
     """A byte-level emoji split over four byte tokens: held back, flushed lossily, and after the
     flush a new stream starts empty (a second flush gives nothing, the same bytes are held again)."""
-    meta = byte_level_meta("gpt2")
-    tok = Tokenizer.from_gguf_metadata(
-        meta
-        | {
-            "tokenizer.ggml.tokens": [*meta["tokenizer.ggml.tokens"], "ð", "Ł", "ĺ", "Ģ"],
-            "tokenizer.ggml.token_type": [*meta["tokenizer.ggml.token_type"], 1, 1, 1, 1],
-        }
-    )
+    tok = Tokenizer.from_gguf_metadata(byte_level_meta("gpt2", tokens=("ð", "Ł", "ĺ", "Ģ"), merges=()))
     ids = tok.encode("😀", add_bos=False)
     assert len(ids) == 4 and tok.decode(ids) == "😀"
     dec = tok.stream_decoder()
