@@ -88,6 +88,9 @@ def lab_layers(
     ctx: int = Option(512, min=4, help="Corpus window length in tokens."),
     kv: str = opt.KV,
     chunks: int = Option(1, min=1, help="Windows (ppl-protocol chunks) to pool."),
+    weights: str = Option(
+        "f32", help="Weights of the model: f32, bf16, int8, int4 or auto (the file's own)."
+    ),
     keep_sink: int = opt.SINK,
     keep_recent: int = opt.RECENT,
     json_out: bool = opt.JSON,
@@ -163,6 +166,9 @@ def lab_needle(
     ctx: str = Option("1024,2048,4096,8192", help="Contexts (4k = 4096).", callback=cb.sizes_option()),
     depth: str = Option("0.1,0.5,0.9", help="Depths in [0, 1].", callback=cb.floats_option(0.0, 1.0)),
     kv: str = Option("q8", help="Quantized cache mode compared with f32."),
+    weights: str = Option(
+        "auto", help="Weights of the model: auto (the file's own), f32, bf16, int8 or int4."
+    ),
     sparse: str = Option("quest", help="Sparse selection: quest or probe."),
     sparse_budget: str = Option(
         "0.125,0.25", help="Tokens, or context fractions.", callback=cb.budgets_option

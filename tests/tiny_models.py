@@ -217,10 +217,12 @@ _GEMMA3_LAYER = {
 
 
 def gemma3_config(
-    head_dim: int = 256, sliding_window: int = 4, n_layers: int = 6, query_pre_attn_scalar=None
-):
+    head_dim: int = 256, sliding_window: int = 4, n_layers: int = 6, query_pre_attn_scalar=None,
+    global_rope: dict | None = None,
+):  # fmt: skip
     """Gemma-3 as llama.cpp describes it (5 windowed layers, then a global one; local RoPE base 1e4,
-    global 1e6; attention scaled by 1/sqrt(head_dim)), tiny; one KV head."""
+    global 1e6; attention scaled by 1/sqrt(head_dim)), tiny; one KV head. ``global_rope``: the global
+    layers' RoPE scaling (as Gemma-3-4B's ``{"rope_type": "linear", "factor": 8.0}``)."""
     import transformers as tf
 
     return tf.Gemma3TextConfig(
@@ -229,7 +231,7 @@ def gemma3_config(
         sliding_window=sliding_window, max_position_embeddings=256, rms_norm_eps=1e-6,
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6} | (global_rope or {}),
         },
         pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
     )  # fmt: skip
@@ -249,13 +251,14 @@ META_TYPES = {
     bool: gguf.GGUFValueType.BOOL,
     int: gguf.GGUFValueType.UINT32,
     float: gguf.GGUFValueType.FLOAT32,
+    str: gguf.GGUFValueType.STRING,
 }
 
 
 def write_gemma3(path: Path, seed: int = 0, skip: tuple[str, ...] = (), meta: dict | None = None, **config):
     """A random Gemma-3 (HF model, the reference) and its GGUF as llama.cpp's converter writes it
     (norms stored as 1 + w, no output.weight); returns ``(hf_model, path)``. ``skip``: GGUF tensor
-    names left out; ``meta``: extra metadata, bool / int / float (to write damaged files)."""
+    names left out; ``meta``: extra metadata, bool / int / float / str (damaged files, RoPE scaling)."""
     import transformers as tf
 
     torch.manual_seed(seed)

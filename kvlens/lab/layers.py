@@ -36,10 +36,12 @@ from .ppl import make_chunks
 
 @dataclass
 class LayersConfig(LabConfig):
-    """``kvlens lab layers``: ``chunks`` windows of ``ctx`` tokens (the ppl protocol's first chunks)."""
+    """``kvlens lab layers``: ``chunks`` windows of ``ctx`` tokens (the ppl protocol's first chunks),
+    Q/K/V captured from the model with ``weights``."""
 
     ctx: int = 512
     chunks: int = 1
+    weights: str = "f32"
 
 
 FLAG_FACTOR = 3.0  # a head this many times the mode's median error is flagged
@@ -299,7 +301,7 @@ OUTPUT = CommandOutput(render, LayersResult.to_json, write_report)
 
 def main(cfg: LayersConfig, json_out: bool = False, report: str | Path | None = None) -> LayersResult:
     """The body of ``kvlens lab layers``."""
-    llm, text, label = load_lab(cfg.model, cfg.corpus, "f32")
+    llm, text, label = load_lab(cfg.model, cfg.corpus, "f32", cfg.weights)
     steps = cfg.chunks * llm.config.n_layers
     return run_command(
         "lab layers", steps, lambda step: run_layers(llm, text, cfg, label, step), OUTPUT, json_out, report

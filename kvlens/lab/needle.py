@@ -61,9 +61,11 @@ def answer(llm: LLM, cache, logits: torch.Tensor, pos: int) -> str:
 @dataclass
 class NeedleConfig:
     """``kvlens lab needle``: contexts ``ctx`` × needle depths, f32 dense vs ``kv`` dense vs ``kv``
-    sparse (``sparse`` method) at each of ``sparse_budget``; ``seed`` picks the secret numbers."""
+    sparse (``sparse`` method) at each of ``sparse_budget``; ``seed`` picks the secret numbers; the
+    model runs with ``weights`` (default: the file's own precision)."""
 
     model: str = "smollm2"
+    weights: str = "auto"
     corpus: str | None = None
     kv: KVMode | str = "q8"
     ctx: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
@@ -169,7 +171,7 @@ def main(cfg: NeedleConfig, json_out: bool = False) -> list[NeedleRow]:
 
     from ..corpus import load_corpus
 
-    llm = kvlens.load(cfg.model, kv=cfg.kv)
+    llm = kvlens.load(cfg.model, kv=cfg.kv, weights=cfg.weights)
     text, label = load_corpus(cfg.corpus)
     output = CommandOutput(
         lambda rows: render(rows, cfg, label, llm.source.name),

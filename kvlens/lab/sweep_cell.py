@@ -67,21 +67,27 @@ def provenance() -> tuple[str, str | None]:
     return ver, head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def cpu_of(cpuinfo: str) -> tuple[str, list[str]]:
+    """(CPU model, the ISA flags of :data:`_ISA_FLAGS` it has) from the text of ``/proc/cpuinfo``
+    (the first CPU's entry); the model falls back to what ``platform`` says."""
+    model, flags = platform.processor() or platform.machine(), []
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            model = value.strip()
+        elif key.strip() == "flags":
+            have = set(value.split())
+            flags = [f for f in _ISA_FLAGS if f in have]
+            break
+    return model, flags
+
+
 @functools.lru_cache(maxsize=1)
 def _cpu() -> tuple[str, list[str]]:
-    model, flags = platform.processor() or platform.machine(), []
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                have = set(value.split())
-                flags = [f for f in _ISA_FLAGS if f in have]
-                break
+        return cpu_of(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return model, flags
+        return cpu_of("")
 
 
 def machine() -> dict[str, Any]:
@@ -150,14 +156,14 @@ def _measure(c: dict[str, Any], llm: Any, ref: Any, text: str, label: str) -> di
     if m == "layers":
         from .layers import LayersConfig, run_layers
 
-        cfg = LayersConfig(kv=[kv], ctx=c["ctx"], chunks=c["chunks"], **keep)
+        cfg = LayersConfig(kv=[kv], ctx=c["ctx"], chunks=c["chunks"], weights=c["weights"], **keep)
         return run_layers(llm, text, cfg, label).to_json()
     if m == "needle":
         from .needle import NeedleConfig, recall_table, run_needle
 
         cfg = NeedleConfig(
             kv=kv, ctx=[c["ctx"]], depth=c["depths"], sparse=c["method"], sparse_budget=c["budgets"],
-            seed=c["seed"], dense_layers=c["dense_layers"],
+            seed=c["seed"], dense_layers=c["dense_layers"], weights=c["weights"],
         )  # fmt: skip
         rows = run_needle(llm, text, cfg)
         table = recall_table(rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shlex
 from collections import defaultdict
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,22 @@ def _series_key(c: dict[str, Any]) -> str:
     )
 
 
+def command_weights(measurement: str) -> str:
+    """The weights a measurement's lab command runs when ``--weights`` is not given (its config's)."""
+    from .greedy import GreedyConfig
+    from .layers import LayersConfig
+    from .needle import NeedleConfig
+    from .ppl import PplConfig
+
+    config = {"ppl": PplConfig, "greedy": GreedyConfig, "layers": LayersConfig, "needle": NeedleConfig}
+    return next(f.default for f in fields(config[measurement]) if f.name == "weights")
+
+
 def cell_command(c: dict[str, Any]) -> str:
     """The single lab command that measures this cell with the same code and settings."""
     m = c["measurement"]
     args = ["kvlens", "lab", m, "--model", c["model"], "--corpus", c["corpus"], "--kv", c["kv"]]
-    if m != "needle" and c["weights"] != "f32":
+    if c["weights"] != command_weights(m):
         args += ["--weights", c["weights"]]
     if m == "ppl":
         args += [
