@@ -112,3 +112,23 @@ def test_isa_flags_are_those_cpuinfo_lists():
     text = "processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\nflags\t\t: fpu sse2 avx2 fma avx512f amx_tile\n"
     assert sweep_cell.cpu_of(text) == ("Some CPU @ 2.0GHz", ["avx2", "fma", "avx512f", "amx_tile"])
     assert sweep_cell.cpu_of("model name\t: X\nflags\t: fpu sse2\n") == ("X", [])
+
+
+def test_a_cell_stores_its_modes_bytes_per_token_or_its_failure(runs, monkeypatch):
+    """A done cell's result carries the KV bytes per token of the cell's own mode; a cell whose run
+    raises is stored failed, with the exception and where it was raised."""
+    import json
+
+    from kvlens import corpus
+
+    engine = SimpleNamespace(
+        new_cache=lambda n, kv: SimpleNamespace(bytes_per_token=lambda: {"q8-k": 123}[kv])
+    )
+    monkeypatch.setattr(sweep_cell, "_models", lambda model, weights: (engine, None, 0.5))
+    monkeypatch.setattr(corpus, "load_corpus", lambda name: ("text", "label"))
+    out = sweep_cell.run_cell("key", json.dumps(cell("layers", model="m.gguf", corpus="c")), "local")
+    assert (out.status, out.error, out.load_seconds) == ("done", None, 0.5)
+    assert out.result == {"ran": "layers", "kv_bytes_per_token": 123} and out.metrics == {}
+    out = sweep_cell.run_cell("key", json.dumps(cell("perplexity", model="m.gguf", corpus="c")), "local")
+    assert out.status == "failed" and out.result is None
+    assert out.error.startswith("ValueError: unknown measurement 'perplexity' (at sweep_cell.py:")
