@@ -173,3 +173,41 @@ def test_generate_command_hands_the_engine_every_setting(monkeypatch, capsys):
     assert seen["fits"] == 5 + 5 and capsys.readouterr().out == "hello!\n"
     generate.main(dataclasses.replace(cfg, chat=True))
     assert capsys.readouterr().out == "!\n"
+
+
+@pytest.mark.parametrize(("length", "want"), [(0, (0, 16)), (24, (24, 32)), (32, (32, 48)), (64, (64, 70))])
+def test_prefill_chunks_end_at_absolute_multiples_of_the_chunk(length, want):
+    """A prefill resumed mid-chunk (as after a prefix-cache hit of whole 32-position blocks under a
+    chunk that does not divide 32) ends its next chunk where the request's chunks end alone."""
+    from types import SimpleNamespace
+
+    from kvlens.engine.sequence import Request, Sequence
+
+    req = Request("r", list(range(70)), 4)
+    seq = Sequence(req, SimpleNamespace(length=length), None, frozenset(), list(req.prompt_ids))
+    assert seq.next_chunk(16) == want
+    assert seq.in_prefill
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_decode_batch_is_each_sequence_decoded_alone(tmp_path, window):
+    """ModelRunner.decode over two sequences (the scheduler's step) equals each one's own step bit for
+    bit: the one-call path is for a single sequence, and a sliding window (Mistral's, here 4 of the
+    8 positions) holds in the batch as alone."""
+    from kvlens.engine.model_runner import ModelRunner
+
+    arch = "qwen2" if window is None else "mistral"
+    write_hf(arch, tmp_path, sliding_window=window)
+    llm = kvlens.load(str(tmp_path), kv="q8", attn_backend="numba")
+    assert llm.fused is not None and llm.config.sliding_window == window
+    runner, seqs = ModelRunner(llm), [[5, 17, 200, 33, 41, 9, 128, 77], [6, 9, 100, 3, 42, 250, 64, 2]]
+
+    def decode(batch):
+        caches = [llm.new_cache(len(s)) for s in batch]
+        for cache, s in zip(caches, batch, strict=True):
+            llm.forward(s[:-1], cache, 0)
+        return runner.decode(caches, [s[-1] for s in batch], [len(s) - 1 for s in batch])
+
+    together = decode(seqs)
+    for b, s in enumerate(seqs):
+        assert torch.equal(together[b], decode([s])[0]), f"row {b}"
