@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvlens.engine.attention import BackendError
+from kvlens.engine.attention import BackendError, resolve_backend
 from kvlens.kv.blocks import SparseConfig
 from kvlens.kv.modes import KVMode, StoreKind
 from kvlens.kv.recipe import head_recipe_mode
@@ -78,3 +78,56 @@ def test_an_integer_backend_refuses_a_recipe_with_any_layer_it_cannot_score(tiny
 def test_an_integer_backend_refuses_packed_rows_in_k_or_v(tiny, mode):
     with pytest.raises(BackendError, match="numba-int16 backend cannot read q6h rows"):
         tiny.variant(kv=mode, attn_backend="numba-int16").logits(IDS[:8])
+
+
+@pytest.mark.parametrize("backend", ["numba", "numba-int16", "numba-int:portable"])
+def test_cpu_backends_are_refused_for_a_cuda_device(backend):
+    """Decided from the device alone, so this runs without a GPU."""
+    with pytest.raises(BackendError, match="runs on CPU tensors only"):
+        resolve_backend(backend, torch.device("cuda"))
+    assert resolve_backend(backend, torch.device("cpu")) == backend
+
+
+def test_auto_is_the_numba_kernel_on_the_cpu(tiny):
+    """numba is a dependency, so `auto` on the CPU is its fused kernel, never the torch fallback."""
+    assert resolve_backend("auto", torch.device("cpu")) == "numba"
+    assert tiny.variant(attn_backend="auto").attn_backend == "numba"
+
+
+def test_a_sparse_engine_refuses_a_cache_without_block_bounds(tiny):
+    sparse = tiny.variant(sparse=SparseConfig("quest", 32, 0, 0))
+    cache = tiny.new_cache(80)  # the dense engine's: no bounds
+    sparse.prefill(IDS[:64], cache)
+    with pytest.raises(ValueError, match="sparse decode needs a cache that tracks block bounds"):
+        sparse.forward([5], cache, 64, prefill=False)
+
+
+def test_paged_decode_past_a_window_reads_each_sequences_own_blocks(tmp_path):
+    """The scheduler's paged sequences on the torch backend past Mistral's window (4): two requests
+    at once, so the second's blocks are not the pool's first; every token's logits equal transformers'
+    in float64 over that sequence."""
+    from bounds import f32_forward_tol
+    from tiny_models import write_hf
+
+    import kvlens
+    from kvlens.engine.scheduler import Engine, EngineConfig
+    from kvlens.engine.sequence import Request
+
+    hf = write_hf("mistral", tmp_path, sliding_window=4).double()
+    llm = kvlens.load(str(tmp_path), kv="f32", attn_backend="torch")
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=1 << 22, keep_logits=True))
+    prompts = {"a": IDS[:40], "b": IDS[40:75]}
+    for rid, ids in prompts.items():
+        engine.add_request(Request(rid, ids, 5, stop_ids=frozenset()))
+    events = {rid: [] for rid in prompts}
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        for ev in engine.step():
+            events[ev.request_id].append(ev)
+    for rid, ids in prompts.items():
+        seq = ids + [e.token_id for e in events[rid][:-1]]
+        with torch.no_grad():
+            want = hf(torch.tensor([seq])).logits[0, len(ids) - 1 :]
+        got = torch.stack([e.logits for e in events[rid]]).double()
+        assert (got - want).abs().max().item() <= f32_forward_tol(llm.config, want), rid
