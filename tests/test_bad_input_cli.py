@@ -101,6 +101,8 @@ WEIGHTS_ERROR = "unknown weights mode 'int3'; expected auto, f32, bf16, int8, in
 BAD_CONFIGS = [
     (["lab", "ppl", "--weights", "int3"], WEIGHTS_ERROR),
     (["lab", "greedy", "--weights", "int3"], WEIGHTS_ERROR),
+    (["lab", "layers", "--weights", "int3"], WEIGHTS_ERROR),
+    (["lab", "needle", "--weights", "int3"], WEIGHTS_ERROR),
     (["bench", "decode", "--no-hf", "--weights", "f32,int3"], "unknown weights mode 'int3'"),
     (["bench", "decode", "--no-hf", "--kv", "f16,q7"], "unknown KV cache mode 'q7'"),
     (["bench", "decode", "--no-hf", "--vs-llama-cpp", "/nonexistent/llama-bench"], "llama-bench not found"),

@@ -19,6 +19,7 @@ import torch
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode
+from ..models.loader import check_weights_mode
 from ..report import CommandOutput, figure, print_table, run_command, save_figure
 
 QUESTION = "\n\nQuestion: What is the special magic number mentioned in the text above?\nAnswer: The special magic number is"
@@ -78,6 +79,7 @@ class NeedleConfig:
 
     def __post_init__(self) -> None:
         self.kv = KVMode.parse(self.kv)
+        check_weights_mode(self.weights)  # before the (slow) load
         if not self.ctx or not self.depth:
             raise ValueError("give at least one context and one depth")
         for d in self.depth:
