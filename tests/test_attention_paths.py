@@ -107,24 +107,18 @@ def test_paged_decode_past_a_window_reads_each_sequences_own_blocks(tmp_path):
     at once, so the second's blocks are not the pool's first; every token's logits equal transformers'
     in float64 over that sequence."""
     from bounds import f32_forward_tol
+    from test_batch_invariance import _together
     from tiny_models import write_hf
 
     import kvlens
-    from kvlens.engine.scheduler import Engine, EngineConfig
+    from kvlens.engine.scheduler import EngineConfig
     from kvlens.engine.sequence import Request
 
     hf = write_hf("mistral", tmp_path, sliding_window=4).double()
     llm = kvlens.load(str(tmp_path), kv="f32", attn_backend="torch")
-    engine = Engine(llm, EngineConfig(kv_budget_bytes=1 << 22, keep_logits=True))
     prompts = {"a": IDS[:40], "b": IDS[40:75]}
-    for rid, ids in prompts.items():
-        engine.add_request(Request(rid, ids, 5, stop_ids=frozenset()))
-    events = {rid: [] for rid in prompts}
-    for _ in range(100):
-        if not engine.has_unfinished():
-            break
-        for ev in engine.step():
-            events[ev.request_id].append(ev)
+    reqs = [Request(rid, ids, 5, stop_ids=frozenset()) for rid, ids in prompts.items()]
+    events = _together(llm, reqs, EngineConfig(kv_budget_bytes=1 << 22, keep_logits=True))
     for rid, ids in prompts.items():
         seq = ids + [e.token_id for e in events[rid][:-1]]
         with torch.no_grad():

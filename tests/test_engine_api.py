@@ -1,5 +1,6 @@
 """The LLM's own API edges: variants refuse what does not fit, a sparse engine's caches track block
-bounds, chunk starts are absolute, and generation takes its prefill chunk and stop rule as given."""
+bounds, chunk starts are absolute, generation takes its stop rule as given and ends its text before
+an EOS, and a decode batch is each sequence alone."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from kvlens.kv.blocks import SparseConfig
 from kvlens.kv.kinds import StoreKind as S
 from kvlens.kv.modes import CacheOptions, KVMode
 
+TINY_MODEL = ("qwen2", 0)  # conftest's tiny_dir: 2 layers, 2 KV heads
+
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine-api")
-    write_hf("qwen2", root)
-    return kvlens.load(str(root), kv="q8", attn_backend="numba", prefill_chunk=16)
+def tiny(tiny_dir):
+    return kvlens.load(tiny_dir, kv="q8", attn_backend="numba", prefill_chunk=16)
 
 
 def test_variant_refuses_unknown_settings_and_recipes_of_another_model(tiny):
