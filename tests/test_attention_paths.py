@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from bounds import f32_forward_tol
 
 from kvlens.engine.attention import BackendError, resolve_backend
 from kvlens.kv.blocks import SparseConfig
@@ -52,13 +53,14 @@ PER_HEAD = [
 )
 def test_a_layer_stored_per_head_hands_each_head_its_own_blocks_and_sink(tiny, keep_sink, sparse):
     """Layer 0 stored per KV head (q8 K / f16 V, then the reverse): the decode kernel, one call per
-    head, equals the torch path's per-head masks and sink rows up to f32 rounding, through the
+    head, equals the torch path's per-head masks and sink rows up to f32 rounding (bounds.py), through the
     one-call attention step and without it (``fused_step`` off: the kernel called per head)."""
     mode = dataclasses.replace(head_recipe_mode("per-head", PER_HEAD), keep_sink=keep_sink)
     want = sparse_decode_logits(tiny.variant(kv=mode, sparse=sparse, attn_backend="torch"))
+    tol = 2 * f32_forward_tol(tiny.config, want)  # two f32 passes over the same stored rows
     for fused_step in (True, False):
         llm = tiny.variant(kv=mode, sparse=sparse, attn_backend="numba", fused_step=fused_step)
-        assert (sparse_decode_logits(llm) - want).abs().max().item() < 1e-4, f"fused_step={fused_step}"
+        assert (sparse_decode_logits(llm) - want).abs().max().item() <= tol, f"fused_step={fused_step}"
 
 
 def test_an_integer_backend_refuses_a_recipe_with_any_layer_it_cannot_score(tiny):
@@ -106,7 +108,6 @@ def test_paged_decode_past_a_window_reads_each_sequences_own_blocks(tmp_path):
     """The scheduler's paged sequences on the torch backend past Mistral's window (4): two requests
     at once, so the second's blocks are not the pool's first; every token's logits equal transformers'
     in float64 over that sequence."""
-    from bounds import f32_forward_tol
     from test_batch_invariance import _together
     from tiny_models import write_hf
 
