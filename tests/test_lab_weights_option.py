@@ -3,6 +3,8 @@ commands name them to reproduce a cell's weights)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import kvlens
@@ -33,6 +35,26 @@ def test_lab_needle_loads_the_weights_it_is_given(monkeypatch):
     monkeypatch.setattr(kvlens, "load", load)
     for weights in ("int8", "auto"):
         with pytest.raises(Loaded) as seen:
-            needle.main(needle.NeedleConfig(model="m.gguf", ctx=[64], depth=[0.5], weights=weights))
+            needle.main(needle.NeedleConfig(model="m.gguf", ctx=[256], depth=[0.5], weights=weights))
         assert seen.value.args == ("m.gguf", "q8", weights)
     assert needle.NeedleConfig().weights == "auto"  # the file's own, as before the option existed
+
+
+TINY_MODEL = ("llama", 3)  # conftest's tiny_dir
+
+
+@pytest.mark.parametrize("weights", ["f32", "int8"])
+def test_lab_layers_and_needle_name_the_weights_they_ran(tiny_dir, weights, capsys):
+    """The weights measured are in each command's header and JSON, not only in its command line."""
+    llm = kvlens.load(tiny_dir, kv="f32", attn_backend="torch", weights=weights)
+    r = layers.run_layers(
+        llm, "the cat sat on the mat. " * 20, layers.LayersConfig(kv="q8", ctx=32, chunks=1)
+    )
+    assert r.weights == r.to_json()["weights"] == weights
+    assert f"weights {weights};" in layers.describe(r)[0]
+
+    cfg = needle.NeedleConfig(model=str(tiny_dir), ctx=[256], depth=[0.5], weights=weights)
+    needle.main(cfg, json_out=True)
+    assert json.loads(capsys.readouterr().out)["weights"] == weights
+    needle.main(cfg)
+    assert f"weights {weights}" in capsys.readouterr().out

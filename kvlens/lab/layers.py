@@ -127,6 +127,7 @@ class LayersResult:
     sink: np.ndarray
     flagged: dict[KVMode, list[dict[str, Any]]]
     seconds: float
+    weights: str = "f32"  # the weights Q/K/V were captured with (``llm.weights_mode``)
 
     def median(self, mode: KVMode) -> float:
         e = self.err[mode]
@@ -135,7 +136,7 @@ class LayersResult:
     def to_json(self) -> dict[str, Any]:
         d = {
             k: getattr(self, k)
-            for k in ("model", "corpus", "ctx", "windows", "keep_sink", "keep_recent", "seconds")
+            for k in ("model", "corpus", "weights", "ctx", "windows", "keep_sink", "keep_recent", "seconds")
         }
         d["k_channel_ratio"], d["v_channel_ratio"] = self.k_ratio.tolist(), self.v_ratio.tolist()
         d["sink_weight"] = self.sink.tolist()
@@ -206,14 +207,15 @@ def run_layers(
     return LayersResult(
         model_name(llm), corpus_label, ctx, len(windows), keep_sink, keep_recent, err, max_abs,
         {m: sum_abs[m] / max(count, 1) for m in modes}, k_ratio, v_ratio, sink, flagged,
-        time.perf_counter() - t0,
+        time.perf_counter() - t0, llm.weights_mode,
     )  # fmt: skip
 
 
 # -- output ------------------------------------------------------------------------------------------
 def describe(r: LayersResult) -> list[str]:
     lines = [
-        f"model {r.model}; corpus {r.corpus}: {r.windows} window(s) of {r.ctx} tokens, real Q/K/V of every layer",
+        f"model {r.model}, weights {r.weights}; corpus {r.corpus}: {r.windows} window(s) of {r.ctx} tokens, "
+        "real Q/K/V of every layer",
         "rel. error = ‖attn_out(mode K/V) − attn_out(exact)‖ / ‖attn_out(exact)‖ per (layer, KV head), "
         "causal float64 reference attention; K/V written to and read back from a real cache of the mode",
         f"flagged: > {FLAG_FACTOR:g}× the mode's median; outlier channels: max/median channel |K| or |V| "

@@ -155,12 +155,12 @@ def plot_heatmap(rows: list[NeedleRow], path: str) -> None:
     save_figure(fig, path, dpi=120)
 
 
-def render(rows: list[NeedleRow], cfg: NeedleConfig, label: str, source: str) -> None:
+def render(rows: list[NeedleRow], cfg: NeedleConfig, label: str, source: str, weights: str) -> None:
     table = recall_table(rows)
     ctxs = sorted({r.ctx for r in rows})
     depths = ",".join(f"{d:g}" for d in cfg.depth)
     print_table(
-        f"needle recall over depths {depths} — filler: {label}, {source}",
+        f"needle recall over depths {depths} — filler: {label}, {source}, weights {weights}",
         ["mode", *(f"ctx {c}" for c in ctxs)],
         [[mode, *(f"{100 * by_ctx[c]:.0f}%" for c in ctxs)] for mode, by_ctx in table.items()],
         width=0,
@@ -176,8 +176,8 @@ def main(cfg: NeedleConfig, json_out: bool = False) -> list[NeedleRow]:
     llm = kvlens.load(cfg.model, kv=cfg.kv, weights=cfg.weights)
     text, label = load_corpus(cfg.corpus)
     output = CommandOutput(
-        lambda rows: render(rows, cfg, label, llm.source.name),
-        lambda rows: {"rows": rows, "recall": recall_table(rows)},
+        lambda rows: render(rows, cfg, label, llm.source.name, llm.weights_mode),
+        lambda rows: {"weights": llm.weights_mode, "rows": rows, "recall": recall_table(rows)},
     )
 
     def run(step: Callable[[str], None]) -> list[NeedleRow]:
