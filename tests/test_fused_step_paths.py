@@ -18,22 +18,25 @@ from kvlens.engine.attention import BackendError
 from kvlens.kv.cache import BLOCK
 from kvlens.kv.modes import KVMode
 from kvlens.kv.pool import BlockPool, PagedKV, kv_bytes_per_token
+from kvlens.kv.recipe import head_recipe_mode
 from kvlens.kv.stores import StoreKind
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class CountingDecoder:
-    """Counts the fused decoder's compiled calls (the fused path really ran)."""
+    """Counts the compiled calls of an engine's fused decoder, or of another step with a ``run``
+    (the fused path really ran)."""
 
-    def __init__(self, llm) -> None:
-        self.calls, inner = 0, llm.fused.run
+    def __init__(self, llm_or_step) -> None:
+        step = getattr(llm_or_step, "fused", llm_or_step)
+        self.calls, inner = 0, step.run
 
         def run(*args):
             self.calls += 1
             return inner(*args)
 
-        llm.fused.run = run
+        step.run = run
 
 
 def step_logits(
@@ -60,7 +63,8 @@ def assert_paths_agree(llm, ids: list[int], steps: int, capacity: int) -> None:
         assert torch.equal(a, b), f"logits after step {i}"
     assert c1.length == c2.length == len(ids) + steps
     for s1, s2 in zip(c1.k + c1.v, c2.k + c2.v, strict=True):
-        assert torch.equal(s1.data[:, : c1.length], s2.data[:, : c2.length])
+        for p1, p2 in zip(getattr(s1, "parts", [s1]), getattr(s2, "parts", [s2]), strict=True):
+            assert torch.equal(p1.data[:, : c1.length], p2.data[:, : c2.length])
 
 
 def test_a_step_past_the_cache_capacity_grows_it_first(tmp_path):
@@ -84,6 +88,20 @@ def test_the_first_position_a_window_cuts_takes_the_windowed_path(tmp_path):
     spy = CountingDecoder(llm)
     assert_paths_agree(llm, [5, 17], steps=6, capacity=16)
     assert spy.calls == window - 2  # positions 2 and 3: the window still holds every position
+
+
+def test_a_layer_stored_per_head_gives_each_head_its_own_query_group(tmp_path):
+    """8 query heads over 2 KV heads (groups of 4, not 2 = the KV head count as in the other tiny
+    models), each layer's KV heads stored in different kinds: the one-call-per-KV-head attention hands
+    each call its own 4 query heads; the steps equal the general path."""
+    q8, f16 = StoreKind.Q8, StoreKind.F16
+    write_hf("llama", tmp_path, seed=5, hidden_size=128, num_attention_heads=8)
+    mode = head_recipe_mode("r", [[(q8, f16), (f16, q8)], [(f16, f16), (q8, q8)]])
+    llm = kvlens.load(str(tmp_path), kv=mode, weights="int8", attn_backend="numba")
+    assert (llm.config.n_heads, llm.config.n_kv_heads) == (8, 2)
+    spy = CountingDecoder(llm._attend_step.head_step)
+    assert_paths_agree(llm, list(range(3, 30)), steps=3, capacity=32)
+    assert spy.calls == 3 * 2 * 2  # steps x layers x KV heads, in the fused run
 
 
 def test_a_paged_view_one_block_short_is_refused_and_nothing_is_written(tmp_path):
