@@ -171,3 +171,29 @@ def test_integer_scores_over_4bit_k_need_a_head_dim_of_64(tmp_path, fused):
             llm.forward([7], cache, 17, prefill=False, backend="numba-int")
     finally:
         llm.fused_step = True
+
+
+def test_an_attention_output_outlives_the_next_call():
+    """The one-call attention's output is the caller's own: a later call (the next layer, or the next
+    sequence of a batch) leaves it as it was; it is not the step's scratch."""
+    from kvlens.engine.attention import make_attend
+    from kvlens.kernels.attend_step import AttendStep
+    from kvlens.kv.cache import KVCache
+
+    gen = torch.Generator().manual_seed(3)
+    n_heads, n_kv, hd, n = 4, 2, 64, 20
+    cache = KVCache(2, n_kv, hd, 32, KVMode.parse("q8"))
+    step = AttendStep(n_heads, n_kv, hd)
+    spy = CountingDecoder(step)
+    attend = make_attend(cache, False, "numba", None, step=step)
+    outs = []
+    for layer in range(2):
+        k, v = (torch.randn(n_kv, n, hd, generator=gen) for _ in range(2))
+        cache.write(layer, 0, k[:, :-1], v[:, :-1])
+        q = torch.randn(n_heads, 1, hd, generator=gen)
+        outs.append(attend(layer, q, k[:, -1:], v[:, -1:], n - 1))
+        if layer == 0:
+            first = outs[0].clone()
+    assert spy.calls == 2
+    assert not torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], first)
