@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decode_step import Spy
 from tiny_models import write_hf
 
 import kvlens
@@ -22,21 +23,6 @@ from kvlens.kv.recipe import head_recipe_mode
 from kvlens.kv.stores import StoreKind
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class CountingDecoder:
-    """Counts the compiled calls of an engine's fused decoder, or of another step with a ``run``
-    (the fused path really ran)."""
-
-    def __init__(self, llm_or_step) -> None:
-        step = getattr(llm_or_step, "fused", llm_or_step)
-        self.calls, inner = 0, step.run
-
-        def run(*args):
-            self.calls += 1
-            return inner(*args)
-
-        step.run = run
 
 
 def step_logits(
@@ -72,7 +58,7 @@ def test_a_step_past_the_cache_capacity_grows_it_first(tmp_path):
     compiled call writes the next position (the general path's write grows it)."""
     write_hf("llama", tmp_path, seed=5)
     llm = kvlens.load(str(tmp_path), kv="q8", weights="int8", attn_backend="numba")
-    spy = CountingDecoder(llm)
+    spy = Spy(llm)
     ids = [3 + i % 200 for i in range(BLOCK)]
     assert llm.new_cache(BLOCK).capacity == BLOCK
     assert_paths_agree(llm, ids, steps=3, capacity=BLOCK)
@@ -85,7 +71,7 @@ def test_the_first_position_a_window_cuts_takes_the_windowed_path(tmp_path):
     window = 4
     write_hf("mistral", tmp_path, sliding_window=window)
     llm = kvlens.load(str(tmp_path), kv="q8", attn_backend="numba")
-    spy = CountingDecoder(llm)
+    spy = Spy(llm)
     assert_paths_agree(llm, [5, 17], steps=6, capacity=16)
     assert spy.calls == window - 2  # positions 2 and 3: the window still holds every position
 
@@ -99,7 +85,7 @@ def test_a_layer_stored_per_head_gives_each_head_its_own_query_group(tmp_path):
     mode = head_recipe_mode("r", [[(q8, f16), (f16, q8)], [(f16, f16), (q8, q8)]])
     llm = kvlens.load(str(tmp_path), kv=mode, weights="int8", attn_backend="numba")
     assert (llm.config.n_heads, llm.config.n_kv_heads) == (8, 2)
-    spy = CountingDecoder(llm._attend_step.head_step)
+    spy = Spy(llm._attend_step.head_step)
     assert_paths_agree(llm, list(range(3, 30)), steps=3, capacity=32)
     assert spy.calls == 3 * 2 * 2  # steps x layers x KV heads, in the fused run
 
@@ -184,7 +170,7 @@ def test_an_attention_output_outlives_the_next_call():
     n_heads, n_kv, hd, n = 4, 2, 64, 20
     cache = KVCache(2, n_kv, hd, 32, KVMode.parse("q8"))
     step = AttendStep(n_heads, n_kv, hd)
-    spy = CountingDecoder(step)
+    spy = Spy(step)
     attend = make_attend(cache, False, "numba", None, step=step)
     outs = []
     for layer in range(2):
