@@ -122,6 +122,9 @@ def test_a_request_refused_admission_gives_back_the_cached_blocks_it_took(tiny_d
         if not engine.has_unfinished():
             break
     assert waited_with_a_hit, "premise: the late request waited while the long one ran"
-    assert engine.stats().prefix_hit_tokens == CHUNK  # admitted at last, with its cached chunk
+    stats = engine.stats()
+    assert stats.prefix_hit_tokens == CHUNK  # admitted at last, with its cached chunk
+    assert stats.prompt_tokens == len(warm) + len(long.prompt_ids) + len(late.prompt_ids)
+    assert stats.generated_tokens == 1 + 20 + 3
     assert out["long"] == greedy_reference(llm, long.prompt_ids, 20)[0]
     assert out["late"] == greedy_reference(llm, late.prompt_ids, 3)[0]
