@@ -90,7 +90,8 @@ def test_a_request_refused_admission_gives_back_the_cached_blocks_it_took(tiny_d
     """A request whose system prompt is cached takes those blocks, then waits (the pool cannot hold
     its next chunk while another request runs): it gives them back while it waits, so after every
     step a waiting request holds no block and each block's refcount is the number of running
-    sequences holding it; the outputs are the greedy reference's."""
+    sequences holding it; the outputs are the greedy reference's, and the engine's prompt and
+    generated token counters (the /metrics counters) the requests' sums."""
     llm = load(tiny_dir)
     rng = random.Random(6)
     system = [rng.randrange(3, 320) for _ in range(CHUNK)]
