@@ -1,7 +1,7 @@
 """Prefix-cache paths the stream tests pass by (kv/prefix.py, engine/prefix_cache.py, kv/disk.py):
 every token of a block in its hash, a memory hit that ends inside a chunk, a disk hit while the pool
 has no block to restore into, a restored block found again in memory, a block spilled a second
-time, and a disk budget of nothing.
+time, a disk budget of nothing or of less than a block, and a file of an older format.
 
 References: the exactness rule (whole chunks only, docs/serve.md), a fresh prefill on a contiguous
 cache (its logits are the paged engine's bit for bit: test_prefix_cache), the files on disk.
@@ -9,6 +9,7 @@ cache (its logits are the paged engine's bit for bit: test_prefix_cache), the fi
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
@@ -19,7 +20,7 @@ import kvlens
 from kvlens.engine.prefix_cache import PrefixCache
 from kvlens.engine.scheduler import Engine, EngineConfig, Request
 from kvlens.kv.cache import BLOCK
-from kvlens.kv.disk import SUFFIX, DiskTier
+from kvlens.kv.disk import MAGIC, SUFFIX, DiskTier
 from kvlens.kv.modes import KVMode
 from kvlens.kv.pool import BlockPool, PagedKV, kv_bytes_per_token
 from kvlens.kv.prefix import block_hashes
@@ -74,6 +75,35 @@ def test_a_block_spilled_again_is_written_once(tmp_path):
     disk.spill(1, b"a" * 32)
     assert disk.stats.spilled == 1
     assert disk.stats.bytes == sum(p.stat().st_size for p in tmp_path.glob(f"*{SUFFIX}"))
+
+
+def test_a_block_larger_than_the_budget_is_not_written(tmp_path):
+    """A budget one byte short of one block's file: the spill writes nothing (it would delete every
+    other file, then still break the budget)."""
+    pool = random_pool("q8", 0)
+    probe = DiskTier(tmp_path / "probe", 1 << 20, pool, "m")
+    probe.spill(0, b"p" * 32)
+    disk = DiskTier(tmp_path / "d", probe.stats.bytes - 1, pool, "m")
+    disk.spill(0, b"a" * 32)
+    assert (disk.stats.spilled, disk.stats.bytes) == (0, 0)
+    assert not list((tmp_path / "d").glob(f"*{SUFFIX}"))
+
+
+def test_a_file_of_an_older_format_is_refused(tmp_path):
+    """A file whose first line names an earlier format (KVLENS-BLOCK-3: q4h's 4-bit step not yet
+    searched), checksum and header otherwise right for this pool: refused, counted, deleted."""
+    pool = random_pool("q8", 0)
+    disk = DiskTier(tmp_path, 1 << 20, pool, "m")
+    disk.spill(0, b"a" * 32)
+    path = disk.path(b"a" * 32)
+    body = path.read_bytes()[: -hashlib.sha256().digest_size]
+    assert body.startswith(MAGIC) and MAGIC.endswith(b"-4\n")
+    body = MAGIC[:-2] + b"3\n" + body[len(MAGIC) :]
+    path.write_bytes(body + hashlib.sha256(body).digest())
+    target = [t.clone() for t in pool.block_rows(1)]
+    assert not disk.restore(1, b"a" * 32)
+    assert all(torch.equal(a, b) for a, b in zip(target, pool.block_rows(1), strict=True))
+    assert (disk.stats.corrupt, disk.stats.bytes, path.exists()) == (1, 0, False)
 
 
 def run(engine: Engine, rid: str, prompt: list[int], n: int = 2) -> list:
