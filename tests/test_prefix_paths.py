@@ -1,7 +1,8 @@
 """Prefix-cache paths the stream tests pass by (kv/prefix.py, engine/prefix_cache.py, kv/disk.py):
 every token of a block in its hash, a memory hit that ends inside a chunk, a disk hit while the pool
 has no block to restore into, a restored block found again in memory, a block spilled a second
-time, a disk budget of nothing or of less than a block, and a file of an older format.
+time, a disk budget of nothing or of less than a block, a file of an older format or with a
+payload of another length.
 
 References: the exactness rule (whole chunks only, docs/serve.md), a fresh prefill on a contiguous
 cache (its logits are the paged engine's bit for bit: test_prefix_cache), the files on disk.
@@ -89,21 +90,39 @@ def test_a_block_larger_than_the_budget_is_not_written(tmp_path):
     assert not list((tmp_path / "d").glob(f"*{SUFFIX}"))
 
 
-def test_a_file_of_an_older_format_is_refused(tmp_path):
-    """A file whose first line names an earlier format (KVLENS-BLOCK-3: q4h's 4-bit step not yet
-    searched), checksum and header otherwise right for this pool: refused, counted, deleted."""
+def assert_rewritten_file_is_refused(tmp_path, edit) -> None:
+    """A spilled file whose body (all before the checksum) ``edit`` changes, checksum recomputed over
+    it (as a writer of another layout would): refused, counted, deleted; the pool's block untouched."""
     pool = random_pool("q8", 0)
     disk = DiskTier(tmp_path, 1 << 20, pool, "m")
     disk.spill(0, b"a" * 32)
     path = disk.path(b"a" * 32)
-    body = path.read_bytes()[: -hashlib.sha256().digest_size]
-    assert body.startswith(MAGIC) and MAGIC.endswith(b"-4\n")
-    body = MAGIC[:-2] + b"3\n" + body[len(MAGIC) :]
+    body = edit(path.read_bytes()[: -hashlib.sha256().digest_size])
     path.write_bytes(body + hashlib.sha256(body).digest())
     target = [t.clone() for t in pool.block_rows(1)]
     assert not disk.restore(1, b"a" * 32)
     assert all(torch.equal(a, b) for a, b in zip(target, pool.block_rows(1), strict=True))
     assert (disk.stats.corrupt, disk.stats.bytes, path.exists()) == (1, 0, False)
+
+
+def test_a_file_of_an_older_format_is_refused(tmp_path):
+    """A file whose first line names an earlier format (KVLENS-BLOCK-3: q4h's 4-bit step not yet
+    searched), header and payload otherwise right for this pool."""
+    assert MAGIC.endswith(b"-4\n")
+
+    def older(body: bytes) -> bytes:
+        assert body.startswith(MAGIC)
+        return MAGIC[:-2] + b"3\n" + body[len(MAGIC) :]
+
+    assert_rewritten_file_is_refused(tmp_path, older)
+
+
+@pytest.mark.parametrize("change", [-16, 16])
+def test_a_payload_of_another_length_is_refused(tmp_path, change):
+    """Magic and header right, the payload 16 bytes short or long."""
+    assert_rewritten_file_is_refused(
+        tmp_path, lambda body: body[:change] if change < 0 else body + bytes(change)
+    )
 
 
 def run(engine: Engine, rid: str, prompt: list[int], n: int = 2) -> list:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import random
 
 import torch
+from test_prefix_cache import engine_bytes_per_token
 
 import kvlens
 from kvlens.engine.sampling import SamplingParams
 from kvlens.engine.scheduler import Engine, EngineConfig, Request
 from kvlens.kv.cache import BLOCK
-from kvlens.kv.pool import kv_bytes_per_token
 
 CHUNK = 2 * BLOCK
 TINY_MODEL = ("llama", 5)  # conftest's tiny_dir
@@ -56,7 +56,9 @@ def test_a_prompt_whose_last_chunk_is_one_token_is_answered_after_all_of_it(tiny
     rng = random.Random(2)
     for n in (CHUNK + 1, 2 * CHUNK - 1):
         prompt = [rng.randrange(3, 320) for _ in range(n)]
-        engine = Engine(llm, EngineConfig(kv_budget_bytes=8 * BLOCK * bytes_per_token(llm), max_batch=2))
+        engine = Engine(
+            llm, EngineConfig(kv_budget_bytes=8 * BLOCK * engine_bytes_per_token(llm), max_batch=2)
+        )
         events = run(engine, Request("r", prompt, 4, stop_ids=frozenset()))
         want, _ = greedy_reference(llm, prompt, 4)
         assert [e.token_id for e in events] == want, n
@@ -68,7 +70,7 @@ def test_logprobs_are_the_models_whatever_the_temperature(tiny_dir):
     distribution the token was drawn from."""
     llm = load(tiny_dir)
     prompt = list(range(3, 40))
-    engine = Engine(llm, EngineConfig(kv_budget_bytes=8 * BLOCK * bytes_per_token(llm), max_batch=2))
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=8 * BLOCK * engine_bytes_per_token(llm), max_batch=2))
     sampling = SamplingParams(temperature=0.7, seed=11)
     events = run(engine, Request("r", prompt, 3, sampling=sampling, stop_ids=frozenset(), logprobs=2))
     cache = llm.new_cache(len(prompt) + 3)
@@ -81,11 +83,6 @@ def test_logprobs_are_the_models_whatever_the_temperature(tiny_dir):
         logits = llm.lm_head(llm.forward([ev.token_id], cache, len(prompt) + i, prefill=False))[0]
 
 
-def bytes_per_token(llm) -> int:
-    c = llm.config
-    return kv_bytes_per_token(llm.kv, c.n_layers, c.n_kv_heads, c.head_dim)
-
-
 def test_a_request_refused_admission_gives_back_the_cached_blocks_it_took(tiny_dir):
     """A request whose system prompt is cached takes those blocks, then waits (the pool cannot hold
     its next chunk while another request runs): it gives them back while it waits, so after every
@@ -96,7 +93,8 @@ def test_a_request_refused_admission_gives_back_the_cached_blocks_it_took(tiny_d
     rng = random.Random(6)
     system = [rng.randrange(3, 320) for _ in range(CHUNK)]
     engine = Engine(
-        llm, EngineConfig(kv_budget_bytes=6 * BLOCK * bytes_per_token(llm), prefix_cache=True, max_batch=2)
+        llm,
+        EngineConfig(kv_budget_bytes=6 * BLOCK * engine_bytes_per_token(llm), prefix_cache=True, max_batch=2),
     )
     warm = system + [rng.randrange(3, 320) for _ in range(5)]
     run(engine, Request("warm", warm, 1, stop_ids=frozenset()))  # publishes the system prompt's chunk
