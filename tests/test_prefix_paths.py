@@ -1,8 +1,6 @@
-"""Prefix-cache paths the stream tests pass by (kv/prefix.py, engine/prefix_cache.py, kv/disk.py):
-every token of a block in its hash, a memory hit that ends inside a chunk, a disk hit while the pool
-has no block to restore into, a restored block found again in memory, a block spilled a second
-time, a disk budget of nothing or of less than a block, a file of an older format or with a
-payload of another length.
+"""Prefix-cache paths the stream tests pass by (kv/prefix.py, engine/prefix_cache.py): every token
+of a block in its hash, a memory hit that ends inside a chunk, a disk hit while the pool has no
+block to restore into, a restored block found again in memory (test_kv_disk_files: the tier's files).
 
 References: the exactness rule (whole chunks only, docs/serve.md), a fresh prefill on a contiguous
 cache (its logits are the paged engine's bit for bit: test_prefix_cache), the files on disk.
@@ -10,18 +8,15 @@ cache (its logits are the paged engine's bit for bit: test_prefix_cache), the fi
 
 from __future__ import annotations
 
-import hashlib
 import random
 
-import pytest
 import torch
-from test_kv_disk import random_pool
 
 import kvlens
 from kvlens.engine.prefix_cache import PrefixCache
 from kvlens.engine.scheduler import Engine, EngineConfig, Request
 from kvlens.kv.cache import BLOCK
-from kvlens.kv.disk import MAGIC, SUFFIX, DiskTier
+from kvlens.kv.disk import SUFFIX
 from kvlens.kv.modes import KVMode
 from kvlens.kv.pool import BlockPool, PagedKV, kv_bytes_per_token
 from kvlens.kv.prefix import block_hashes
@@ -57,72 +52,6 @@ def test_a_memory_hit_that_ends_inside_a_chunk_reuses_only_whole_chunks():
     assert cache.acquire(kv, prompt) == CHUNK
     assert (kv.length, kv.blocks) == (CHUNK, blocks[:2])
     assert pool.refcount[blocks[2]] == 0 and cache.index.is_parked(blocks[2])
-
-
-def test_a_disk_tier_of_no_bytes_is_refused(tmp_path):
-    pool = random_pool("q8", 0)
-    for budget in (0, -1):
-        with pytest.raises(ValueError, match="more than 0 bytes"):
-            DiskTier(tmp_path, budget, pool, "m")
-
-
-def test_a_block_spilled_again_is_written_once(tmp_path):
-    """A block restored from disk, then evicted again, is spilled under the same hash: the file is
-    there already, so nothing is written and the byte count stays the folder's."""
-    pool = random_pool("q8", 0)
-    disk = DiskTier(tmp_path, 1 << 20, pool, "m")
-    disk.spill(0, b"a" * 32)
-    assert disk.restore(1, b"a" * 32)
-    disk.spill(1, b"a" * 32)
-    assert disk.stats.spilled == 1
-    assert disk.stats.bytes == sum(p.stat().st_size for p in tmp_path.glob(f"*{SUFFIX}"))
-
-
-def test_a_block_larger_than_the_budget_is_not_written(tmp_path):
-    """A budget one byte short of one block's file: the spill writes nothing (it would delete every
-    other file, then still break the budget)."""
-    pool = random_pool("q8", 0)
-    probe = DiskTier(tmp_path / "probe", 1 << 20, pool, "m")
-    probe.spill(0, b"p" * 32)
-    disk = DiskTier(tmp_path / "d", probe.stats.bytes - 1, pool, "m")
-    disk.spill(0, b"a" * 32)
-    assert (disk.stats.spilled, disk.stats.bytes) == (0, 0)
-    assert not list((tmp_path / "d").glob(f"*{SUFFIX}"))
-
-
-def assert_rewritten_file_is_refused(tmp_path, edit) -> None:
-    """A spilled file whose body (all before the checksum) ``edit`` changes, checksum recomputed over
-    it (as a writer of another layout would): refused, counted, deleted; the pool's block untouched."""
-    pool = random_pool("q8", 0)
-    disk = DiskTier(tmp_path, 1 << 20, pool, "m")
-    disk.spill(0, b"a" * 32)
-    path = disk.path(b"a" * 32)
-    body = edit(path.read_bytes()[: -hashlib.sha256().digest_size])
-    path.write_bytes(body + hashlib.sha256(body).digest())
-    target = [t.clone() for t in pool.block_rows(1)]
-    assert not disk.restore(1, b"a" * 32)
-    assert all(torch.equal(a, b) for a, b in zip(target, pool.block_rows(1), strict=True))
-    assert (disk.stats.corrupt, disk.stats.bytes, path.exists()) == (1, 0, False)
-
-
-def test_a_file_of_an_older_format_is_refused(tmp_path):
-    """A file whose first line names an earlier format (KVLENS-BLOCK-3: q4h's 4-bit step not yet
-    searched), header and payload otherwise right for this pool."""
-    assert MAGIC.endswith(b"-4\n")
-
-    def older(body: bytes) -> bytes:
-        assert body.startswith(MAGIC)
-        return MAGIC[:-2] + b"3\n" + body[len(MAGIC) :]
-
-    assert_rewritten_file_is_refused(tmp_path, older)
-
-
-@pytest.mark.parametrize("change", [-16, 16])
-def test_a_payload_of_another_length_is_refused(tmp_path, change):
-    """Magic and header right, the payload 16 bytes short or long."""
-    assert_rewritten_file_is_refused(
-        tmp_path, lambda body: body[:change] if change < 0 else body + bytes(change)
-    )
 
 
 def run(engine: Engine, rid: str, prompt: list[int], n: int = 2) -> list:
