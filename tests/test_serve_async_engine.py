@@ -1,0 +1,106 @@
+"""The engine thread behind the HTTP server (serve/async_engine.py), driven directly from asyncio with
+a real engine over a tiny model: what the HTTP tests reach only through timing, here made certain.
+
+Every wait is bounded (``asyncio.wait_for``), so a request the thread never answers fails the test
+instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_prefix_cache import engine_bytes_per_token
+
+import kvlens
+from kvlens.engine.scheduler import Engine, EngineConfig, Request
+from kvlens.kv.cache import BLOCK
+from kvlens.serve.async_engine import AsyncEngine
+
+TINY_MODEL = ("llama", 5)  # conftest's tiny_dir
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return kvlens.load(tiny_dir, kv="q8", attn_backend="numba")
+
+
+def new_engine(llm) -> Engine:
+    return Engine(llm, EngineConfig(kv_budget_bytes=16 * BLOCK * engine_bytes_per_token(llm), max_batch=4))
+
+
+def request(rid: str, n: int = 4) -> Request:
+    return Request(rid, [5, 17, 200, 33, 41, 9], n, stop_ids=frozenset())
+
+
+async def drain(events: asyncio.Queue) -> list:
+    """A request's events up to its finished one."""
+    out = []
+    while not out or not out[-1].event.finished:
+        out.append(await asyncio.wait_for(events.get(), WAIT_S))
+    return out
+
+
+def test_a_request_after_the_thread_stopped_is_refused(llm):
+    """Once the engine thread has stopped, ``add`` raises at once; it does not wait for a thread
+    that will never admit it."""
+
+    async def run() -> None:
+        ae = AsyncEngine(new_engine(llm))
+        ae.start()
+        await ae.stop(timeout=WAIT_S)
+        assert not ae.alive
+        with pytest.raises(RuntimeError, match="not running"):
+            await asyncio.wait_for(ae.add(request("late")), WAIT_S)
+
+    asyncio.run(run())
+
+
+def test_finished_and_aborted_requests_leave_no_stream_behind(llm):
+    """A server runs for weeks: the event-loop side's per-request queues (``_streams``) must not keep
+    one for a request that finished or was aborted."""
+
+    async def run() -> None:
+        ae = AsyncEngine(new_engine(llm))
+        ae.start()
+        try:
+            streams = [await ae.add(request(f"r{i}")) for i in range(3)]
+            ae.abort("r1")
+            for i in (0, 2):
+                assert (await drain(streams[i]))[-1].event.finish_reason == "length"
+            assert not ae._streams
+        finally:
+            await ae.stop(timeout=WAIT_S)
+
+    asyncio.run(run())
+
+
+def test_a_caller_gone_before_admission_leaves_the_loop_clean(llm):
+    """The caller is cancelled while ``add`` waits for the engine thread to admit its request: the
+    thread's answer then finds the future cancelled and drops it (no error in the event loop), and
+    the engine drops the request."""
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        errors: list = []
+        loop.set_exception_handler(lambda _, context: errors.append(context))
+        ae = AsyncEngine(new_engine(llm))
+        ae.start()
+        try:
+            task = asyncio.create_task(ae.add(request("gone")))
+            await asyncio.sleep(0)  # ``add`` posts the request and waits; the answer is not in yet
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(300):  # bounded: the thread drops the request and publishes its stats
+                stats = ae.stats()
+                if stats.running == stats.waiting == 0 and ae._inbox.empty():
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # the thread's last callbacks run
+        finally:
+            await ae.stop(timeout=WAIT_S)
+        return errors
+
+    assert asyncio.run(run()) == []
