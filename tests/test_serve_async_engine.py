@@ -58,8 +58,9 @@ def test_a_request_after_the_thread_stopped_is_refused(llm):
 
 
 def test_finished_and_aborted_requests_leave_no_stream_behind(llm):
-    """A server runs for weeks: the event-loop side's per-request queues (``_streams``) must not keep
-    one for a request that finished or was aborted."""
+    """A server runs for weeks: neither the event-loop side's per-request queues (``_streams``) nor
+    the thread's ids in flight (``_live``, which a fault or a stop ends) keep a request that finished
+    or was aborted."""
 
     async def run() -> None:
         ae = AsyncEngine(new_engine(llm))
@@ -70,6 +71,7 @@ def test_finished_and_aborted_requests_leave_no_stream_behind(llm):
             for i in (0, 2):
                 assert (await drain(streams[i]))[-1].event.finish_reason == "length"
             assert not ae._streams
+            assert not ae._live  # updated before the events were handed over
         finally:
             await ae.stop(timeout=WAIT_S)
 
