@@ -106,3 +106,58 @@ def test_a_caller_gone_before_admission_leaves_the_loop_clean(llm):
         return errors
 
     assert asyncio.run(run()) == []
+
+
+def test_a_fault_in_a_step_ends_the_requests_in_flight_and_the_thread_serves_on(llm):
+    """``Engine.step`` raising (a fault of the scheduler's, not of one request): every request in
+    flight gets a finished event with reason "error", their blocks are freed, the fault is counted,
+    and the next request is served as if nothing happened."""
+    engine = new_engine(llm)
+    step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("planted fault")
+        return step()
+
+    engine.step = failing_step
+
+    async def run() -> tuple[list, list, int]:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            streams = [await ae.add(request(f"r{i}", n=20)) for i in range(2)]
+            ended = [(await drain(s))[-1].event.finish_reason for s in streams]
+            stats = ae.stats()
+            assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+            after = [t.event.token_id for t in await drain(await ae.add(request("after")))]
+            return ended, after, ae.faults
+        finally:
+            await ae.stop(timeout=WAIT_S)
+
+    ended, after, faults = asyncio.run(run())
+    assert ended == ["error", "error"] and faults == 1
+    alone = new_engine(llm)
+    alone.add_request(request("after"))
+    want = []
+    while alone.has_unfinished():
+        want += [e.token_id for e in alone.step()]
+    assert after == want
+
+
+def test_stopping_ends_the_requests_in_flight_as_aborted(llm):
+    """``stop`` with requests still running: each gets a finished event with reason "abort" and the
+    pool is empty when the thread ends."""
+    engine = new_engine(llm)
+
+    async def run() -> list:
+        ae = AsyncEngine(engine)
+        ae.start()
+        streams = [await ae.add(request(f"r{i}", n=200)) for i in range(2)]
+        await ae.stop(timeout=WAIT_S)
+        return [(await drain(s))[-1].event.finish_reason for s in streams]
+
+    assert asyncio.run(run()) == ["abort", "abort"]
+    stats = engine.stats()
+    assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
