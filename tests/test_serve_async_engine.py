@@ -8,6 +8,7 @@ instead of hanging it.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from test_prefix_cache import engine_bytes_per_token
@@ -161,3 +162,36 @@ def test_stopping_ends_the_requests_in_flight_as_aborted(llm):
     assert asyncio.run(run()) == ["abort", "abort"]
     stats = engine.stats()
     assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+
+
+def test_the_stats_show_an_admitted_request_before_its_first_step_ends(llm):
+    """/metrics reads the snapshot the thread publishes: a request admitted while a step is still
+    running (here held until the snapshot is checked) is counted as waiting at once, not only after
+    the step."""
+    engine = new_engine(llm)
+    step, release = engine.step, threading.Event()
+
+    def held_step():
+        release.wait(WAIT_S)
+        return step()
+
+    engine.step = held_step
+
+    async def run() -> int:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            events = await ae.add(request("r"))
+            for _ in range(500):  # bounded: the snapshot taken after the inbox changed
+                if ae.stats().waiting == 1:
+                    break
+                await asyncio.sleep(0.01)
+            seen = ae.stats().waiting
+            release.set()
+            await drain(events)
+            return seen
+        finally:
+            release.set()
+            await ae.stop(timeout=WAIT_S)
+
+    assert asyncio.run(run()) == 1
