@@ -17,8 +17,13 @@ from kvlens.engine.scheduler import Engine, EngineConfig
 from kvlens.kv.cache import BLOCK
 from kvlens.serve.app import AppConfig, build_app
 
-TINY_MODEL = ("llama", 5)  # conftest's tiny_dir; its tokenizer has no chat template
-MODEL = "tiny"
+TINY_MODEL = ("llama", 5)  # conftest's tiny_dir; its tokenizer has no chat template of its own
+MODEL, KEY = "tiny", "key-123"
+TEMPLATE = (  # ChatML, with the tiny tokenizer's specials
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT = [{"role": "user", "content": "the"}]
 
 
 class FaultyStep:
@@ -35,18 +40,30 @@ class FaultyStep:
 
 
 @pytest.fixture(scope="module")
-def app_parts(tiny_dir):
+def llm(tiny_dir):
     llm = kvlens.load(tiny_dir, kv="q8", attn_backend="numba")
-    engine = Engine(llm, EngineConfig(kv_budget_bytes=16 * BLOCK * engine_bytes_per_token(llm), max_batch=2))
+    llm.tokenizer.chat_template = TEMPLATE
+    return llm
+
+
+def new_engine(llm) -> Engine:
+    return Engine(llm, EngineConfig(kv_budget_bytes=16 * BLOCK * engine_bytes_per_token(llm), max_batch=2))
+
+
+@pytest.fixture(scope="module")
+def app_parts(llm):
+    engine = new_engine(llm)
     fault = FaultyStep(engine)
-    with TestClient(build_app(llm, engine, AppConfig(MODEL))) as client:
+    app = build_app(llm, engine, AppConfig(MODEL, api_key=KEY))
+    with TestClient(app, headers={"Authorization": f"Bearer {KEY}"}) as client:
         yield client, fault
 
 
 @pytest.fixture
-def client(app_parts):
+def client(app_parts, llm):
     client, fault = app_parts
     fault.failing = False
+    llm.tokenizer.chat_template = TEMPLATE
     return client
 
 
@@ -80,3 +97,104 @@ def test_a_fault_in_a_streamed_request_is_an_error_event_then_done(app_parts, cl
         events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["type"] == "server_error"
+
+
+def sse_events(r) -> list[str]:
+    return [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize(
+    "body, message, param",
+    [
+        ("{not json", "the request body is not valid JSON", None),
+        (json.dumps(completion(colour="red")), "Unrecognized request argument supplied: colour", "colour"),
+        (json.dumps({"prompt": "x"}), "missing required field: model", "model"),
+    ],
+)
+def test_a_bad_body_names_what_is_wrong(client, body, message, param):
+    r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["message"], error["param"], error["type"]) == (message, param, "invalid_request_error")
+
+
+@pytest.mark.parametrize("header", ["Basic " + KEY, "Bearer x" + KEY, KEY, ""])
+def test_only_the_bearer_key_itself_is_let_in(client, header):
+    r = client.get("/v1/models", headers={"Authorization": header})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/v1/models").status_code == 200
+
+
+def test_usage_is_streamed_only_when_asked(client):
+    with client.stream("POST", "/v1/completions", json=completion(stream=True)) as r:
+        plain = sse_events(r)
+    with client.stream(
+        "POST", "/v1/completions", json=completion(stream=True, stream_options={"include_usage": True})
+    ) as r:
+        asked = sse_events(r)
+    assert plain[-1] == asked[-1] == "[DONE]"
+    assert all("usage" not in json.loads(e) for e in plain[:-1])
+    last = json.loads(asked[-2])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+
+
+def test_a_streamed_chat_opens_with_the_role_and_ends_with_the_reason(client):
+    """Greedy (OpenAI's default temperature is 1): the streamed text is the plain answer's."""
+    full = client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 3, "temperature": 0}
+    ).json()
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": CHAT, "max_tokens": 3, "temperature": 0, "stream": True},
+    ) as r:
+        chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [
+        full["choices"][0]["finish_reason"]
+    ]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == full["choices"][0]["message"]["content"]
+
+
+def test_chat_logprobs_are_in_the_chat_shape(client):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 2}
+    lp = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]
+    assert list(lp) == ["content"] and len(lp["content"]) == 2
+    for entry in lp["content"]:
+        assert {"token", "logprob", "bytes", "top_logprobs"} <= set(entry) and len(entry["top_logprobs"]) == 2
+
+
+def test_a_model_without_a_chat_template_is_a_400_on_messages(client, llm):
+    llm.tokenizer.chat_template = None
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages" and error["message"].startswith("cannot apply the chat template")
+
+
+def test_health_is_503_once_the_engine_thread_has_stopped(llm):
+    client = TestClient(build_app(llm, new_engine(llm), AppConfig(MODEL)))
+    with client:
+        assert client.get("/health").status_code == 200
+    r = client.get("/health")  # the lifespan ended: the engine thread is gone
+    assert r.status_code == 503 and r.json() == {"status": "engine stopped"}
+
+
+def test_a_stream_cut_by_a_stop_string_still_ends_with_its_reason(client):
+    """The token that completes a stop string adds no text, so no text chunk can carry the finish:
+    a closing chunk does (finish_reason "stop"), and the streamed text is the plain answer's."""
+    for prompt in ([40, 41, 42], [5, 17, 200, 33], [7, 8, 9, 10]):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "logprobs": 0, "temperature": 0}
+        tokens = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+        if tokens[1] and tokens[1] not in tokens[0] and "\ufffd" not in "".join(tokens[:2]):
+            break
+    else:
+        raise AssertionError(f"premise: no prompt whose second token can be a stop string ({tokens})")
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stop": [tokens[1]]}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert (plain["text"], plain["finish_reason"]) == (tokens[0], "stop")
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["text"]
