@@ -198,3 +198,19 @@ def test_a_stream_cut_by_a_stop_string_still_ends_with_its_reason(client):
         chunks = [json.loads(e) for e in sse_events(r)[:-1]]
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
     assert "".join(c["choices"][0]["text"] for c in chunks) == plain["text"]
+
+
+def test_a_template_that_writes_the_bos_gets_it_once(client, llm):
+    """A tokenizer that adds a BOS to what it encodes, with a template that writes ``bos_token``
+    itself (Llama 3's, Gemma's): the chat prompt holds that one BOS, not a second one."""
+    tok = llm.tokenizer
+    saved = tok.bos_id, tok.add_bos
+    tok.bos_id, tok.add_bos, tok.chat_template = 1, True, "{{ bos_token }}" + TEMPLATE
+    try:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 1, "temperature": 0}
+        usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+        ids = tok.encode(tok.apply_chat_template(CHAT), add_bos=False)
+        assert ids[:2] == [1, 1]  # the template's BOS, then the message's <|im_start|>
+        assert usage["prompt_tokens"] == len(ids)
+    finally:
+        tok.bos_id, tok.add_bos = saved
