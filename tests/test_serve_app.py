@@ -68,7 +68,7 @@ def client(app_parts, llm):
 
 
 def completion(**extra) -> dict:
-    return {"model": MODEL, "prompt": [5, 17, 200, 33], "max_tokens": 3, **extra}
+    return {"model": MODEL, "prompt": [5, 17, 200, 33], "max_tokens": 3, "temperature": 0, **extra}
 
 
 def test_an_unknown_route_is_a_404_not_found_error(client):
