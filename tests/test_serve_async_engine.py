@@ -67,7 +67,8 @@ def test_finished_and_aborted_requests_leave_no_stream_behind(llm):
         ae = AsyncEngine(new_engine(llm))
         ae.start()
         try:
-            streams = [await ae.add(request(f"r{i}")) for i in range(3)]
+            # r1 is long, so the abort finds it running (not already finished)
+            streams = [await ae.add(request(f"r{i}", n=200 if i == 1 else 4)) for i in range(3)]
             ae.abort("r1")
             for i in (0, 2):
                 assert (await drain(streams[i]))[-1].event.finish_reason == "length"
