@@ -27,14 +27,19 @@ CHAT = [{"role": "user", "content": "the"}]
 
 
 class FaultyStep:
-    """``Engine.step`` that raises while ``failing`` is set (a fault of the scheduler's own)."""
+    """``Engine.step`` that raises once after ``arm()`` (a fault of the scheduler's own), then steps
+    on: an app that mishandles the fault answers wrongly rather than hanging the test."""
 
     def __init__(self, engine: Engine) -> None:
-        self.failing, self._step = False, engine.step
+        self.armed, self._step = False, engine.step
         engine.step = self
 
+    def arm(self) -> None:
+        self.armed = True
+
     def __call__(self):
-        if self.failing:
+        if self.armed:
+            self.armed = False
             raise RuntimeError("planted fault")
         return self._step()
 
@@ -62,7 +67,7 @@ def app_parts(llm):
 @pytest.fixture
 def client(app_parts, llm):
     client, fault = app_parts
-    fault.failing = False
+    fault.armed = False
     llm.tokenizer.chat_template = TEMPLATE
     return client
 
@@ -79,19 +84,18 @@ def test_an_unknown_route_is_a_404_not_found_error(client):
 
 def test_a_fault_in_a_step_is_a_500_server_error_and_the_server_goes_on(app_parts, client):
     _, fault = app_parts
-    fault.failing = True
+    fault.arm()
     r = client.post("/v1/completions", json=completion())
     assert r.status_code == 500
     error = r.json()["error"]
     assert error["type"] == "server_error" and "the engine failed while running request" in error["message"]
-    fault.failing = False
     r = client.post("/v1/completions", json=completion())
     assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) > 0
 
 
 def test_a_fault_in_a_streamed_request_is_an_error_event_then_done(app_parts, client):
     _, fault = app_parts
-    fault.failing = True
+    fault.arm()
     with client.stream("POST", "/v1/completions", json=completion(stream=True)) as r:
         assert r.status_code == 200  # the stream had begun
         events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
