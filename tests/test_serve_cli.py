@@ -1,0 +1,52 @@
+"""``kvlens serve``'s start-up helpers (serve/cli.py) by hand: the model id clients send, the budget
+line's ratio, and a socket that could not be bound closed, not leaked."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+from kvlens.serve.cli import budget_summary, listen_socket, model_id
+
+
+def test_the_model_id_is_the_file_stem_the_folder_name_or_the_name(tmp_path):
+    (tmp_path / "tiny-q8.gguf").write_bytes(b"GGUF")
+    (tmp_path / "hf-model").mkdir()
+    assert model_id(str(tmp_path / "tiny-q8.gguf")) == "tiny-q8"
+    assert model_id(str(tmp_path / "hf-model")) == "hf-model"
+    assert model_id("smollm2") == "smollm2"
+
+
+def test_the_budget_line_says_how_many_times_f16_the_pool_holds():
+    stats = SimpleNamespace(
+        blocks_total=10, block_size=32, tokens_capacity=320, bytes_per_token=100, f16_tokens_same_bytes=160
+    )
+    line = budget_summary(stats, "q8")
+    assert line == (
+        "KV pool (q8): 10 blocks x 32 positions = 320 tokens at 100 B/token; "
+        "f16 would hold 160 tokens in the same bytes (x2.00)"
+    )
+
+
+def test_a_port_in_use_is_refused_and_the_socket_closed():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            try:
+                listen_socket("127.0.0.1", port)
+            except ValueError as e:
+                assert f"cannot listen on 127.0.0.1:{port}" in str(e)
+            else:
+                pytest.fail("a port in use was bound")
+            gc.collect()  # an unclosed socket warns when it is collected
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+    finally:
+        taken.close()
