@@ -50,3 +50,16 @@ def test_a_port_in_use_is_refused_and_the_socket_closed():
         assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
     finally:
         taken.close()
+
+
+def test_every_serve_option_reaches_the_engine_config(tmp_path):
+    from kvlens.engine.serving import EngineConfig
+    from kvlens.serve.cli import ServeConfig
+
+    config = ServeConfig(
+        kv_budget="1MiB", max_batch=3, max_waiting=5, kv_disk=str(tmp_path), kv_disk_budget="2MiB"
+    )
+    assert config.engine_config() == EngineConfig(
+        kv_budget_bytes=1 << 20, max_batch=3, max_waiting=5, prefix_cache=True, kv_disk=str(tmp_path),
+        kv_disk_budget=2 << 20,
+    )  # fmt: skip
