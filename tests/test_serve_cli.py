@@ -63,3 +63,16 @@ def test_every_serve_option_reaches_the_engine_config(tmp_path):
         kv_budget_bytes=1 << 20, max_batch=3, max_waiting=5, prefix_cache=True, kv_disk=str(tmp_path),
         kv_disk_budget=2 << 20,
     )  # fmt: skip
+
+
+def test_the_prefix_line_names_the_chunk_and_the_disk_tier():
+    from kvlens.serve.cli import ServeConfig, prefix_summary
+
+    assert (
+        prefix_summary(ServeConfig(prefill_chunk=256))
+        == "prefix cache: on (reuse in whole chunks of 256 tokens)"
+    )
+    assert prefix_summary(ServeConfig(prefill_chunk=64, kv_disk="/d", kv_disk_budget="2GiB")) == (
+        "prefix cache: on (reuse in whole chunks of 64 tokens); disk tier /d (2GiB)"
+    )
+    assert prefix_summary(ServeConfig(prefix_cache=False)) == "prefix cache: off"
