@@ -1,5 +1,6 @@
 """``kvlens serve``'s start-up helpers (serve/cli.py) by hand: the model id clients send, the budget
-line's ratio, and a socket that could not be bound closed, not leaked."""
+line's ratio, the prefix line, every option reaching the engine config, and a socket that could not
+be bound closed, not leaked."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvlens.serve.cli import budget_summary, listen_socket, model_id
+from kvlens.engine.serving import EngineConfig
+from kvlens.serve.cli import ServeConfig, budget_summary, listen_socket, model_id, prefix_summary
 
 
 def test_the_model_id_is_the_file_stem_the_folder_name_or_the_name(tmp_path):
@@ -53,9 +55,6 @@ def test_a_port_in_use_is_refused_and_the_socket_closed():
 
 
 def test_every_serve_option_reaches_the_engine_config(tmp_path):
-    from kvlens.engine.serving import EngineConfig
-    from kvlens.serve.cli import ServeConfig
-
     config = ServeConfig(
         kv_budget="1MiB", max_batch=3, max_waiting=5, kv_disk=str(tmp_path), kv_disk_budget="2MiB"
     )
@@ -66,8 +65,6 @@ def test_every_serve_option_reaches_the_engine_config(tmp_path):
 
 
 def test_the_prefix_line_names_the_chunk_and_the_disk_tier():
-    from kvlens.serve.cli import ServeConfig, prefix_summary
-
     assert (
         prefix_summary(ServeConfig(prefill_chunk=256))
         == "prefix cache: on (reuse in whole chunks of 256 tokens)"
