@@ -10,11 +10,10 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from test_prefix_cache import engine_bytes_per_token
+from test_serve_async_engine import new_engine
 
 import kvlens
-from kvlens.engine.scheduler import Engine, EngineConfig
-from kvlens.kv.cache import BLOCK
+from kvlens.engine.scheduler import Engine
 from kvlens.serve.app import AppConfig, build_app
 
 TINY_MODEL = ("llama", 5)  # conftest's tiny_dir; its tokenizer has no chat template of its own
@@ -49,10 +48,6 @@ def llm(tiny_dir):
     llm = kvlens.load(tiny_dir, kv="q8", attn_backend="numba")
     llm.tokenizer.chat_template = TEMPLATE
     return llm
-
-
-def new_engine(llm) -> Engine:
-    return Engine(llm, EngineConfig(kv_budget_bytes=16 * BLOCK * engine_bytes_per_token(llm), max_batch=2))
 
 
 @pytest.fixture(scope="module")
