@@ -1,0 +1,67 @@
+"""``lab plan``'s options, chunk layout and reused measurements by hand, without a model (the
+thirty-third session's planted-bug campaign on ``lab/plan.py``)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from kvlens.kv.modes import StoreKind
+from kvlens.lab.plan import PlanConfig, chunk_layout, load_measurements, plan_chunks, sensitivity_key
+
+
+def test_calib_target_is_a_share_in_0_to_1() -> None:
+    assert PlanConfig(calib_target=1.0).calib_target == 1.0
+    for bad in (0.0, 1.01):
+        with pytest.raises(ValueError, match=f"--calib-target must be in \\(0, 1\\], got {bad}"):
+            PlanConfig(calib_target=bad)
+
+
+def test_candidates_skip_empty_items_and_refuse_none() -> None:
+    assert PlanConfig(candidates="q8h,,q4h ,").candidates == [StoreKind.Q8H, StoreKind.Q4H]
+    with pytest.raises(ValueError, match="--candidates names no KV kind"):
+        PlanConfig(candidates=" , ")
+    with pytest.raises(ValueError, match="unknown KV kind 'q3'"):
+        PlanConfig(candidates="q8h,q3")
+
+
+def test_sensitivity_keys_round_trip_per_layer_and_per_head() -> None:
+    assert sensitivity_key("3.k.q8h") == (3, "k", StoreKind.Q8H)
+    assert sensitivity_key("12.1.v.q4h") == (12, 1, "v", StoreKind.Q4H)
+
+
+def test_spread_calibration_chunks_are_i_times_need_over_calib() -> None:
+    """3 of 8: chunks 0, 8/3 and 16/3 rounded down (0, 2, 5), not steps of 8 // 3."""
+    assert chunk_layout(3, 5, True) == ([0, 2, 5], [1, 3, 4, 6, 7])
+
+
+def test_plan_chunks_need_every_chunk_the_layout_names() -> None:
+    llm = SimpleNamespace(
+        tokenizer=SimpleNamespace(bos_prefix=[], encode=lambda t: [int(x) for x in t.split()])
+    )
+    text = " ".join(str(i) for i in range(12))  # three chunks of 4
+    calib, held = plan_chunks(llm, text, PlanConfig(ctx=4), ([2], [0, 1]))
+    assert calib == [[8, 9, 10, 11]] and held == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="holds 3 chunks of 4 tokens; the plan needs 4"):
+        plan_chunks(llm, text, PlanConfig(ctx=4), ([0], [1, 3]))
+
+
+def _measured(tmp_path, **changes) -> str:
+    data = {"model": "m", "corpus": "c", "ctx": 64, "calib_chunks": 2, "sensitivity": {"0.k.q8h": 1e-4}}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data | changes))
+    return str(path)
+
+
+def test_reused_measurements_name_where_they_were_taken(tmp_path) -> None:
+    m = load_measurements(_measured(tmp_path), "m", "c", None)
+    assert m.table == {(0, "k", StoreKind.Q8H): 1e-4} and m.calib_index == [0, 1] and m.ctx == 64
+    assert m.smooth_k is False  # an output from before K smoothing was measured without it
+    assert load_measurements(_measured(tmp_path, smooth_k=True), "m", "c", 64).smooth_k is True
+    for model, corpus, ctx in (("other", "c", 64), ("m", "other", 64), ("m", "c", 128)):
+        with pytest.raises(ValueError, match="was measured on m, c, ctx 64"):
+            load_measurements(_measured(tmp_path), model, corpus, ctx)
+    with pytest.raises(ValueError, match="does not name distinct chunks"):
+        load_measurements(_measured(tmp_path, calib_index=[1, 1]), "m", "c", 64)
