@@ -3,13 +3,23 @@ thirty-third session's planted-bug campaign on ``lab/plan.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
 import pytest
+from test_plan_chunks import corpus  # noqa: F401 - the module's corpus fixture
 
 from kvlens.kv.modes import StoreKind
-from kvlens.lab.plan import PlanConfig, chunk_layout, load_measurements, plan_chunks, sensitivity_key
+from kvlens.lab import plan
+from kvlens.lab.plan import (
+    PlanConfig,
+    chunk_layout,
+    load_measurements,
+    plan_chunks,
+    run_plan,
+    sensitivity_key,
+)
 
 
 def test_calib_target_is_a_share_in_0_to_1() -> None:
@@ -60,8 +70,35 @@ def test_reused_measurements_name_where_they_were_taken(tmp_path) -> None:
     assert m.table == {(0, "k", StoreKind.Q8H): 1e-4} and m.calib_index == [0, 1] and m.ctx == 64
     assert m.smooth_k is False  # an output from before K smoothing was measured without it
     assert load_measurements(_measured(tmp_path, smooth_k=True), "m", "c", 64).smooth_k is True
-    for model, corpus, ctx in (("other", "c", 64), ("m", "other", 64), ("m", "c", 128)):
+    for model, text, ctx in (("other", "c", 64), ("m", "other", 64), ("m", "c", 128)):
         with pytest.raises(ValueError, match="was measured on m, c, ctx 64"):
-            load_measurements(_measured(tmp_path), model, corpus, ctx)
+            load_measurements(_measured(tmp_path), model, text, ctx)
     with pytest.raises(ValueError, match="does not name distinct chunks"):
         load_measurements(_measured(tmp_path, calib_index=[1, 1]), "m", "c", 64)
+
+
+TINY_MODEL = ("qwen3", 5)  # conftest's tiny_dir: 2 layers, 2 KV heads, head_dim 32
+
+
+def test_the_choice_aims_at_a_share_of_the_budget_and_within_means_at_most(
+    tmp_path,
+    tiny_dir,
+    corpus,  # noqa: F811 - the fixture imported above
+    monkeypatch,
+) -> None:
+    """The search gets ``kld_budget × calib_target``; a held-out row is within the budget when its
+    KLD is at most the budget, equal included (q8's row does not depend on the budget)."""
+    targets: list[float] = []
+    choose = plan.choose_verified
+    monkeypatch.setattr(
+        plan, "choose_verified", lambda s, t, target, o: targets.append(target) or choose(s, t, target, o)
+    )
+    cfg = PlanConfig(
+        model=str(tiny_dir), corpus=str(corpus), kld_budget=0.02, ctx=48, calib_chunks=1, heldout_chunks=1,
+        out=str(tmp_path / "r.json"), kv="q8", smooth_k=False, per_head=False, calib_target=0.25,
+    )  # fmt: skip
+    q8 = run_plan(cfg).rows[-1]
+    assert targets == [0.02 * 0.25] and q8["kv"] == "q8" and q8["kld_mean"] > 0
+    for budget, within in ((q8["kld_mean"], True), (q8["kld_mean"] * (1 - 1e-9), False)):
+        row = run_plan(dataclasses.replace(cfg, kld_budget=budget)).rows[-1]
+        assert row["kld_mean"] == q8["kld_mean"] and row["within_budget"] is within
