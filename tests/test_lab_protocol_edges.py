@@ -14,6 +14,8 @@ from kvlens.kv.modes import KVMode
 from kvlens.lab.greedy import GreedyConfig, GreedyResult, compare, divergences, run_greedy
 from kvlens.lab.ppl import PplConfig, make_chunks, run_ppl
 
+SPARSE = SparseConfig(method="quest", budget=64, dense_layers=1, min_ctx=0)  # from the first position
+
 
 def test_ctx_4_is_the_smallest_chunk() -> None:
     """ctx 4: positions 2 .. 2 scored (one token); ctx 3 is refused (its 'half' would be one token)."""
@@ -33,8 +35,7 @@ def test_a_rows_tokens_are_the_tokens_the_model_ran() -> None:
 
 def test_sparse_and_a_backend_both_named_in_the_note() -> None:
     llm = _FakeDecodeLLM()
-    sparse = SparseConfig(method="quest", budget=64, dense_layers=1, min_ctx=0)
-    cfg = PplConfig(ctx=6, kv=["q8"], prefill_chunk=2, sparse=sparse, attn_backend="numba")
+    cfg = PplConfig(ctx=6, kv=["q8"], prefill_chunk=2, sparse=SPARSE, attn_backend="numba")
     note = run_ppl(llm, " ".join(["0"] * 13), cfg).modes[0].note
     assert note.startswith("sparse decode: quest, budget 64, first 1 layers dense")
     assert "; attention numba: scored positions run as decode steps" in note
@@ -72,10 +73,9 @@ class _FakeGreedyLLM:
 
 def test_greedy_test_modes_decode_sparse_and_the_base_dense() -> None:
     llm = _FakeGreedyLLM()
-    sparse = SparseConfig(method="quest", budget=64, dense_layers=1, min_ctx=0)
-    cfg = GreedyConfig(ctx=4, prompts=2, tokens=3, kv=["q8"], sparse=sparse)
+    cfg = GreedyConfig(ctx=4, prompts=2, tokens=3, kv=["q8"], sparse=SPARSE)
     r = run_greedy(llm, " ".join(["5"] * 8), cfg)
-    assert llm.runs == [(None, "f32")] * 2 + [(sparse, "q8")] * 2
+    assert llm.runs == [(None, "f32")] * 2 + [(SPARSE, "q8")] * 2
     assert r.base_tokens == [[0, 0, 0]] * 2 and r.modes[0].tokens == [[1, 1, 1]] * 2
     assert r.modes[0].agreement == 0.0 and r.modes[0].first_div == [0, 0]
 
