@@ -21,7 +21,11 @@ def test_mode_lists():
     assert parse_modes("all") == list(MODES.values())
     assert parse_modes("q8,f16,q8") == [Q8, F16]  # a comma list is de-duplicated, in order
     assert parse_modes(["q8", "q8"]) == [Q8, Q8]  # a list is kept as given
-    for spec, msg in [("q8,all", "unknown KV cache mode 'all'"), (" ", "no KV mode given"), ("", "no KV mode")]:
+    for spec, msg in [
+        ("q8,all", "unknown KV cache mode 'all'"),
+        (" ", "no KV mode given"),
+        ("", "no KV mode"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             parse_modes(spec)
 
@@ -77,7 +81,9 @@ def test_labels_and_header_lines():
 
 def test_loaders_ask_for_the_torch_path_and_an_f32_reference(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(kvlens, "load", lambda model, **kw: calls.append((model, kw)) or SimpleNamespace(**kw))
+    monkeypatch.setattr(
+        kvlens, "load", lambda model, **kw: calls.append((model, kw)) or SimpleNamespace(**kw)
+    )
     text = tmp_path / "t.txt"
     text.write_text("some text", encoding="utf-8")
     llm, got, label = common.load_lab("m", str(text), "f16", "int8")
