@@ -13,6 +13,7 @@ import kvlens
 from kvlens.kv.modes import MODES, KVMode
 from kvlens.lab import common
 from kvlens.lab.common import CompareConfig, LabConfig, parse_modes
+from kvlens.report import save_figure
 
 Q8, F32, F16 = (KVMode.parse(n) for n in ("q8", "f32", "f16"))
 
@@ -100,6 +101,16 @@ def test_an_unknown_weights_mode_is_refused_before_any_load(monkeypatch):
         common.load_lab("m", None, "f32", "int3")
 
 
-def test_kld_plot_draws_an_exact_mode(tmp_path):
+def test_kld_plot_draws_an_exact_mode(tmp_path, monkeypatch):
+    """A mode with KLD 0 everywhere (exact) is drawn at 10^-12, with finite bins for every mode."""
+    drawn = []
+
+    def keep(fig, path):
+        drawn.extend(p.get_xy() for p in fig.axes[0].patches)
+        return save_figure(fig, path)
+
+    monkeypatch.setattr(common, "save_figure", keep)
     path = common.plot_kld({"f16": np.zeros(50), "q8": np.full(50, 1e-3)}, tmp_path / "kld.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(drawn) == 2 and all(np.isfinite(xy).all() for xy in drawn)
+    assert min(xy[:, 0].min() for xy in drawn) == -12.0
