@@ -27,6 +27,8 @@ def test_compare_commands_pass_the_sparse_policy_whole(monkeypatch, capsys, comm
     args = ["lab", command, "--sparse", "probe", "--sparse-budget", "0.5", "--sparse-dense-layers", "3"]
     cfg = _config(monkeypatch, capsys, module, *args)
     assert cfg.sparse == SparseConfig("probe", 0.5, 3, 0)
+    cfg = _config(monkeypatch, capsys, module, "lab", command, "--sparse", "quest")
+    assert cfg.sparse == SparseConfig("quest", 0.25, 2, 0)  # the documented defaults
     cfg = _config(monkeypatch, capsys, module, "lab", command)
     assert cfg.sparse is None
     assert cfg.kv == [KVMode.parse(m) for m in ("q8", "q8-k", "q8-v", "f16")]
