@@ -71,3 +71,13 @@ JUST_PAST = [
 @pytest.mark.parametrize(("args", "option"), JUST_PAST, ids=[" ".join(a) for a, _ in JUST_PAST])
 def test_a_value_just_past_the_limit_is_a_usage_error(monkeypatch, capsys, args, option):
     usage_error(monkeypatch, capsys, args, option)
+
+
+def test_bench_serve_lists(monkeypatch, capsys):
+    from kvlens.bench import serve
+
+    cfg = _config(monkeypatch, capsys, serve, "bench", "serve")
+    assert cfg.concurrency == [1, 4, 8, 16]  # the documented default of the throughput scenario
+    assert cfg.kv == ["q8", "f16"] and cfg.arms == ["no-cache", "cache", "disk"]
+    cfg = _config(monkeypatch, capsys, serve, "bench", "serve", "--concurrency", "2,8")
+    assert cfg.concurrency == [2, 8]
