@@ -81,3 +81,15 @@ def test_bench_serve_lists(monkeypatch, capsys):
     assert cfg.kv == ["q8", "f16"] and cfg.arms == ["no-cache", "cache", "disk"]
     cfg = _config(monkeypatch, capsys, serve, "bench", "serve", "--concurrency", "2,8")
     assert cfg.concurrency == [2, 8]
+
+
+def test_lab_sweep_passes_its_options_in_place(monkeypatch, capsys):
+    from kvlens.lab import sweep
+
+    seen = []
+    monkeypatch.setattr(sweep, "cli", lambda *args: seen.append(args))
+    code, _, err = run_main(monkeypatch, capsys, "lab", "sweep", "s.toml", "--force", "--workers", "0")
+    assert code == 0, err
+    assert seen == [("s.toml", None, 0, None, False, None, True, False)]  # 0 workers: in-process
+    run_main(monkeypatch, capsys, "lab", "sweep", "s.toml", "--quiet", "--ray-address", "auto")
+    assert seen[-1] == ("s.toml", None, None, None, False, "auto", False, True)
