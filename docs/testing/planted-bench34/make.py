@@ -1,11 +1,13 @@
 """Write bench34.json: kvlens/bench/attention.py. Each bug's text must occur once and the planted
 file must compile."""
 
-import json
+import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+from planted_list import write_list  # noqa: E402
+
 A = "kvlens/bench/attention.py"
 
 BUGS = [
@@ -25,11 +27,4 @@ BUGS = [
     ("att-copy-vs-read-swapped", A, "gbs / bw.copy_gb_per_s, gbs / bw.read_gb_per_s,", "gbs / bw.read_gb_per_s, gbs / bw.copy_gb_per_s,"),
 ]
 
-out = []
-for bug_id, file, old, new in BUGS:
-    src = (ROOT / file).read_text()
-    assert src.count(old) == 1, (bug_id, src.count(old))
-    compile(src.replace(old, new), file, "exec")
-    out.append({"id": bug_id, "file": file, "old": old, "new": new})
-(HERE / "bench34.json").write_text(json.dumps(out, indent=1) + "\n")
-print(len(out))
+write_list(HERE / "bench34.json", BUGS)

@@ -1,11 +1,13 @@
 """Write cli34.json: cli_config.py, cli_notice.py, cli_bench.py, cli_lab.py. Each bug's text must
 occur once and the planted file must compile."""
 
-import json
+import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+from planted_list import write_list  # noqa: E402
+
 CF, N, B, LB = "kvlens/cli_config.py", "kvlens/cli_notice.py", "kvlens/cli_bench.py", "kvlens/cli_lab.py"
 
 BUGS = [
@@ -41,11 +43,4 @@ BUGS = [
     ("lab-unit-trials-zero", LB, 'trials: int = Option(1, min=1,', 'trials: int = Option(1, min=0,'),
 ]
 
-out = []
-for bug_id, file, old, new in BUGS:
-    src = (ROOT / file).read_text()
-    assert src.count(old) == 1, (bug_id, src.count(old))
-    compile(src.replace(old, new), file, "exec")
-    out.append({"id": bug_id, "file": file, "old": old, "new": new})
-(HERE / "cli34.json").write_text(json.dumps(out, indent=1) + "\n")
-print(len(out))
+write_list(HERE / "cli34.json", BUGS)

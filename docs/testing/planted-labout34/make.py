@@ -1,11 +1,13 @@
 """Write labout34.json: report/output.py, report/command.py, lab/common.py, lab/unit_output.py,
 lab/unit_kernel.py. Each bug's text must occur once and the planted file must compile."""
 
-import json
+import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+from planted_list import write_list  # noqa: E402
+
 O, C = "kvlens/report/output.py", "kvlens/report/command.py"
 L, U, K = "kvlens/lab/common.py", "kvlens/lab/unit_output.py", "kvlens/lab/unit_kernel.py"
 
@@ -50,11 +52,4 @@ BUGS = [
     ("ukern-no-ksum", K, 'with_ksum=role == "k" and d % 32 == 0', "with_ksum=False"),
 ]
 
-out = []
-for bug_id, file, old, new in BUGS:
-    src = (ROOT / file).read_text()
-    assert src.count(old) == 1, (bug_id, src.count(old))
-    compile(src.replace(old, new), file, "exec")
-    out.append({"id": bug_id, "file": file, "old": old, "new": new})
-(HERE / "labout34.json").write_text(json.dumps(out, indent=1) + "\n")
-print(len(out))
+write_list(HERE / "labout34.json", BUGS)

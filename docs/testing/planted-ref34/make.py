@@ -1,11 +1,13 @@
 """Write ref34.json (kernels/reference.py, q4int.py, jitcache.py, probes.py) and triton34.json
 (kernels/gpu.py, triton_decode.py): each bug's text must occur once and the planted file must compile."""
 
-import json
+import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+from planted_list import write_list  # noqa: E402
+
 R, Q, J, P = (f"kvlens/kernels/{n}.py" for n in ("reference", "q4int", "jitcache", "probes"))
 G, T = "kvlens/kernels/gpu.py", "kvlens/kernels/triton_decode.py"
 
@@ -60,16 +62,5 @@ TRITON = [
 ]
 
 
-def write(name: str, bugs: list) -> None:
-    out = []
-    for bug_id, file, old, new in bugs:
-        src = (ROOT / file).read_text()
-        assert src.count(old) == 1, (bug_id, src.count(old))
-        compile(src.replace(old, new), file, "exec")
-        out.append({"id": bug_id, "file": file, "old": old, "new": new})
-    (HERE / name).write_text(json.dumps(out, indent=1) + "\n")
-    print(name, len(out))
-
-
-write("ref34.json", REF)
-write("triton34.json", TRITON)
+write_list(HERE / "ref34.json", REF)
+write_list(HERE / "triton34.json", TRITON)
