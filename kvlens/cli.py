@@ -139,9 +139,9 @@ def verify(
 
 
 def main() -> None:
-    from .cli_notice import announce_compiles
+    from .cli_notice import announce_compiles_once
 
-    announce_compiles()  # a cold kernel cache compiles for minutes before any output: say so
+    announce_compiles_once()  # a cold kernel cache compiles for minutes before any output: say so
     cli_args.run_guarded(app)
 
 

@@ -74,6 +74,29 @@ def bench_decode(
     decode.main(config_from(decode.DecodeBenchConfig, locals(), **lists), json_out)
 
 
+@bench_app.command("engine")
+def bench_engine(
+    model: str = opt.MODEL,
+    kv: str = Option("q8,f16", help="Cache modes to compare (comma list; ratios are over the first)."),
+    weights: str = Option("auto", help="Weights: auto, f32, bf16, int8 or int4."),
+    batches: str = Option(
+        "1,4,8,16", help="Batch sizes: sequences decoding together.", callback=cb.sizes_option(suffix=False)
+    ),
+    prompt_len: int = Option(64, min=1, help="Prompt tokens per sequence, cut from the corpus."),
+    steps: int = Option(16, min=1, help="Timed decode steps per round."),
+    rounds: int = Option(5, min=1, help="Interleaved timing rounds (after one warm-up round)."),
+    loop: bool = Option(True, help="Also time the LLM's own one-sequence loop over a contiguous cache."),
+    corpus: str | None = opt.CORPUS,
+    seed: int = Option(0, help="Seed of the prompts' offsets in the corpus."),
+    json_out: bool = opt.JSON,
+) -> None:
+    """The serving engine's aggregate decode tokens/s per cache mode and batch size, in process (no HTTP)."""
+    from .bench import engine_decode
+
+    lists = {"kv": names(kv), "batches": parse_sizes(batches)}
+    engine_decode.main(config_from(engine_decode.EngineBenchConfig, locals(), **lists), json_out)
+
+
 @bench_app.command("serve")
 def bench_serve(
     url: str = typer.Option(

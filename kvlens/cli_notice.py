@@ -8,6 +8,7 @@ silent, and so does a cold one whose compiles all end within ``after_s``.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -71,3 +72,10 @@ def announce_compiles(
     listener = CompileNotice(write, AFTER_S if after_s is None else after_s)
     numba_event.register("numba:compile", listener)
     return listener
+
+
+@functools.cache
+def announce_compiles_once() -> CompileNotice:
+    """:func:`announce_compiles` on the first call, the same listener after: ``cli.main`` may run more
+    than once in a process (a program or a test calling it), and each run must not add a listener."""
+    return announce_compiles()

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass, replace
 
-from .spread import MachineSpread, Spread, machine_lines
+from .spread import MachineSpread, Spread, machine_lines, paired_ratio
 
 
 @dataclass
@@ -55,10 +54,7 @@ def speed_ratio(row: DecodeRow, base: DecodeRow) -> float:
     round where both have their rounds (the rounds interleave the rows, so each ratio compares steps
     taken moments apart, and a machine whose speed drifts between rounds moves both alike); else the
     ratio of their medians."""
-    a, b = row.round_tok_per_s, base.round_tok_per_s
-    if not a or not b or len(a) != len(b):
-        return row.tok_per_s / base.tok_per_s
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+    return paired_ratio(row.round_tok_per_s, base.round_tok_per_s, row.tok_per_s / base.tok_per_s)
 
 
 def table_rows(rows: list[DecodeRow], base_mode: str) -> list[list[str]]:

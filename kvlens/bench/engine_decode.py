@@ -1,107 +1,210 @@
-"""Aggregate decode tokens/s of the serving engine at several batch sizes, side by side in one run.
+"""``kvlens bench engine``: aggregate decode tokens/s of the serving engine per cache mode and batch
+size, side by side in one run, without HTTP.
 
-Each batch size B runs B requests (different prompts cut from one text, ``prompt_len`` tokens each)
-through one :class:`~kvlens.engine.scheduler.Engine`; once every prompt is prefilled, ``steps`` pure
-decode steps are timed (best of ``rounds``). The row "loop" is the LLM's own one-sequence loop over a
-contiguous cache (``generate_ids(cache=...)``), the single-stream decode before the engine.
-
-    python -m kvlens.bench.engine_decode --kv q8 --weights auto --batches 1,4,8,16
+Each batch size B runs B requests (prompts of ``prompt_len`` tokens cut from the corpus at seeded
+offsets) through one fresh :class:`~kvlens.engine.scheduler.Engine` whose pool holds just them; once
+every prompt is prefilled, ``steps`` decode steps are timed. A round times every (mode, batch) cell
+once, the cells in turn, so a machine whose speed drifts between rounds moves them all alike; round 0
+warms up (compiles) and is not counted. A cell reports the median tok/s over the rounds and its
+min–max; ``× batch 1`` and ``× <first mode>`` are medians of ratios taken within each round. The row
+``loop`` is the LLM's own one-sequence decode loop over a contiguous cache (``generate_ids(cache=…)``).
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
-from ..engine.llm import LLM, load
+from ..checks import check_int
+from ..engine.llm import LLM
 from ..engine.serving import Engine, EngineConfig, Request
 from ..kv.cache import BLOCK
+from ..kv.modes import KVMode
 from ..kv.pool import kv_bytes_per_token
+from .spread import Spread, paired_ratio, spread
 
-TEXT = (
-    "The history of the printing press begins in the fifteenth century, when movable type changed how "
-    "books were made, sold and read across Europe. Within a few decades presses were running in more "
-    "than two hundred cities, and the price of a book fell so far that students could own them. "
-) * 8
-
-
-def _requests(llm: LLM, batch: int, prompt_len: int, new: int) -> list[Request]:
-    ids = llm.tokenizer.encode(TEXT)
-    if len(ids) < prompt_len + batch:
-        raise ValueError(f"prompt_len {prompt_len} is longer than the benchmark text allows")
-    return [Request(f"r{b}", ids[b : b + prompt_len], new, stop_ids=frozenset()) for b in range(batch)]
+MAX_BATCH = 1024
+LOOP = "loop"  # the batch label of the contiguous-cache loop's row
+HEADERS = ("KV", "batch", "tok/s", "min–max", "spread", "× batch 1", "× first KV", "KV MiB")
 
 
-def engine_rate(llm: LLM, batch: int, prompt_len: int = 64, steps: int = 16, rounds: int = 3) -> float:
-    """Aggregate decode tokens/s of ``batch`` sequences decoding together (best of ``rounds``)."""
+@dataclass
+class EngineBenchConfig:
+    """``kvlens bench engine``: every (KV mode, batch size) cell, and with ``loop`` each mode's
+    contiguous-cache loop, timed over ``rounds`` interleaved rounds of ``steps`` decode steps."""
+
+    model: str = "smollm2"
+    kv: list[str] = field(default_factory=lambda: ["q8", "f16"])
+    weights: str = "auto"
+    batches: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
+    prompt_len: int = 64
+    steps: int = 16
+    rounds: int = 5
+    loop: bool = True
+    corpus: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from ..models.loader import check_weights_mode
+
+        if not self.kv:
+            raise ValueError("--kv must name at least one cache mode")
+        for m in self.kv:
+            KVMode.parse(m)
+        if len(set(self.kv)) < len(self.kv):
+            raise ValueError(f"--kv lists a mode twice: {','.join(self.kv)}")
+        check_weights_mode(self.weights)
+        if not self.batches or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_BATCH
+                                   for b in self.batches):  # fmt: skip
+            raise ValueError(f"--batches must list whole numbers in [1, {MAX_BATCH}], got {self.batches!r}")
+        for name in ("prompt_len", "steps", "rounds"):
+            check_int(getattr(self, name), name.replace("_", "-"), minimum=1)
+
+
+@dataclass
+class EngineRow:
+    kv: str
+    batch: int | str  # a batch size, or LOOP
+    tok_s: float  # median over the rounds
+    round_tok_s: list[float]  # each round's tok/s, in run order
+    kv_bytes: int  # the pool the cell's engine was given (the loop: its contiguous cache)
+    x_batch1: float | None = None  # over the same mode's batch-1 row, paired by round
+    x_first_kv: float | None = None  # over the first mode's row of the same batch, paired by round
+
+    @property
+    def spread(self) -> Spread:
+        return spread(self.round_tok_s)
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {
+            "tok_s_min": self.spread.low,
+            "tok_s_max": self.spread.high,
+            "spread": self.spread.rel,
+        }
+
+
+def kv_bytes(llm: LLM, positions: int) -> int:
+    """KV bytes of ``positions`` positions in ``llm``'s cache mode (all layers)."""
     cfg = llm.config
-    per_seq = -(-(prompt_len + steps + 2) // BLOCK)
-    budget = batch * per_seq * BLOCK * kv_bytes_per_token(llm.kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-    best = 0.0
-    for _ in range(rounds):
-        engine = Engine(llm, EngineConfig(kv_budget_bytes=budget, max_batch=batch, prefill_token_budget=4096))
-        for r in _requests(llm, batch, prompt_len, steps + 2):
-            engine.add_request(r)
-        while any(s.in_prefill for s in engine.running) or engine.waiting:
-            engine.step()
-        engine.step()  # every sequence now decodes
-        t0 = time.perf_counter()
-        tokens = sum(len(engine.step()) for _ in range(steps))
-        best = max(best, tokens / (time.perf_counter() - t0))
-    return best
+    return positions * kv_bytes_per_token(llm.kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
 
 
-def loop_rate(llm: LLM, prompt_len: int = 64, steps: int = 16, rounds: int = 3) -> float:
-    """Single-stream tokens/s of the LLM's own decode loop over a contiguous cache."""
-    (req,) = _requests(llm, 1, prompt_len, steps + 1)
-    best = 0.0
-    for _ in range(rounds):
-        gen = llm.generate_ids(
-            req.prompt_ids, steps + 1, stop_at_eos=False, cache=llm.new_cache(prompt_len + steps + 1)
-        )
-        next(gen)  # the prefill
-        t0 = time.perf_counter()
-        n = sum(1 for _ in gen)
-        best = max(best, n / (time.perf_counter() - t0))
-    return best
+def pool_bytes(llm: LLM, batch: int, positions: int) -> int:
+    """KV bytes of ``batch`` sequences of ``positions`` positions each, in whole blocks."""
+    return batch * kv_bytes(llm, -(-positions // BLOCK) * BLOCK)
 
 
-def measure(
-    model: str = "smollm2",
-    kv: str = "q8",
-    weights: str = "auto",
-    batches: tuple[int, ...] = (1, 4, 8, 16),
-    prompt_len: int = 64,
-    steps: int = 16,
-) -> list[dict]:
-    """Rows ``{"batch", "tok_s", "vs_batch1"}`` plus the contiguous loop's single-stream row."""
-    llm = load(model, kv=kv, weights=weights)
-    rows = [{"batch": "loop", "tok_s": loop_rate(llm, prompt_len, steps)}]
-    for b in batches:
-        rows.append({"batch": b, "tok_s": engine_rate(llm, b, prompt_len, steps)})
-    base = next((r["tok_s"] for r in rows if r["batch"] == 1), rows[0]["tok_s"])
+def engine_round(llm: LLM, prompts: list[list[int]], steps: int) -> float:
+    """Tokens/s of ``steps`` decode steps of ``len(prompts)`` sequences decoding together: every prompt
+    prefilled and one token decoded first, so each timed step feeds every sequence one token."""
+    batch, new = len(prompts), steps + 2  # + the prefill's token and one untimed decode step
+    budget = pool_bytes(llm, batch, max(map(len, prompts)) + new)
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget, max_batch=batch, prefill_token_budget=4096))
+    for i, ids in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", ids, new, stop_ids=frozenset()))
+    while engine.waiting or any(s.in_prefill for s in engine.running):
+        engine.step()
+    engine.step()
+    t0 = time.perf_counter()
+    tokens = sum(len(engine.step()) for _ in range(steps))
+    return tokens / (time.perf_counter() - t0)
+
+
+def loop_round(llm: LLM, prompt: list[int], steps: int) -> float:
+    """Tokens/s of the LLM's own one-sequence decode loop over a contiguous cache, ``steps`` tokens
+    after the prefill's."""
+    cache = llm.new_cache(len(prompt) + steps + 1)
+    gen = llm.generate_ids(prompt, steps + 1, stop_at_eos=False, cache=cache)
+    next(gen)  # the prefill
+    t0 = time.perf_counter()
+    n = sum(1 for _ in gen)
+    return n / (time.perf_counter() - t0)
+
+
+Cell = tuple[str, int | str]  # (KV mode, batch size or LOOP)
+
+
+def cells(cfg: EngineBenchConfig) -> list[Cell]:
+    return [(kv, b) for kv in cfg.kv for b in ([LOOP] if cfg.loop else []) + list(cfg.batches)]
+
+
+def run_engine_bench(
+    cfg: EngineBenchConfig, llms: dict[str, LLM], prompts: list[list[int]], step: Callable[[str], None]
+) -> list[EngineRow]:
+    """Every cell once per round, ``cfg.rounds`` counted rounds after one warm-up; rows with ratios."""
+    rates: dict[Cell, list[float]] = {c: [] for c in cells(cfg)}
+    for rnd in range(cfg.rounds + 1):
+        for kv, batch in rates:
+            llm = llms[kv]
+            if batch == LOOP:
+                rate = loop_round(llm, prompts[0], cfg.steps)
+            else:
+                rate = engine_round(llm, prompts[: int(batch)], cfg.steps)
+            if rnd:
+                rates[(kv, batch)].append(rate)
+        step("warm-up" if rnd == 0 else f"round {rnd}")
+    rows = []
+    for (kv, batch), got in rates.items():
+        llm, positions = llms[kv], cfg.prompt_len + cfg.steps
+        held = kv_bytes(llm, positions + 1) if batch == LOOP else pool_bytes(llm, int(batch), positions + 2)
+        rows.append(EngineRow(kv, batch, spread(got).median, got, held))
+    return with_ratios(rows)
+
+
+def with_ratios(rows: list[EngineRow]) -> list[EngineRow]:
+    """Each row's ``× batch 1`` (its mode's batch-1 row) and ``× first KV`` (the first mode's row of the
+    same batch), each the median of the two rows' per-round ratio."""
+    by = {(r.kv, r.batch): r for r in rows}
+    first = rows[0].kv if rows else None
     for r in rows:
-        r["vs_batch1"] = r["tok_s"] / base
+        for attr, base in (("x_batch1", by.get((r.kv, 1))), ("x_first_kv", by.get((first, r.batch)))):
+            if base is not None:
+                setattr(r, attr, paired_ratio(r.round_tok_s, base.round_tok_s, r.tok_s / base.tok_s))
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--kv", default="q8")
-    p.add_argument("--weights", default="auto")
-    p.add_argument("--batches", default="1,4,8,16")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=16)
-    a = p.parse_args()
-    rows = measure(
-        a.model, a.kv, a.weights, tuple(int(b) for b in a.batches.split(",")), a.prompt_len, a.steps
-    )
-    print(f"engine decode, {a.model}, kv {a.kv}, weights {a.weights}, prompt {a.prompt_len}, {a.steps} steps")
-    print(f"{'batch':>6} {'tok/s':>9} {'x batch 1':>10}")
+def table_rows(rows: list[EngineRow]) -> list[list[str]]:
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    return [
+        [r.kv, str(r.batch), f"{r.tok_s:.1f}", f"{r.spread.low:.1f}–{r.spread.high:.1f}", f"{r.spread.rel:.0%}",
+         x(r.x_batch1), x(r.x_first_kv), f"{r.kv_bytes / 2**20:.2f}"]
+        for r in rows
+    ]  # fmt: skip
+
+
+def main(cfg: EngineBenchConfig, json_out: bool = False) -> None:
+    """The body of ``kvlens bench engine``."""
+    import kvlens
+
+    from ..report import CommandOutput, print_table, run_command
+    from .serve import corpus_prompts
+    from .spread import LoadMeter, spread_warning
+
+    first = kvlens.load(cfg.model, kv=cfg.kv[0], weights=cfg.weights)
+    if (need := cfg.prompt_len + cfg.steps + 2) > first.config.max_ctx:
+        raise ValueError(
+            f"--prompt-len {cfg.prompt_len} + --steps {cfg.steps} + 2 = {need} positions do not fit in the "
+            f"model's context of {first.config.max_ctx}"
+        )
+    llms = {m: first if m == cfg.kv[0] else first.variant(kv=m) for m in cfg.kv}
+    prompts = corpus_prompts(first.tokenizer, cfg.corpus, max(cfg.batches), cfg.prompt_len, cfg.seed)
+    meter = LoadMeter()  # other processes' CPU during the run, named by the spread warnings
+
+    def render(rows: list[EngineRow]) -> None:
+        title = (
+            f"bench engine: {cfg.model}, weights {cfg.weights}, prompt {cfg.prompt_len} tokens; tok/s = median "
+            f"of {cfg.rounds} rounds of {cfg.steps} decode steps (all sequences together), min–max over them"
+        )
+        print_table(title, HEADERS, table_rows(rows), width=130)
+
+    output = CommandOutput(render, lambda rows: [r.as_dict() for r in rows])
+    rows = run_command("bench engine", cfg.rounds + 1, lambda step: run_engine_bench(cfg, llms, prompts, step),
+                       output, json_out)  # fmt: skip
+    load = meter.read()
     for r in rows:
-        print(f"{r['batch']!s:>6} {r['tok_s']:9.1f} {r['vs_batch1']:10.2f}")
-
-
-if __name__ == "__main__":
-    main()
+        if line := spread_warning(f"{r.kv} batch {r.batch} tok/s", r.spread, load):
+            print(line, file=sys.stderr)

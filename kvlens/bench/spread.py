@@ -2,9 +2,10 @@
 likely cause when the rounds disagree by more than a threshold.
 
 A speed that moves from round to round is usually somebody else's: other processes on the machine
-take cores from the benchmark's threads. The run therefore records how much CPU every *other*
-process used while it ran (psutil, whole-run deltas of their CPU times) beside the 1-minute load
-average, so the warning can say which it was. On a virtual machine the hypervisor can also run
+take cores from the benchmark's threads. The run therefore records how much CPU the *other*
+processes used while it ran (psutil: the machine's busy CPU time less this process's and its reaped
+children's, so a process that started and ended during the run counts too; per-process deltas name
+the busiest still running) beside the 1-minute load average, so the warning can say which it was. On a virtual machine the hypervisor can also run
 other guests on this guest's CPUs; Linux counts that time as *steal* (``/proc/stat``), which no
 process of the guest sees, so the run records it too.
 """
@@ -93,6 +94,15 @@ def machine_lines(labelled: dict[str, MachineSpread], sep: str = "; ") -> str:
     return "machine between the rounds (median, min–max, spread): " + (parts or "not sampled")
 
 
+def paired_ratio(a: list[float] | None, b: list[float] | None, unpaired: float) -> float:
+    """The median over rounds of ``a[i] / b[i]``, two figures measured in the same interleaved rounds:
+    each ratio compares measurements taken moments apart, so a machine whose speed drifts between
+    rounds moves both alike. ``unpaired`` where the rounds do not pair (missing or of other counts)."""
+    if not a or not b or len(a) != len(b):
+        return unpaired
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def spread(values: list[float]) -> Spread:
     """The spread of ``values`` (one per round; at least one, all finite and positive)."""
     if not values:
@@ -128,11 +138,30 @@ def _steal_seconds() -> float:
     return float(getattr(psutil.cpu_times(), "steal", 0.0))
 
 
+def _busy_seconds() -> float:
+    """Machine-wide CPU time not idle so far (user, nice, system, irq, softirq): every process's,
+    those already gone included."""
+    t = psutil.cpu_times()
+    return sum(float(getattr(t, f, 0.0)) for f in ("user", "nice", "system", "irq", "softirq"))
+
+
+def _own_seconds() -> float:
+    """CPU time of this process and of its children that have ended (a benchmark's own helpers)."""
+    t = psutil.Process().cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+GONE = "processes that ended during the run"  # their CPU, seen only in the machine-wide count
+
+
 class LoadMeter:
-    """Measures :class:`OtherLoad` between construction and :meth:`read`."""
+    """Measures :class:`OtherLoad` between construction and :meth:`read`. The total is machine-wide
+    (busy CPU time less this process's), so a process born and ended between the two readings counts
+    too; the per-process readings name the busiest of those still running."""
 
     def __init__(self) -> None:
         self.t0, self.before, self.steal0 = time.monotonic(), _cpu_seconds(), _steal_seconds()
+        self.busy0, self.own0 = _busy_seconds(), _own_seconds()
 
     def read(self, n_top: int = 3) -> OtherLoad:
         wall = max(time.monotonic() - self.t0, 1e-9)
@@ -141,8 +170,12 @@ class LoadMeter:
             prev = self.before.get(pid, (name, 0.0))[1]  # a process born during the run: all its time
             if sec > prev:
                 used.append((name, (sec - prev) / wall))
+        named = sum(u for _, u in used)
+        machine = ((_busy_seconds() - self.busy0) - (_own_seconds() - self.own0)) / wall
+        if machine - named >= 0.05:
+            used.append((GONE, machine - named))
         used.sort(key=lambda x: -x[1])
-        others, steal = sum(u for _, u in used), max(_steal_seconds() - self.steal0, 0.0) / wall
+        others, steal = max(named, machine), max(_steal_seconds() - self.steal0, 0.0) / wall
         return OtherLoad(psutil.cpu_count() or 1, os.getloadavg()[0], others, used[:n_top], steal)
 
 
