@@ -159,3 +159,14 @@ def test_the_command_prints_its_rows_as_json(monkeypatch, capsys, smol_f32):
     assert all(r["tok_s"] > 0 and len(r["round_tok_s"]) == 1 for r in rows)
     assert [r["x_first_kv"] for r in rows[:2]] == [1.0, 1.0] and rows[1]["x_batch1"] is None
     assert rows[1]["kv_bytes"] == 2 * _f16_bytes(smol_f32.config, math.ceil(12 / BLOCK) * BLOCK)
+
+
+def test_the_machine_is_sampled_after_each_counted_round(monkeypatch, smol_f32):
+    events = []
+    monkeypatch.setattr(
+        engine_decode, "engine_round", lambda llm, prompts, steps: events.append("cell") or 1.0
+    )
+    probe = SimpleNamespace(sample=lambda: events.append("probe"))
+    cfg = EngineBenchConfig(kv=["f16"], batches=[1, 2], loop=False, rounds=2)
+    engine_decode.run_engine_bench(cfg, {"f16": smol_f32}, [[1, 2], [3, 4]], lambda label: None, probe)
+    assert events == ["cell", "cell"] + ["cell", "cell", "probe"] * 2

@@ -23,6 +23,7 @@ from ..engine.serving import Engine, EngineConfig, Request
 from ..kv.cache import BLOCK
 from ..kv.modes import KVMode
 from ..kv.pool import kv_bytes_per_token
+from .bandwidth import MachineProbe
 from .spread import Spread, paired_ratio, spread
 
 MAX_BATCH = 1024
@@ -131,9 +132,14 @@ def cells(cfg: EngineBenchConfig) -> list[Cell]:
 
 
 def run_engine_bench(
-    cfg: EngineBenchConfig, llms: dict[str, LLM], prompts: list[list[int]], step: Callable[[str], None]
+    cfg: EngineBenchConfig,
+    llms: dict[str, LLM],
+    prompts: list[list[int]],
+    step: Callable[[str], None],
+    probe: MachineProbe | None = None,
 ) -> list[EngineRow]:
-    """Every cell once per round, ``cfg.rounds`` counted rounds after one warm-up; rows with ratios."""
+    """Every cell once per round, ``cfg.rounds`` counted rounds after one warm-up; rows with ratios.
+    ``probe``: the machine's own speed, sampled after every counted round."""
     rates: dict[Cell, list[float]] = {c: [] for c in cells(cfg)}
     for rnd in range(cfg.rounds + 1):
         for kv, batch in rates:
@@ -144,6 +150,8 @@ def run_engine_bench(
                 rate = engine_round(llm, prompts[: int(batch)], cfg.steps)
             if rnd:
                 rates[(kv, batch)].append(rate)
+        if rnd and probe is not None:
+            probe.sample()
         step("warm-up" if rnd == 0 else f"round {rnd}")
     rows = []
     for (kv, batch), got in rates.items():
@@ -192,7 +200,7 @@ def main(cfg: EngineBenchConfig, json_out: bool = False) -> None:
         )
     llms = {m: first if m == cfg.kv[0] else first.variant(kv=m) for m in cfg.kv}
     prompts = corpus_prompts(first.tokenizer, cfg.corpus, max(cfg.batches), cfg.prompt_len, cfg.seed)
-    meter = LoadMeter()  # other processes' CPU during the run, named by the spread warnings
+    meter, probe = LoadMeter(), MachineProbe()  # other processes' CPU, the machine's own speed: the causes
 
     def render(rows: list[EngineRow]) -> None:
         title = (
@@ -202,9 +210,9 @@ def main(cfg: EngineBenchConfig, json_out: bool = False) -> None:
         print_table(title, HEADERS, table_rows(rows), width=130)
 
     output = CommandOutput(render, lambda rows: [r.as_dict() for r in rows])
-    rows = run_command("bench engine", cfg.rounds + 1, lambda step: run_engine_bench(cfg, llms, prompts, step),
+    rows = run_command("bench engine", cfg.rounds + 1, lambda step: run_engine_bench(cfg, llms, prompts, step, probe),
                        output, json_out)  # fmt: skip
-    load = meter.read()
+    load, machine = meter.read(), probe.spread()
     for r in rows:
-        if line := spread_warning(f"{r.kv} batch {r.batch} tok/s", r.spread, load):
+        if line := spread_warning(f"{r.kv} batch {r.batch} tok/s", r.spread, load, machine=machine):
             print(line, file=sys.stderr)

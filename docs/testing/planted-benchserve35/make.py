@@ -90,6 +90,7 @@ BUGS = [
     ("eng-loop-last-prompt", E, "rate = loop_round(llm, prompts[0], cfg.steps)", "rate = loop_round(llm, prompts[-1], cfg.steps)"),
     ("eng-row-is-best", E, "rows.append(EngineRow(kv, batch, spread(got).median, got, held))", "rows.append(EngineRow(kv, batch, spread(got).high, got, held))"),
     ("eng-dup-kv-allowed", E, "if len(set(self.kv)) < len(self.kv):", "if False:"),
+    ("eng-probe-in-warm-up", E, "if rnd and probe is not None:", "if probe is not None:"),
     ("eng-ratio-unpaired", E, "setattr(r, attr, paired_ratio(r.round_tok_s, base.round_tok_s, r.tok_s / base.tok_s))", "setattr(r, attr, r.tok_s / base.tok_s)"),
 ]
 
