@@ -47,3 +47,18 @@ def test_the_real_readings_see_time_pass():
     busy, own = sp._busy_seconds(), sp._own_seconds()
     sum(i * i for i in range(2_000_000))  # this process's own work
     assert sp._own_seconds() > own and sp._busy_seconds() >= busy
+
+
+def test_own_time_holds_the_children_that_ended():
+    """A benchmark's helper (llama-bench, a probe) is its own work, not other load: its CPU time, as
+    the kernel reports it to this process once it is reaped, is in this process's own time."""
+    import resource
+    import subprocess
+    import sys
+
+    own, r0 = sp._own_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(4_000_000))"], check=True)
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    child = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    assert child > 0.1
+    assert sp._own_seconds() - own >= child - 0.02  # psutil counts in 10 ms clock ticks

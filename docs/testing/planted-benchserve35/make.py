@@ -17,6 +17,8 @@ P = "kvlens/bench/sparse.py"
 L = "kvlens/bench/llama_server.py"
 T = "kvlens/serve/tour.py"
 E = "kvlens/bench/engine_decode.py"
+SP = "kvlens/bench/spread.py"
+N = "kvlens/cli_notice.py"
 
 BUGS = [
     ("serve-prompt-one-short", S, "return [ids[s : s + prompt_len] for s in starts]", "return [ids[s : s + prompt_len - 1] for s in starts]"),
@@ -91,6 +93,12 @@ BUGS = [
     ("eng-row-is-best", E, "rows.append(EngineRow(kv, batch, spread(got).median, got, held))", "rows.append(EngineRow(kv, batch, spread(got).high, got, held))"),
     ("eng-dup-kv-allowed", E, "if len(set(self.kv)) < len(self.kv):", "if False:"),
     ("eng-probe-in-warm-up", E, "if rnd and probe is not None:", "if probe is not None:"),
+    ("meter-machine-dropped", SP, "others, steal = max(named, machine),", "others, steal = named,"),
+    ("meter-own-counted", SP, "machine = ((_busy_seconds() - self.busy0) - (_own_seconds() - self.own0)) / wall", "machine = (_busy_seconds() - self.busy0) / wall"),
+    ("meter-gone-unlisted", SP, "        if machine - named >= 0.05:\n", "        if False:\n"),
+    ("meter-children-counted", SP, "return t.user + t.system + t.children_user + t.children_system", "return t.user + t.system"),
+    ("paired-ratio-mean", SP, "return statistics.median(x / y for x, y in zip(a, b, strict=True))", "return statistics.mean(x / y for x, y in zip(a, b, strict=True))"),
+    ("notice-once-not-cached", N, "@functools.cache\ndef announce_compiles_once", "def announce_compiles_once"),
     ("eng-ratio-unpaired", E, "setattr(r, attr, paired_ratio(r.round_tok_s, base.round_tok_s, r.tok_s / base.tok_s))", "setattr(r, attr, r.tok_s / base.tok_s)"),
 ]
 
