@@ -5,9 +5,10 @@ A speed that moves from round to round is usually somebody else's: other process
 take cores from the benchmark's threads. The run therefore records how much CPU the *other*
 processes used while it ran (psutil: the machine's busy CPU time less this process's and its reaped
 children's, so a process that started and ended during the run counts too; per-process deltas name
-the busiest still running) beside the 1-minute load average, so the warning can say which it was. On a virtual machine the hypervisor can also run
-other guests on this guest's CPUs; Linux counts that time as *steal* (``/proc/stat``), which no
-process of the guest sees, so the run records it too.
+the busiest still running) beside the 1-minute load average, so the warning can say which it was.
+On a virtual machine the hypervisor can also run other guests on this guest's CPUs; Linux counts
+that time as *steal* (``/proc/stat``), which no process of the guest sees, so the run records it
+too.
 """
 
 from __future__ import annotations
