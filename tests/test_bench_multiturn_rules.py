@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from test_bench_multiturn import tok  # noqa: F401  (the tokenizer fixture)
+from test_bench_serve_rules import scripted
 
 from kvlens.bench import llama_server, multiturn, multiturn_arms
 from kvlens.bench.multiturn import Conversation, MultiturnLoad, TurnSample
@@ -53,29 +54,14 @@ def _delta(content: str | None = None, usage: tuple[int, int, int | None] | None
     return SimpleNamespace(choices=choices, usage=u)
 
 
-def _scripted(monkeypatch, chunks: list, times: list[float]) -> None:
-    ticks = iter(times)
-    monkeypatch.setattr(multiturn, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
-
-    async def stream():
-        for c in chunks:
-            yield c
-
-    async def open_stream(create, model, output_len, **request):
-        return stream()
-
-    monkeypatch.setattr(multiturn, "open_stream", open_stream)
-
-
 CLIENT = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=None)))
 
 
 @pytest.mark.parametrize(("cached", "want"), [(24, 24), (None, None)])
 def test_a_chat_turn_records_its_first_text_and_the_usage(monkeypatch, cached, want):
-    # sent at 5; an empty delta at 6 (no text yet); text at 7 and 9; usage at 10
-    _scripted(
-        monkeypatch, [_delta(""), _delta("Hel"), _delta("lo"), _delta(usage=(40, 2, cached))], [5.0, 7.0, 9.0]
-    )
+    # sent at 5; an empty delta (no text: the clock is not read); the first text at 7, more at 9; usage
+    chunks = [_delta(""), _delta("Hel"), _delta("lo"), _delta(usage=(40, 2, cached))]
+    scripted(monkeypatch, multiturn, chunks, [5.0, 7.0, 9.0])
     sample, reply = asyncio.run(multiturn._chat_turn(CLIENT, "m", [], 2))
     assert (sample.ok, sample.ttft, sample.prompt_tokens, sample.output_tokens, reply) == (
         True,

@@ -38,9 +38,11 @@ def _chunk(text: str | None = None, usage: tuple[int, int] | None = None):
     return SimpleNamespace(choices=choices, usage=u)
 
 
-def _scripted(monkeypatch, chunks: list, times: list[float]) -> None:
+def scripted(monkeypatch, module, chunks: list, times: list[float]) -> None:
+    """``module``'s clock reads ``times`` in turn and its ``open_stream`` yields ``chunks`` (only the
+    module's: numba, torch and asyncio keep their clocks)."""
     ticks = iter(times)
-    monkeypatch.setattr(serve, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
 
     async def stream():
         for c in chunks:
@@ -49,13 +51,13 @@ def _scripted(monkeypatch, chunks: list, times: list[float]) -> None:
     async def open_stream(create, model, output_len, **request):
         return stream()
 
-    monkeypatch.setattr(serve, "open_stream", open_stream)
+    monkeypatch.setattr(module, "open_stream", open_stream)
 
 
 def test_one_request_records_ttft_gaps_and_the_reported_tokens(monkeypatch):
     # sent at 10; text at 11, 12, 14; an empty chunk at 14.5 (no text: not a token gap); usage at 15; done 16
     chunks = [_chunk("a"), _chunk("b"), _chunk("c"), _chunk(""), _chunk(usage=(7, 3))]
-    _scripted(monkeypatch, chunks, [10.0, 11.0, 12.0, 14.0, 14.5, 15.0, 16.0])
+    scripted(monkeypatch, serve, chunks, [10.0, 11.0, 12.0, 14.0, 14.5, 15.0, 16.0])
     s = asyncio.run(serve._one(SimpleNamespace(completions=SimpleNamespace(create=None)), "m", [1, 2], 3))
     assert (s.ok, s.output_tokens, s.ttft, s.latency, s.itls) == (True, 3, 1.0, 6.0, [1.0, 2.0])
 
