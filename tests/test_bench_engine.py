@@ -115,7 +115,6 @@ BAD_CONFIGS = [
     ({"batches": []}, "--batches"),
     ({"batches": [0]}, "--batches"),
     ({"batches": [engine_decode.MAX_BATCH + 1]}, "--batches"),
-    ({"batches": [True]}, "--batches"),
     ({"steps": 0}, "steps"),
     ({"rounds": 0}, "rounds"),
     ({"prompt_len": 0}, "prompt-len"),

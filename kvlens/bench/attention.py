@@ -47,6 +47,7 @@ from ..kernels.threads import set_threads
 from ..kv.cache import RowStore
 from ..kv.modes import MODES, KVMode, StoreKind
 from .bandwidth import Bandwidth, MachineProbe, MiB, llc_bytes, machine_line, measure_bandwidth, sync
+from .lists import check_list_fields
 from .spread import MachineSpread, OtherLoad, Spread, machine_lines, spread, spread_warning
 
 # heads, KV heads, head_dim: SmolLM2-135M, Llama-3-8B, Gemma-3-270M
@@ -371,6 +372,10 @@ class AttentionBenchConfig:
     prefill: bool = False
     sparse: list[str] | None = None
     sparse_budget: list[int] = field(default_factory=lambda: [1024, 2048])
+
+    def __post_init__(self) -> None:
+        names, optional = ("shape", "kv", "backend", "sparse"), ("backend", "sparse")
+        check_list_fields(self, names, sizes=("ctx", "sparse_budget"), optional=optional)
 
 
 def main(cfg: AttentionBenchConfig, json_out: bool = False) -> None:

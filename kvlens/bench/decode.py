@@ -30,6 +30,7 @@ from ..kv.cache import KVCache
 from ..kv.modes import KVMode
 from .bandwidth import MachineProbe
 from .decode_rows import TABLE_HEADERS, DecodeRow, machine_caption, table_rows
+from .lists import check_list_fields
 from .llama_cpp import find_binary
 from .spread import LoadMeter, spread, spread_warning
 
@@ -304,6 +305,7 @@ class DecodeBenchConfig:
     step: str = "fused"  # fused, general, or both (interleaved)
 
     def __post_init__(self) -> None:
+        check_list_fields(self, names=("kv", "weights", "attn_backend"), sizes=("ctx",))
         if self.step not in (*STEP_KINDS, "both"):
             raise ValueError(f"step must be one of {', '.join(STEP_KINDS)}, both; got {self.step!r}")
         from ..models.loader import check_weights_mode

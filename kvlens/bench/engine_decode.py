@@ -24,6 +24,7 @@ from ..kv.cache import BLOCK
 from ..kv.modes import KVMode
 from ..kv.pool import kv_bytes_per_token
 from .bandwidth import MachineProbe
+from .lists import check_list_fields
 from .spread import Spread, paired_ratio, spread
 
 MAX_BATCH = 1024
@@ -50,6 +51,7 @@ class EngineBenchConfig:
     def __post_init__(self) -> None:
         from ..models.loader import check_weights_mode
 
+        check_list_fields(self, names=("kv",), sizes=("batches",))
         if not self.kv:
             raise ValueError("--kv must name at least one cache mode")
         for m in self.kv:
@@ -57,8 +59,7 @@ class EngineBenchConfig:
         if len(set(self.kv)) < len(self.kv):
             raise ValueError(f"--kv lists a mode twice: {','.join(self.kv)}")
         check_weights_mode(self.weights)
-        if not self.batches or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_BATCH
-                                   for b in self.batches):  # fmt: skip
+        if not self.batches or not all(1 <= b <= MAX_BATCH for b in self.batches):
             raise ValueError(f"--batches must list whole numbers in [1, {MAX_BATCH}], got {self.batches!r}")
         for name in ("prompt_len", "steps", "rounds"):
             check_int(getattr(self, name), name.replace("_", "-"), minimum=1)

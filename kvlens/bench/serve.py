@@ -21,6 +21,7 @@ import numpy as np
 from ..models.loader import resolve_model
 from ..models.tokenizer import Tokenizer
 from ..serve.process import scrape_metrics, served_model, watch_peaks
+from .lists import check_list_fields
 from .openai_stream import open_stream
 
 METRICS_PERIOD_S = 0.2
@@ -263,6 +264,7 @@ class ServeBenchConfig:
         from .llama_server import find_llama_server
         from .multiturn import ARMS
 
+        check_list_fields(self, names=("kv", "arms"), sizes=("concurrency",), optional=("concurrency",))
         for m in self.kv:
             KVMode.parse(m)
         if self.scenario not in SCENARIOS:

@@ -19,6 +19,7 @@ T = "kvlens/serve/tour.py"
 E = "kvlens/bench/engine_decode.py"
 SP = "kvlens/bench/spread.py"
 N = "kvlens/cli_notice.py"
+LS = "kvlens/bench/lists.py"
 
 BUGS = [
     ("serve-prompt-one-short", S, "return [ids[s : s + prompt_len] for s in starts]", "return [ids[s : s + prompt_len - 1] for s in starts]"),
@@ -99,6 +100,10 @@ BUGS = [
     ("meter-children-counted", SP, "return t.user + t.system + t.children_user + t.children_system", "return t.user + t.system"),
     ("paired-ratio-mean", SP, "return statistics.median(x / y for x, y in zip(a, b, strict=True))", "return statistics.mean(x / y for x, y in zip(a, b, strict=True))"),
     ("notice-once-not-cached", N, "@functools.cache\ndef announce_compiles_once", "def announce_compiles_once"),
+    ("lists-str-refused", LS, "    if isinstance(value, str):\n        return split_mode_list(value)\n", ""),
+    ("lists-bool-taken", LS, "isinstance(v, int) and not isinstance(v, bool) for v in value", "isinstance(v, int) for v in value"),
+    ("lists-optional-ignored", LS, "setattr(config, field, name_list(getattr(config, field), field, field in optional))", "setattr(config, field, name_list(getattr(config, field), field))"),
+    ("lists-serve-unchecked", S, '        check_list_fields(self, names=("kv", "arms"), sizes=("concurrency",), optional=("concurrency",))\n', ""),
     ("eng-ratio-unpaired", E, "setattr(r, attr, paired_ratio(r.round_tok_s, base.round_tok_s, r.tok_s / base.tok_s))", "setattr(r, attr, r.tok_s / base.tok_s)"),
 ]
 
