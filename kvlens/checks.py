@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,48 @@ def _in_range(value: Any, name: str, minimum: Any, maximum: Any) -> Any:
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be ≤ {show(maximum)}, got {show(value)}")
     return value
+
+
+_LIST_ITEMS = {int: "whole numbers", float: "numbers", str: "names"}
+
+
+def _is_item(value: Any, kind: type) -> bool:
+    if kind is str:
+        return isinstance(value, str)
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return integral or (kind is float and isinstance(value, numbers.Real) and not isinstance(value, bool))
+
+
+def check_list(
+    value: Any, name: str, kind: type, optional: bool = False, split: Callable[[str], list] | None = None
+) -> list | None:
+    """``value`` as a list of ``kind`` items (int: whole numbers, not bools; float: any real number; str:
+    names), from a list or tuple, or from one string through ``split`` where given (the CLI's comma
+    lists); None where ``optional``. A bare string or number would otherwise be iterated letter by
+    letter or fail mid-run: TypeError naming ``name``. Ranges are the caller's to check."""
+    if value is None and optional:
+        return None
+    if isinstance(value, str) and split is not None:
+        return split(value)
+    if isinstance(value, (list, tuple)) and all(_is_item(v, kind) for v in value):
+        return list(value)
+    string = " or a comma-separated string" if split is not None else ""
+    raise TypeError(f"{name} must be a list of {_LIST_ITEMS[kind]}{string}, got {_kind(value)} {value!r}")
+
+
+def check_list_fields(
+    config: Any,
+    kinds: dict[str, type],
+    optional: Sequence[str] = (),
+    split: Callable[[str], list] | None = None,
+) -> None:
+    """A config dataclass's list fields in place through :func:`check_list`: ``kinds`` maps each field
+    to its item type; ``split`` reads a string given to a name field; those in ``optional`` may be None."""
+    for field, kind in kinds.items():
+        value = getattr(config, field)
+        setattr(
+            config, field, check_list(value, field, kind, field in optional, split if kind is str else None)
+        )
 
 
 def check_token_ids(ids: Any, vocab: int, name: str = "token ids", allow_empty: bool = False) -> list[int]:

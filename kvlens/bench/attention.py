@@ -39,15 +39,15 @@ from typing import NamedTuple
 import numba
 import torch
 
+from ..checks import check_list_fields
 from ..kernels.cpu import decode_attention
 from ..kernels.cpu_int import IntAttn, decode_attention_int
 from ..kernels.gpu import decode_attention_triton  # imports triton only when called
 from ..kernels.reference import sdpa_attention
 from ..kernels.threads import set_threads
 from ..kv.cache import RowStore
-from ..kv.modes import MODES, KVMode, StoreKind
+from ..kv.modes import MODES, KVMode, StoreKind, split_mode_list
 from .bandwidth import Bandwidth, MachineProbe, MiB, llc_bytes, machine_line, measure_bandwidth, sync
-from .lists import check_list_fields
 from .spread import MachineSpread, OtherLoad, Spread, machine_lines, spread, spread_warning
 
 # heads, KV heads, head_dim: SmolLM2-135M, Llama-3-8B, Gemma-3-270M
@@ -374,8 +374,8 @@ class AttentionBenchConfig:
     sparse_budget: list[int] = field(default_factory=lambda: [1024, 2048])
 
     def __post_init__(self) -> None:
-        names, optional = ("shape", "kv", "backend", "sparse"), ("backend", "sparse")
-        check_list_fields(self, names, sizes=("ctx", "sparse_budget"), optional=optional)
+        kinds = {"shape": str, "kv": str, "backend": str, "sparse": str, "ctx": int, "sparse_budget": int}
+        check_list_fields(self, kinds, optional=("backend", "sparse"), split=split_mode_list)
 
 
 def main(cfg: AttentionBenchConfig, json_out: bool = False) -> None:

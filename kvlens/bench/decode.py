@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from ..checks import check_list_fields
 from ..engine.attention import check_backend_name
 from ..engine.llm import LLM
 from ..kernels.cpu_int import IntAttn
 from ..kv.cache import KVCache
-from ..kv.modes import KVMode
+from ..kv.modes import KVMode, split_mode_list
 from .bandwidth import MachineProbe
 from .decode_rows import TABLE_HEADERS, DecodeRow, machine_caption, table_rows
-from .lists import check_list_fields
 from .llama_cpp import find_binary
 from .spread import LoadMeter, spread, spread_warning
 
@@ -305,7 +305,8 @@ class DecodeBenchConfig:
     step: str = "fused"  # fused, general, or both (interleaved)
 
     def __post_init__(self) -> None:
-        check_list_fields(self, names=("kv", "weights", "attn_backend"), sizes=("ctx",))
+        kinds = {"kv": str, "weights": str, "attn_backend": str, "ctx": int}
+        check_list_fields(self, kinds, split=split_mode_list)
         if self.step not in (*STEP_KINDS, "both"):
             raise ValueError(f"step must be one of {', '.join(STEP_KINDS)}, both; got {self.step!r}")
         from ..models.loader import check_weights_mode

@@ -17,14 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from ..checks import check_int
+from ..checks import check_int, check_list_fields
 from ..engine.llm import LLM
 from ..engine.serving import Engine, EngineConfig, Request
 from ..kv.cache import BLOCK
-from ..kv.modes import KVMode
+from ..kv.modes import KVMode, split_mode_list
 from ..kv.pool import kv_bytes_per_token
 from .bandwidth import MachineProbe
-from .lists import check_list_fields
 from .spread import Spread, paired_ratio, spread
 
 MAX_BATCH = 1024
@@ -51,7 +50,7 @@ class EngineBenchConfig:
     def __post_init__(self) -> None:
         from ..models.loader import check_weights_mode
 
-        check_list_fields(self, names=("kv",), sizes=("batches",))
+        check_list_fields(self, {"kv": str, "batches": int}, split=split_mode_list)
         if not self.kv:
             raise ValueError("--kv must name at least one cache mode")
         for m in self.kv:

@@ -18,10 +18,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..checks import check_list_fields
+from ..kv.modes import split_mode_list
 from ..models.loader import resolve_model
 from ..models.tokenizer import Tokenizer
 from ..serve.process import scrape_metrics, served_model, watch_peaks
-from .lists import check_list_fields
 from .openai_stream import open_stream
 
 METRICS_PERIOD_S = 0.2
@@ -264,7 +265,8 @@ class ServeBenchConfig:
         from .llama_server import find_llama_server
         from .multiturn import ARMS
 
-        check_list_fields(self, names=("kv", "arms"), sizes=("concurrency",), optional=("concurrency",))
+        kinds = {"kv": str, "arms": str, "concurrency": int}
+        check_list_fields(self, kinds, optional=("concurrency",), split=split_mode_list)
         for m in self.kv:
             KVMode.parse(m)
         if self.scenario not in SCENARIOS:

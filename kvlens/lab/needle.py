@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import check_list_fields
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode
@@ -78,6 +79,7 @@ class NeedleConfig:
     plot: str | None = None
 
     def __post_init__(self) -> None:
+        check_list_fields(self, {"ctx": int, "depth": float, "sparse_budget": float})
         self.kv = KVMode.parse(self.kv)
         check_weights_mode(self.weights)  # before the (slow) load
         if not self.ctx or not self.depth:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checks import check_list_fields
 from ..kernels.reference import reference_attention
 from ..kv.schemes import get_scheme
 from .metrics import amplitude_verdicts, compare, pooled_t
@@ -57,6 +58,7 @@ class UnitConfig:
     attn_backend: str | None = None  # the quantized side through this decode kernel (lab.unit_kernel)
 
     def validate(self) -> None:
+        check_list_fields(self, {"seq_len": int, "amplitude": float}, optional=("amplitude",))
         if not self.seq_len or min(self.seq_len) < 1:
             raise ValueError("--seq-len must be one or more positive integers, e.g. 256 or 64,256,1024")
         if self.quantize not in ("k", "v", "kv"):

@@ -19,7 +19,8 @@ T = "kvlens/serve/tour.py"
 E = "kvlens/bench/engine_decode.py"
 SP = "kvlens/bench/spread.py"
 N = "kvlens/cli_notice.py"
-LS = "kvlens/bench/lists.py"
+C = "kvlens/checks.py"
+U = "kvlens/lab/unit.py"
 
 BUGS = [
     ("serve-prompt-one-short", S, "return [ids[s : s + prompt_len] for s in starts]", "return [ids[s : s + prompt_len - 1] for s in starts]"),
@@ -100,10 +101,12 @@ BUGS = [
     ("meter-children-counted", SP, "return t.user + t.system + t.children_user + t.children_system", "return t.user + t.system"),
     ("paired-ratio-mean", SP, "return statistics.median(x / y for x, y in zip(a, b, strict=True))", "return statistics.mean(x / y for x, y in zip(a, b, strict=True))"),
     ("notice-once-not-cached", N, "@functools.cache\ndef announce_compiles_once", "def announce_compiles_once"),
-    ("lists-str-refused", LS, "    if isinstance(value, str):\n        return split_mode_list(value)\n", ""),
-    ("lists-bool-taken", LS, "isinstance(v, int) and not isinstance(v, bool) for v in value", "isinstance(v, int) for v in value"),
-    ("lists-optional-ignored", LS, "setattr(config, field, name_list(getattr(config, field), field, field in optional))", "setattr(config, field, name_list(getattr(config, field), field))"),
-    ("lists-serve-unchecked", S, '        check_list_fields(self, names=("kv", "arms"), sizes=("concurrency",), optional=("concurrency",))\n', ""),
+    ("lists-str-refused", C, "    if isinstance(value, str) and split is not None:\n        return split(value)\n", ""),
+    ("lists-bool-taken", C, "integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)", "integral = isinstance(value, numbers.Integral)"),
+    ("lists-float-for-int", C, "return integral or (kind is float and isinstance(value, numbers.Real) and not isinstance(value, bool))", "return integral or isinstance(value, numbers.Real)"),
+    ("lists-optional-ignored", C, "check_list(value, field, kind, field in optional, split if kind is str else None)", "check_list(value, field, kind, False, split if kind is str else None)"),
+    ("lists-serve-unchecked", S, "        check_list_fields(self, kinds, optional=(\"concurrency\",), split=split_mode_list)\n", ""),
+    ("lists-unit-unchecked", U, '        check_list_fields(self, {"seq_len": int, "amplitude": float}, optional=("amplitude",))\n', ""),
     ("eng-ratio-unpaired", E, "setattr(r, attr, paired_ratio(r.round_tok_s, base.round_tok_s, r.tok_s / base.tok_s))", "setattr(r, attr, r.tok_s / base.tok_s)"),
 ]
 

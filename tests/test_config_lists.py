@@ -1,6 +1,6 @@
-"""The bench configs built from Python: a list field given a bare string or number is refused with a
-TypeError naming the field (a string of names is the CLI's comma list), never iterated letter by
-letter (``kv="q8"`` read as modes ``q`` and ``8``) or left to fail mid-run."""
+"""The bench and lab configs built from Python: a list field given a bare string or number is refused
+with a TypeError naming the field (a string of names is the CLI's comma list), never iterated letter
+by letter (``kv="q8"`` read as modes ``q`` and ``8``) or left to fail mid-run."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from kvlens.bench.attention import AttentionBenchConfig
 from kvlens.bench.decode import DecodeBenchConfig
 from kvlens.bench.engine_decode import EngineBenchConfig
 from kvlens.bench.serve import ServeBenchConfig
+from kvlens.lab.needle import NeedleConfig
+from kvlens.lab.unit import UnitConfig
 
 NAMES = [
     (AttentionBenchConfig, "shape"), (AttentionBenchConfig, "kv"), (DecodeBenchConfig, "kv"),
@@ -48,3 +50,24 @@ def test_the_optional_lists_keep_none():
     assert ServeBenchConfig(concurrency=None).concurrency == [1, 4, 8, 16]  # the documented default
     with pytest.raises(TypeError, match="^ctx must be"):
         AttentionBenchConfig(ctx=None)
+
+
+def _unit(**fields) -> UnitConfig:
+    cfg = UnitConfig(**fields)
+    cfg.validate()  # UnitConfig checks itself when a command runs it
+    return cfg
+
+
+NUMBERS = [(NeedleConfig, "ctx", int), (NeedleConfig, "depth", float), (NeedleConfig, "sparse_budget", float),
+           (_unit, "seq_len", int), (_unit, "amplitude", float)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "field", "kind"), NUMBERS, ids=[f for _, f, _ in NUMBERS])
+def test_the_lab_configs_number_lists(make, field, kind):
+    good = [1, 0.5] if kind is float else [64, 256]
+    extra = {"seq_len": [64]} if field == "amplitude" else {}
+    assert getattr(make(**{field: tuple(good)}, **extra), field) == good
+    what = "numbers" if kind is float else "whole numbers"
+    for bad in (good[0], str(good[0]), [True]) + (([1.5],) if kind is int else ()):
+        with pytest.raises(TypeError, match=f"^{field} must be a list of {what}, got"):
+            make(**{field: bad}, **extra)
