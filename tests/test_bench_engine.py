@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -85,7 +84,7 @@ def test_rounds_visit_every_cell_and_drop_the_warm_up(monkeypatch, smol_f32):
 
 
 def _row(kv: str, batch, rates: list[float]) -> EngineRow:
-    return EngineRow(kv, batch, statistics.median(rates), rates, 0)
+    return EngineRow(kv, batch, rates, 0)
 
 
 def test_ratios_are_medians_of_the_ratios_within_each_round():

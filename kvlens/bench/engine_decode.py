@@ -19,8 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..checks import check_int, check_list_fields
 from ..engine.llm import LLM
-from ..engine.serving import Engine, EngineConfig, Request
-from ..kv.cache import BLOCK
+from ..engine.serving import Engine, EngineConfig, Request, fitted_config
 from ..kv.modes import KVMode, split_mode_list
 from ..kv.pool import kv_bytes_per_token
 from .bandwidth import MachineProbe
@@ -68,7 +67,6 @@ class EngineBenchConfig:
 class EngineRow:
     kv: str
     batch: int | str  # a batch size, or LOOP
-    tok_s: float  # median over the rounds
     round_tok_s: list[float]  # each round's tok/s, in run order
     kv_bytes: int  # the pool the cell's engine was given (the loop: its contiguous cache)
     x_batch1: float | None = None  # over the same mode's batch-1 row, paired by round
@@ -78,12 +76,14 @@ class EngineRow:
     def spread(self) -> Spread:
         return spread(self.round_tok_s)
 
+    @property
+    def tok_s(self) -> float:
+        """The median over the rounds."""
+        return self.spread.median
+
     def as_dict(self) -> dict:
-        return asdict(self) | {
-            "tok_s_min": self.spread.low,
-            "tok_s_max": self.spread.high,
-            "spread": self.spread.rel,
-        }
+        s = self.spread
+        return asdict(self) | {"tok_s": s.median, "tok_s_min": s.low, "tok_s_max": s.high, "spread": s.rel}
 
 
 def kv_bytes(llm: LLM, positions: int) -> int:
@@ -92,19 +92,20 @@ def kv_bytes(llm: LLM, positions: int) -> int:
     return positions * kv_bytes_per_token(llm.kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
 
 
-def pool_bytes(llm: LLM, batch: int, positions: int) -> int:
-    """KV bytes of ``batch`` sequences of ``positions`` positions each, in whole blocks."""
-    return batch * kv_bytes(llm, -(-positions // BLOCK) * BLOCK)
+def round_engine_config(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[Request], EngineConfig]:
+    """A round's requests (``steps`` + 2 new tokens each: the prefill's token and one untimed decode
+    step) and the engine config whose pool holds them all whole (the engine's :func:`fitted_config`)."""
+    reqs = [Request(f"r{i}", ids, steps + 2, stop_ids=frozenset()) for i, ids in enumerate(prompts)]
+    return reqs, fitted_config(llm, reqs, max_batch=len(reqs), prefill_token_budget=4096)
 
 
 def engine_round(llm: LLM, prompts: list[list[int]], steps: int) -> float:
     """Tokens/s of ``steps`` decode steps of ``len(prompts)`` sequences decoding together: every prompt
     prefilled and one token decoded first, so each timed step feeds every sequence one token."""
-    batch, new = len(prompts), steps + 2  # + the prefill's token and one untimed decode step
-    budget = pool_bytes(llm, batch, max(map(len, prompts)) + new)
-    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget, max_batch=batch, prefill_token_budget=4096))
-    for i, ids in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", ids, new, stop_ids=frozenset()))
+    reqs, config = round_engine_config(llm, prompts, steps)
+    engine = Engine(llm, config)
+    for req in reqs:
+        engine.add_request(req)
     while engine.waiting or any(s.in_prefill for s in engine.running):
         engine.step()
     engine.step()
@@ -155,9 +156,11 @@ def run_engine_bench(
         step("warm-up" if rnd == 0 else f"round {rnd}")
     rows = []
     for (kv, batch), got in rates.items():
-        llm, positions = llms[kv], cfg.prompt_len + cfg.steps
-        held = kv_bytes(llm, positions + 1) if batch == LOOP else pool_bytes(llm, int(batch), positions + 2)
-        rows.append(EngineRow(kv, batch, spread(got).median, got, held))
+        if batch == LOOP:
+            held = kv_bytes(llms[kv], cfg.prompt_len + cfg.steps + 1)
+        else:
+            held = round_engine_config(llms[kv], prompts[: int(batch)], cfg.steps)[1].kv_budget_bytes
+        rows.append(EngineRow(kv, batch, got, held))
     return with_ratios(rows)
 
 

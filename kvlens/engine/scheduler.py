@@ -324,7 +324,7 @@ class Engine:
         return TokenEvent(req.request_id, tok, logprob, top, reason is not None, reason, kept, cached)
 
 
-def _fitted_config(llm: LLM, reqs: list[Request], **changes) -> EngineConfig:
+def fitted_config(llm: LLM, reqs: list[Request], **changes) -> EngineConfig:
     """A config whose pool holds every request whole at once (no preemption)."""
     blocks = sum(-(-(len(r.prompt_ids) + r.max_tokens) // BLOCK) for r in reqs)
     cfg = llm.config
@@ -344,7 +344,7 @@ def _run_out(engine: Engine) -> Iterator[TokenEvent]:
 
 def run_alone(llm: LLM, req: Request, config: EngineConfig | None = None) -> Iterator[TokenEvent]:
     """Events of one request run alone (a batch of one): what ``kvlens generate`` runs."""
-    engine = Engine(llm, config or _fitted_config(llm, [req], max_batch=1))
+    engine = Engine(llm, config or fitted_config(llm, [req], max_batch=1))
     engine.add_request(req)
     yield from _run_out(engine)
 
@@ -353,7 +353,7 @@ def run_batch(llm: LLM, reqs: list[Request], config: EngineConfig | None = None)
     """Generated token ids of every request, run together; ``{request_id: ids}``."""
     if not reqs:
         return {}
-    config = config or _fitted_config(llm, reqs, max_batch=min(len(reqs), 16), max_waiting=len(reqs))
+    config = config or fitted_config(llm, reqs, max_batch=min(len(reqs), 16), max_waiting=len(reqs))
     engine = Engine(llm, config)
     out: dict[str, list[int]] = {}
     for req in reqs:

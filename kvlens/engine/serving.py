@@ -1,7 +1,7 @@
 """The serving engine's public interface (used by kvlens.serve and the benchmarks)."""
 
 from .sampling import SamplingParams
-from .scheduler import Engine, EngineConfig, EngineStats, QueueFullError, run_alone, run_batch
+from .scheduler import Engine, EngineConfig, EngineStats, QueueFullError, fitted_config, run_alone, run_batch
 from .sequence import Request, TokenEvent
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "Request",
     "SamplingParams",
     "TokenEvent",
+    "fitted_config",
     "run_alone",
     "run_batch",
 ]

@@ -17,6 +17,7 @@ P = "kvlens/bench/sparse.py"
 L = "kvlens/bench/llama_server.py"
 T = "kvlens/serve/tour.py"
 E = "kvlens/bench/engine_decode.py"
+SCH = "kvlens/engine/scheduler.py"  # the engine's fitted pool, which bench engine sizes its rounds with
 SP = "kvlens/bench/spread.py"
 N = "kvlens/cli_notice.py"
 C = "kvlens/checks.py"
@@ -87,12 +88,12 @@ BUGS = [
     ("tour-tokens-are-blocks", T, 'tokens = int(peaks["kvlens_kv_blocks_used"] * m["kvlens_kv_block_size"])', 'tokens = int(peaks["kvlens_kv_blocks_used"])'),
     ("tour-exit-code-ignored", T, "        if code != 0:\n", "        if False:\n"),
     ("tour-answers-not-temp0", T, "max_tokens=max_tokens, temperature=0", "max_tokens=max_tokens, temperature=1"),
-    ("eng-one-step-short", E, "batch, new = len(prompts), steps + 2", "batch, new = len(prompts), steps + 1"),
+    ("eng-one-step-short", E, "Request(f\"r{i}\", ids, steps + 2, stop_ids=frozenset())", "Request(f\"r{i}\", ids, steps + 1, stop_ids=frozenset())"),
     ("eng-warm-up-counted", E, "            if rnd:\n", "            if True:\n"),
     ("eng-first-kv-base-batch1", E, '("x_first_kv", by.get((first, r.batch)))', '("x_first_kv", by.get((first, 1)))'),
-    ("eng-pool-not-whole-blocks", E, "return batch * kv_bytes(llm, -(-positions // BLOCK) * BLOCK)", "return batch * kv_bytes(llm, positions)"),
+    ("eng-pool-not-whole-blocks", SCH, "blocks = sum(-(-(len(r.prompt_ids) + r.max_tokens) // BLOCK) for r in reqs)", "blocks = sum((len(r.prompt_ids) + r.max_tokens) // BLOCK for r in reqs)"),
     ("eng-loop-last-prompt", E, "rate = loop_round(llm, prompts[0], cfg.steps)", "rate = loop_round(llm, prompts[-1], cfg.steps)"),
-    ("eng-row-is-best", E, "rows.append(EngineRow(kv, batch, spread(got).median, got, held))", "rows.append(EngineRow(kv, batch, spread(got).high, got, held))"),
+    ("eng-row-is-best", E, "        return self.spread.median\n", "        return self.spread.high\n"),
     ("eng-dup-kv-allowed", E, "if len(set(self.kv)) < len(self.kv):", "if False:"),
     ("eng-probe-in-warm-up", E, "if rnd and probe is not None:", "if probe is not None:"),
     ("meter-machine-dropped", SP, "others, steal = max(named, machine),", "others, steal = named,"),
