@@ -45,7 +45,7 @@ def test_own_time_and_a_small_rest_are_not_other_load(monkeypatch):
 
 def test_the_real_readings_see_time_pass():
     busy, own = sp._busy_seconds(), sp._own_seconds()
-    sum(i * i for i in range(2_000_000))  # this process's own work
+    sum(i * i for i in range(4_000_000))  # this process's own work
     assert sp._own_seconds() > own and sp._busy_seconds() >= busy
 
 
@@ -57,7 +57,7 @@ def test_own_time_holds_the_children_that_ended():
     import sys
 
     own, r0 = sp._own_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(4_000_000))"], check=True)
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(10_000_000))"], check=True)
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     child = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     assert child > 0.1
