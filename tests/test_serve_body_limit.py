@@ -32,7 +32,7 @@ def _drive(chunks: list[bytes], declared: int | None = None) -> dict:
         seen["app"] = [await receive(), await receive()]  # the body, then what comes after it
 
     headers = [] if declared is None else [(b"content-length", str(declared).encode())]
-    limit = BodyLimit(app, LIMIT, on_refused=lambda: seen.__setitem__("refused", seen["refused"] + 1))
+    limit = BodyLimit(app, LIMIT, on_refused=lambda status: seen.__setitem__("refused", seen["refused"] + 1))
     asyncio.run(limit({"type": "http", "headers": headers}, receive, send))
     return seen
 

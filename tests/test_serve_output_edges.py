@@ -18,10 +18,13 @@ def test_the_earliest_of_two_stops_completing_together_wins(tok) -> None:  # noq
     assert "".join(released) == "x" == _reference(tok, ids, stops)[0] and out.stopped
 
 
-def test_chat_logprobs_bytes_are_the_whole_utf8_of_each_token(tok) -> None:  # noqa: F811
-    """OpenAI's ``bytes``: the token's UTF-8 bytes, all of them, for the token and every alternative."""
-    (a,) = tok.encode("a")
-    item = TokenLogprob(a, "é€", -0.25, [(a, -0.25)], 0)
-    (entry,) = chat_logprobs(tok, [item])["content"]
-    assert entry["token"] == "é€" and entry["bytes"] == [0xC3, 0xA9, 0xE2, 0x82, 0xAC]
-    assert entry["top_logprobs"] == [{"token": "a", "logprob": -0.25, "bytes": [0x61]}]
+def test_chat_logprobs_bytes_are_each_tokens_own_bytes(tok) -> None:  # noqa: F811
+    """OpenAI's ``bytes``: each token's own bytes, for the token and every alternative, so that joining
+    them gives the reply's UTF-8 even where a character spans tokens (whose text alone is U+FFFD)."""
+    text = "xé€😀 a"
+    ids = tok.encode(text, add_bos=False)
+    items = [TokenLogprob(i, tok.decode([i]), -0.25, [(i, -0.5)], 0) for i in ids]
+    content = chat_logprobs(tok, items)["content"]
+    assert any(e["token"] == "\ufffd" for e in content)  # the premise: a character split over tokens
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode("utf-8")
+    assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]

@@ -200,7 +200,16 @@ def test_requests_accept_openai_defaults():
          "Input should be 'text'"),
         (ChatRequest, {"content": 5}, "messages.0.content", "Input should be a valid string"),  # neither
         (CompletionRequest, {"prompt": "hi \ud800"}, "prompt", "prompt is not valid UTF-8 text"),
-        (CompletionRequest, {"prompt": ["a"]}, "prompt.0", "Input should be a valid integer"),
+        # a list of strings or of lists is OpenAI's batch form: refused as such, not as a bad token id
+        (CompletionRequest, {"prompt": ["a"]}, "prompt", "a list of prompts (a batch) is not supported"),
+        (CompletionRequest, {"prompt": [[1, 2]]}, "prompt", "a list of prompts (a batch) is not supported"),
+        # token ids are JSON integers: not true, "12" or 12.0 (lax mode would read them as 1, 12, 12)
+        (CompletionRequest, {"prompt": [1, True]}, "prompt.1", "Input should be a valid integer"),
+        (CompletionRequest, {"prompt": [3, "12"]}, "prompt.1", "Input should be a valid integer"),
+        (CompletionRequest, {"prompt": [12.0]}, "prompt.0", "Input should be a valid integer"),
+        # every branch fails on a type: the one that read deepest names the field (not "a valid string")
+        (ChatRequest, {"content": [{"type": "text", "text": None}]}, "messages.0.content.0.text",
+         "Input should be a valid string"),
         (CompletionRequest, {"prompt": "x", "max_tokens": True}, "max_tokens", "not a boolean"),
     ],
 )  # fmt: skip

@@ -37,7 +37,10 @@ class Sampler:
         """Pick the next token from the logits [vocab] of the last position."""
         if self.p.temperature == 0:
             return int(torch.argmax(logits))
-        logits = logits.float().cpu() / self.p.temperature
+        # float64, the max subtracted first: a tiny temperature (down to 5e-324) sends every other
+        # logit to -inf instead of the largest to inf (softmax would then be nan)
+        logits = logits.double().cpu()
+        logits = (logits - logits.max()) / self.p.temperature
         if self.p.top_k:
             kth = torch.topk(logits, min(self.p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -43,7 +43,7 @@ from ..kv.disk import DiskStats
 from ..kv.modes import MODES
 from ..kv.pool import BlockPool, PagedKV, kv_block_bytes, kv_bytes_per_token
 from .budget import default_kv_budget
-from .llm import LLM
+from .llm import LLM, ContextOverflowError
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
@@ -157,9 +157,14 @@ class Engine:
         if not isinstance(req.sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(req.sampling).__name__}")
         total = len(req.prompt_ids) + req.max_tokens
-        self.llm.check_fits(total)
+        try:
+            self.llm.check_fits(total)
+        except ContextOverflowError as e:  # name both parts: either may be what is too long
+            raise ContextOverflowError(
+                f"the prompt's {len(req.prompt_ids)} + max_tokens {req.max_tokens}: {e}"
+            ) from None
         if -(-total // BLOCK) > self.pool.n_blocks:
-            raise ValueError(
+            raise ContextOverflowError(
                 f"{total} tokens (prompt + max_tokens) can never fit in the KV pool "
                 f"({self.pool.n_blocks * BLOCK} tokens)"
             )
@@ -248,7 +253,7 @@ class Engine:
             return
         for b, seq in enumerate(batch):
             if seq.kv.length == len(seq.tokens):  # not a recompute replay: sample the next token
-                events.append(self._emit(seq, logits[b]))
+                self._emit(seq, logits[b], events)
 
     def _prefill(self, events: list[TokenEvent]) -> None:
         chunk, budget = self.llm.prefill_chunk, self.config.prefill_token_budget
@@ -290,7 +295,7 @@ class Engine:
         if self.prefix is not None:
             self.prefix.publish(seq.kv, seq.req.prompt_ids, start, end)
         if end == len(seq.tokens):  # the prompt is in and nothing was generated yet
-            events.append(self._emit(seq, logits))
+            self._emit(seq, logits, events)
 
     def _fail(self, seq: Sequence, error: Exception, events: list[TokenEvent]) -> None:
         """End ``seq`` alone: its own computation failed (a non-finite K/V, or a fault while its rows
@@ -301,9 +306,12 @@ class Engine:
         seq.kv.free()
         events.append(TokenEvent(seq.req.request_id, None, None, None, True, "error", error=error))
 
-    def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
+    def _emit(self, seq: Sequence, logits: torch.Tensor, events: list[TokenEvent]) -> None:
         req = seq.req
-        tok = seq.sampler(logits)
+        try:
+            tok = seq.sampler(logits)
+        except Exception as e:  # the sampler runs on this sequence's logits alone: it alone ends
+            return self._fail(seq, e, events)
         seq.tokens.append(tok)
         self.generated_tokens += 1
         logprob = top = None
@@ -321,7 +329,7 @@ class Engine:
             seq.kv.free()
         kept = logits.clone() if self.config.keep_logits else None
         cached = (seq.cached_tokens or 0) if seq.n_generated == 1 else 0
-        return TokenEvent(req.request_id, tok, logprob, top, reason is not None, reason, kept, cached)
+        events.append(TokenEvent(req.request_id, tok, logprob, top, reason is not None, reason, kept, cached))
 
 
 def fitted_config(llm: LLM, reqs: list[Request], **changes) -> EngineConfig:

@@ -7,6 +7,7 @@ pre-tokenizer), so `from_gguf_metadata` rebuilds it the way llama.cpp interprets
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -19,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 
 from ..checks import check_int, read_json
+from .token_bytes import token_bytes_reader
 
 
 class TokenizerError(ValueError):
@@ -173,6 +175,7 @@ class Tokenizer:
         self.eos_ids = eos_ids | ({eos_id} if eos_id is not None else set())
         self.add_bos = add_bos
         self.chat_template = chat_template
+        self._bytes_of: Callable[[int], bytes | None] | None = None  # built on first use
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
@@ -277,7 +280,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         # add_special_tokens=False: the post-processor never adds anything; BOS is ours to add.
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch, unlike encode, lets go of the GIL while it runs: a server tokenizing a long
+        # prompt in a worker thread keeps answering other requests (the same ids).
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_bos is None:
             return self.bos_prefix + ids
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
@@ -287,6 +292,13 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes ``token_id`` stands for in a text (part of a UTF-8 character for some tokens), or
+        None where the decoder does not say (kvlens.models.token_bytes)."""
+        if self._bytes_of is None:
+            self._bytes_of = token_bytes_reader(self._tok)
+        return self._bytes_of(token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

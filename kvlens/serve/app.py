@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool as to_thread
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm import LLM
@@ -55,14 +56,17 @@ def _field_path(error: dict) -> list[str]:
 
 def _first_error(errors: list) -> dict:
     """The first error; where that is one branch of a union failing on the input's type (a list of chat
-    content parts is not a str), the same field's error from a branch the input's type passed."""
+    content parts is not a str), the same field's error from a branch the input's type passed, or, where
+    none passed, from the branch that read deepest (a content part's ``text`` that is null)."""
     first = errors[0] if errors else {}
     loc = tuple(first.get("loc", ()))
     tag = next((i for i, p in enumerate(loc) if _branch_tag(p)), None)
     if tag is None or not str(first.get("type", "")).endswith("_type"):
         return first
-    passed = (e for e in errors if not str(e.get("type", "")).endswith("_type"))
-    return next((e for e in passed if tuple(e.get("loc", ()))[:tag] == loc[:tag]), first)
+    same = [e for e in errors if tuple(e.get("loc", ()))[:tag] == loc[:tag]]
+    passed = [e for e in same if not str(e.get("type", "")).endswith("_type")]
+    # else every branch failed on a type: the one that got furthest into the input says where
+    return passed[0] if passed else max(same, key=lambda e: len(e.get("loc", ())))
 
 
 def _validation_message(
@@ -84,6 +88,8 @@ def _validation_message(
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     if kind == "missing":
+        if param is None:
+            return "the request body is empty: it must be a JSON object", None
         return f"missing required field: {param}", param
     return (f"{param}: {msg}" if param else msg), param
 
@@ -195,8 +201,9 @@ def _authorizer(api_key: str | None) -> Callable[[Request], None]:
     def authorize(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive (RFC 9110 §11.1); the key is compared in constant time
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
             raise APIError(401, "invalid or missing API key", code="invalid_api_key")
 
     return authorize
@@ -225,7 +232,9 @@ def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
     app = FastAPI(title="kvlens", lifespan=lifespan)
     _install_error_handlers(app, metrics)
     app.add_middleware(
-        BodyLimit, max_bytes=config.max_body_bytes, on_refused=lambda: metrics.errors.labels("413").inc()
+        BodyLimit,
+        max_bytes=config.max_body_bytes,
+        on_refused=lambda status: metrics.errors.labels(str(status)).inc(),
     )
 
     authorize = _authorizer(config.api_key)
@@ -236,16 +245,16 @@ def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
         text = await runner.collect(job, request.is_disconnected)
         return JSONResponse(shapes.full(job, text))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         ok = aengine.alive
         return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics_text() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.api_route("/v1/models", methods=["GET", "HEAD"], dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
         card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kvlens"}
         return {"object": "list", "data": [card]}
@@ -253,8 +262,12 @@ def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(body.model, config.model_name)
-        tok = llm.tokenizer
-        ids = list(body.prompt) if isinstance(body.prompt, list) else tok.encode(body.prompt)
+        # tokenized off the event loop: a long prompt takes seconds, and the server answers others meanwhile
+        ids = (
+            list(body.prompt)
+            if isinstance(body.prompt, list)
+            else await to_thread(llm.tokenizer.encode, body.prompt)
+        )
         job = await runner.submit("completions", new_id("cmpl"), ids, body.max_tokens, body, body.logprobs)
         return await respond(request, _Shapes(runner, False, config.model_name), job, body)
 
@@ -263,9 +276,10 @@ def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
         _check_model(body.model, config.model_name)
         messages = [m.for_template() for m in body.messages]
         try:  # the template writes any BOS itself
-            ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_bos=False)
+            text = await to_thread(llm.tokenizer.apply_chat_template, messages)
         except Exception as e:  # no template, or the template refuses the conversation
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+        ids = await to_thread(llm.tokenizer.encode, text, add_bos=False)
         job = await runner.submit("chat", new_id("chatcmpl"), ids, body.token_limit, body, body.logprobs_top)
         return await respond(request, _Shapes(runner, True, config.model_name), job, body)
 

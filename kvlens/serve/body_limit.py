@@ -4,7 +4,9 @@ body and is never held in memory, so no client can make the server hold gigabyte
 A body within the cap is handed to the app as one message; later messages (a client's disconnect)
 pass through unchanged. A body over it (a declared ``Content-Length`` or the bytes counted so far)
 is read to its end and dropped chunk by chunk before the 413 is sent: a client still sending when
-the server answered and closed would meet a reset connection instead of the answer.
+the server answered and closed would meet a reset connection instead of the answer. A body sent
+with a ``Content-Encoding`` (gzip, …) is drained the same way and answered 415: the app reads JSON
+as sent, and would call compressed bytes malformed JSON.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 class BodyLimit:
-    """ASGI middleware: requests whose body exceeds ``max_bytes`` get a 413; ``on_refused()`` is
-    called for each (the server's error counter)."""
+    """ASGI middleware: requests whose body exceeds ``max_bytes`` get a 413, a compressed body a 415;
+    ``on_refused(status)`` is called for each (the server's error counter)."""
 
     def __init__(
-        self, app: Any, max_bytes: int = DEFAULT_MAX_BODY_BYTES, on_refused: Callable[[], None] = lambda: None
+        self,
+        app: Any,
+        max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        on_refused: Callable[[int], None] = lambda status: None,
     ):
         self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
 
@@ -35,7 +40,16 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers", ())).get(b"content-length", b"")
+        headers = dict(scope.get("headers", ()))
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in (b"", b"identity"):  # else the app would read gzip bytes as broken JSON
+            await self._drain(receive)
+            name = encoding.decode("latin-1")
+            await self._answer(
+                send, 415, f"Content-Encoding {name!r} is not supported: send the body uncompressed"
+            )
+            return
+        declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             first, sending = None, True
         else:
@@ -77,9 +91,12 @@ class BodyLimit:
                 return
 
     async def _refuse(self, send: Send) -> None:
-        self.on_refused()
         mib = self.max_bytes / (1 << 20)
-        body = json.dumps(error_body(f"the request body is over this server's limit of {mib:g} MiB")).encode()
+        await self._answer(send, 413, f"the request body is over this server's limit of {mib:g} MiB")
+
+    async def _answer(self, send: Send, status: int, message: str) -> None:
+        self.on_refused(status)
+        body = json.dumps(error_body(message)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

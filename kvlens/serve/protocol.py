@@ -20,6 +20,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
     StrictBool,
     ValidationInfo,
     field_validator,
@@ -64,6 +65,16 @@ def _finite_number(value: Any) -> Any:
 Float = Annotated[float, BeforeValidator(_finite_number)]
 
 
+def _one_prompt(value: Any) -> Any:
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        raise ValueError("a list of prompts (a batch) is not supported: send one prompt per request")
+    return value
+
+
+# A token id is a JSON integer: pydantic's lax mode would also take true, "12" and 12.0
+TokenIds = list[Annotated[int, Strict()]]
+
+
 class APIError(Exception):
     """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "code"}}``."""
 
@@ -87,6 +98,8 @@ class APIError(Exception):
 def error_body(
     message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
 ) -> dict[str, Any]:
+    # a lone surrogate the client sent, echoed in a message, would make the body unencodable (a 500)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -100,7 +113,7 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: Text
     max_tokens: Int | None = Field(default=None, ge=1)
     temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
@@ -160,7 +173,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Text | list[int]
+    prompt: Annotated[Text | TokenIds, BeforeValidator(_one_prompt)]
     max_tokens: Int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: Int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False

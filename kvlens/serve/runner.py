@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..engine.llm import LLM
+from ..engine.llm import LLM, ContextOverflowError
 from ..engine.sampling import SamplingParams
 from ..engine.serving import QueueFullError, Request
 from ..engine.verify import make_record
@@ -91,9 +91,18 @@ class Runner:
                 headers={"Retry-After": str(self.retry_after_s)},
             ) from e
         except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from e
+            raise APIError(400, str(e), param=self._refused_field(e, endpoint, len(prompt_ids), body)) from e
         out = OutputText(self.llm.tokenizer, body.stop_strings)
         return Job(endpoint, req, out, events, arrived)
+
+    def _refused_field(self, error: ValueError, endpoint: str, n_prompt: int, body: Any) -> str:
+        """The field a refusal is about: the token limit where prompt + limit do not fit but the prompt
+        alone does, else the prompt (ids outside the vocabulary, a prompt too long by itself)."""
+        prompt = "messages" if endpoint == "chat" else "prompt"
+        room = min(self.llm.config.max_ctx, self.engine.stats().tokens_capacity)
+        if not isinstance(error, ContextOverflowError) or n_prompt >= room:
+            return prompt
+        return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
 
     async def run(self, job: Job) -> AsyncIterator[str]:
         """Text deltas as they become final; ``job.finish_reason`` and ``job.record`` set at the end.
