@@ -161,7 +161,7 @@ class Engine:
             self.llm.check_fits(total)
         except ContextOverflowError as e:  # name both parts: either may be what is too long
             raise ContextOverflowError(
-                f"the prompt's {len(req.prompt_ids)} + max_tokens {req.max_tokens}: {e}"
+                f"prompt {len(req.prompt_ids)} + max_tokens {req.max_tokens} = {e}"
             ) from None
         if -(-total // BLOCK) > self.pool.n_blocks:
             raise ContextOverflowError(
