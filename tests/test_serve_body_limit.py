@@ -62,3 +62,42 @@ def test_one_byte_over_is_a_413_and_the_rest_of_the_body_is_read_first() -> None
 def test_a_declared_length_over_the_limit_is_refused_before_the_app() -> None:
     seen = _drive([b"a"] * 3 + [b"b" * 8], declared=LIMIT + 1)
     assert seen["app"] is None and _status(seen) == 413 and seen["read"] == 4
+
+
+def _stalled_drive(chunks: list[bytes], headers: list[tuple[bytes, bytes]]) -> dict:
+    """``chunks`` arrive, each saying more is coming, then nothing ever again."""
+    script = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+    seen: dict = {"app": None, "sent": [], "refused": []}
+
+    async def receive() -> dict:
+        if script:
+            return script.pop(0)
+        await asyncio.Event().wait()  # the client never sends the rest
+        raise AssertionError("unreachable")
+
+    async def send(message: dict) -> None:
+        seen["sent"].append(message)
+
+    async def app(scope, receive, send) -> None:
+        seen["app"] = await receive()
+
+    limit = BodyLimit(app, LIMIT, on_refused=seen["refused"].append, idle_timeout_s=0.05)
+    asyncio.run(asyncio.wait_for(limit({"type": "http", "headers": headers}, receive, send), 30))
+    return seen
+
+
+def test_a_body_that_stops_arriving_is_a_408() -> None:
+    for chunks in ([], [b"abc"]):  # nothing at all, or part of it
+        seen = _stalled_drive(chunks, [(b"content-length", b"9")])
+        assert seen["app"] is None and _status(seen) == 408 and seen["refused"] == [408]
+        assert json.loads(seen["sent"][1]["body"])["error"]["message"] == (
+            "no part of the request body arrived for 0.05 s"
+        )
+
+
+def test_a_refused_body_that_stops_arriving_is_still_answered() -> None:
+    """Draining an oversize or compressed body stops at the stall: the client gets an answer."""
+    seen = _stalled_drive([b"abcdefghijkl"], [])
+    assert _status(seen) == 408 and seen["refused"] == [408]
+    seen = _stalled_drive([b"ab"], [(b"content-encoding", b"gzip")])
+    assert _status(seen) == 408 and seen["refused"] == [408]

@@ -54,3 +54,17 @@ def test_a_decoder_that_does_not_say_gives_none():
     backend.decoder = decoders.WordPiece()
     t = Tokenizer(backend, None, None, set(), False, None)
     assert [t.token_bytes(i) for i in (1, 2)] == [None, None]
+
+
+def test_an_added_token_is_its_own_text_not_byte_mapped():
+    """Added tokens are matched whole in the raw text, so their bytes are their text's, spaces
+    included (GPT-2's alphabet has no plain space: mapped, the token would have no bytes)."""
+    from test_tokenizer import _tiny_meta
+
+    m = _tiny_meta("gpt2")
+    m["tokenizer.ggml.tokens"] = [*m["tokenizer.ggml.tokens"], "<x y>"]
+    m["tokenizer.ggml.token_type"] = [*m["tokenizer.ggml.token_type"], 4]  # user-defined
+    t = Tokenizer.from_gguf_metadata(m)
+    ids = t.encode("a<x y>b", add_bos=False)
+    assert len(ids) == 3 and t.token_bytes(ids[1]) == b"<x y>"
+    assert b"".join(t.token_bytes(i) for i in ids) == b"a<x y>b"

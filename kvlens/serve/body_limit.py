@@ -6,11 +6,13 @@ pass through unchanged. A body over it (a declared ``Content-Length`` or the byt
 is read to its end and dropped chunk by chunk before the 413 is sent: a client still sending when
 the server answered and closed would meet a reset connection instead of the answer. A body sent
 with a ``Content-Encoding`` (gzip, …) is drained the same way and answered 415: the app reads JSON
-as sent, and would call compressed bytes malformed JSON.
+as sent, and would call compressed bytes malformed JSON. A body of which nothing arrives for
+``idle_timeout_s`` (a client that declared more than it sends) is answered 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,28 +20,52 @@ from typing import Any
 from .protocol import error_body
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20  # a 128k-token prompt as a list of token ids is ~1 MB of JSON
+# uvicorn waits for a body as long as the client keeps its connection: one that declares more bytes
+# than it sends would hold the connection and a task for good
+BODY_IDLE_TIMEOUT_S = 60.0
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
+class _Stalled(Exception):
+    """No part of the body arrived within the idle timeout."""
+
+
 class BodyLimit:
-    """ASGI middleware: requests whose body exceeds ``max_bytes`` get a 413, a compressed body a 415;
-    ``on_refused(status)`` is called for each (the server's error counter)."""
+    """ASGI middleware: requests whose body exceeds ``max_bytes`` get a 413, a compressed body a 415, a
+    body of which nothing arrives for ``idle_timeout_s`` a 408; ``on_refused(status)`` is called for
+    each (the server's error counter)."""
 
     def __init__(
         self,
         app: Any,
         max_bytes: int = DEFAULT_MAX_BODY_BYTES,
         on_refused: Callable[[int], None] = lambda status: None,
+        idle_timeout_s: float = BODY_IDLE_TIMEOUT_S,
     ):
         self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
+        self.idle_timeout_s = idle_timeout_s
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        try:
+            await self._gate(scope, receive, send)
+        except _Stalled:
+            await self._answer(
+                send, 408, f"no part of the request body arrived for {self.idle_timeout_s:g} s"
+            )
+
+    async def _next(self, receive: Receive) -> Message:
+        try:
+            return await asyncio.wait_for(receive(), self.idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise _Stalled from None
+
+    async def _gate(self, scope: dict, receive: Receive, send: Send) -> None:
         headers = dict(scope.get("headers", ()))
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
         if encoding not in (b"", b"identity"):  # else the app would read gzip bytes as broken JSON
@@ -64,14 +90,14 @@ class BodyLimit:
         async def replay() -> Message:
             return pending.pop() if pending else await receive()
 
-        await self.app(scope, replay, send)
+        await self.app(scope, replay, send)  # past the body: a stalled app is not the client's doing
 
     async def _read(self, receive: Receive) -> tuple[Message | None, bool]:
         """The whole body as one message (or the disconnect that cut it short), or None past the cap
         with whether the client is still sending."""
         chunks, size = [], 0
         while True:
-            message = await receive()
+            message = await self._next(receive)
             if message["type"] != "http.request":
                 return message, False
             size += len(message.get("body", b""))
@@ -82,11 +108,10 @@ class BodyLimit:
             if not more:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}, False
 
-    @staticmethod
-    async def _drain(receive: Receive) -> None:
+    async def _drain(self, receive: Receive) -> None:
         """Read the rest of the body, keeping none of it."""
         while True:
-            message = await receive()
+            message = await self._next(receive)
             if message["type"] != "http.request" or not message.get("more_body", False):
                 return
 

@@ -49,5 +49,13 @@ BUGS = [
     ("chat-bytes-from-text", OUT, '"bytes": None if raw is None else list(raw)}', '"bytes": list(tok.decode([token_id]).encode())}'),
 ]
 
+# after the first run: the body's idle timeout (added later in the session)
+BODY_STALL = [
+    ("stall-not-timed", BL, "return await asyncio.wait_for(receive(), self.idle_timeout_s)", "return await receive()"),
+    ("stall-drain-not-timed", BL, "            message = await self._next(receive)\n            if message[\"type\"] != \"http.request\" or not", "            message = await receive()\n            if message[\"type\"] != \"http.request\" or not"),
+    ("stall-not-answered", BL, "        except _Stalled:\n            await self._answer(", "        except _Stalled:\n            return\n            await self._answer("),
+]
+
 if __name__ == "__main__":
     write_list(HERE / "serve36.json", BUGS)
+    write_list(HERE / "serve36-stall.json", BODY_STALL)
