@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
+import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -173,10 +175,25 @@ def check_device(device: Any) -> torch.device:
     return dev
 
 
+def check_not_special(path: str | os.PathLike[str], error: type[Exception], what: str = "") -> None:
+    """``error`` when ``path`` exists and is a FIFO, a device or a socket: opening a FIFO blocks until a
+    writer comes, and a device may never end (``/dev/zero``), so a file kvlens reads must be a regular
+    file (or a directory where one is expected). Links are followed; a missing path is left to the open."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    kinds = [(stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")]
+    for test, kind in [*kinds, (stat.S_ISSOCK, "a socket")]:
+        if test(mode):
+            raise error(f"{what + ' ' if what else ''}{path} is {kind}, not a regular file")
+
+
 def read_json(path: str | Path, error: type[Exception], what: str = "") -> Any:
     """The JSON value in ``path`` (UTF-8); ``error`` naming the file (``what`` it should be, e.g.
     ``"KV recipe"``) when it cannot be read or is not valid JSON."""
     name = f"{what} {path}" if what else str(path)
+    check_not_special(path, error, what)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError:

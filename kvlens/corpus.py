@@ -17,6 +17,7 @@ from pathlib import Path
 
 import typer
 
+from .checks import check_not_special
 from .models.loader import file_digest
 
 CREDIT = (
@@ -166,6 +167,7 @@ def strip_scan_markup(text: str) -> str:
 
 
 def _read_utf8(path: Path) -> str:
+    check_not_special(path, CorpusError, "the corpus")
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")

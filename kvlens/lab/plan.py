@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ..checks import check_not_special
 from ..engine.attention import check_backend_name
 from ..engine.llm import LLM
 from ..kv.modes import MODES, KVMode, StoreKind
@@ -167,6 +168,7 @@ def load_measurements(path: str, model: str, corpus: str, ctx: int | None) -> Me
     """A ``lab plan --json`` output's :class:`Measurements`, refused when it was measured on another
     model or corpus, or (``ctx`` given) another ctx."""
     try:
+        check_not_special(path, ValueError)
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         table = {sensitivity_key(k): float(v) for k, v in data["sensitivity"].items()}

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checks import check_not_special
 from ..kv.modes import KVMode
 
 if sys.version_info >= (3, 11):
@@ -289,6 +290,7 @@ def _expand(raw: dict[str, Any], root: Path) -> list[Cell]:
 
 def load_spec(path: str | Path) -> Spec:
     p = Path(path)
+    check_not_special(p, SpecError, "the sweep spec")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checks import check_float, check_int
+from ..checks import check_float, check_int, check_not_special
 
 
 class ModelLoadError(ValueError):
@@ -279,6 +279,7 @@ def build_config(fields: dict[str, Any], keys: dict[str, str], where: str) -> Mo
 
 def check_readable(path: Path) -> Path:
     """``path`` opened for reading once, so a permission problem is called what it is."""
+    check_not_special(path, ModelLoadError)
     try:
         with open(path, "rb"):
             pass
