@@ -32,6 +32,13 @@ def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | 
     return _in_range(int(value), name, minimum, maximum)
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """A bool (not 0/1, not a string such as "no", which would read as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {_kind(value)} {value!r}")
+    return value
+
+
 def check_float(
     value: Any,
     name: str,

@@ -25,11 +25,12 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels.attend_step import AttendStep
-from ..kernels.cpu_int import BACKEND_QBITS, IntAttn, packed_kind
+from ..kernels.cpu_int import BACKEND_QBITS, IntAttn
 from ..kernels.quest import quest_select
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
 from ..kv.cache import BLOCK, HeadSplitStore, KVCache, Rotation, rotations
+from ..kv.modes import KVMode, StoreKind
 from ..kv.pool import PagedKV
 from ..kv.quant import rotate_rows, unrotate_rows
 from ..models.transformer import AttendFn, Profiler, timed
@@ -201,30 +202,31 @@ def split_kernel(
     )
 
 
-def _refuse_packed(backend: str, cache: KVCache | PagedKV) -> None:
-    """BackendError naming the first packed N-bit kind (q7h, q6h, q5h) of ``cache``: the integer
-    kernels read int8 / 4-bit codes only."""
-    stores = (*cache.k, *cache.v)  # a per-head recipe's layer (HeadSplitStore): one store per KV head
-    kind = packed_kind(
-        p for store in stores for p in (store.parts if isinstance(store, HeadSplitStore) else [store])
-    )
-    if kind is not None:
-        raise BackendError(
-            f"the {backend} backend cannot read {kind} rows (packed {kind.bits}-bit codes); "
-            f"use the numba, triton or torch backend for {cache.mode.name}"
-        )
+def _mode_kinds(mode: KVMode) -> list[tuple[StoreKind, StoreKind]]:
+    """Every (K kind, V kind) pair ``mode`` stores: each layer's, each KV head's of a per-head layer."""
+    layers = range(len(mode.layers))
+    pairs = [mode.kinds(i) for i in layers] or [(mode.k, mode.v)]
+    return pairs + [pair for i in layers for pair in mode.head_kinds(i) or ()]
 
 
-def _check_int_backend(backend: str, cache: KVCache | PagedKV) -> None:
-    """Refuse an integer backend (numba-int...) over a cache whose K it cannot score."""
+def check_backend_mode(backend: str, mode: KVMode) -> None:
+    """Refuse an integer backend (numba-int...) for a KV mode whose K it cannot score, or whose rows
+    are packed N-bit codes (q7h, q6h, q5h: the integer kernels read int8 / 4-bit codes only). Checked
+    when an engine is made (load, variant) and again for each cache the attention reads."""
     spec = IntAttn.parse(backend)
     if spec is None:
         return
-    _refuse_packed(backend, cache)
-    if not all(spec.scores(ks.kind) for ks in cache.k):
+    pairs = _mode_kinds(mode)
+    kind = next((kind for pair in pairs for kind in pair if kind.packed), None)
+    if kind is not None:
+        raise BackendError(
+            f"the {backend} backend cannot read {kind} rows (packed {kind.bits}-bit codes); "
+            f"use the numba, triton or torch backend for {mode.name}"
+        )
+    if not all(spec.scores(k) for k, _ in pairs):
         four = ", or 4-bit with numba-int (q4, q4h)" if spec.qbits == 8 and not spec.pv8 else ""
         raise BackendError(
-            f"the {backend} backend needs an int8 K cache (q8, q8h, q8-k, q8+mirror){four}, not {cache.mode.name}"
+            f"the {backend} backend needs an int8 K cache (q8, q8h, q8-k, q8+mirror){four}, not {mode.name}"
         )
 
 
@@ -286,7 +288,7 @@ def make_attend(
     CPU, the numba backends, no sparse decode); the same results.
     """
     kernel = _fused_kernel(backend)
-    _check_int_backend(backend, cache)
+    check_backend_mode(backend, cache.mode)
     sink = cache.sink  # positions read from the cache's sink store (0: none)
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
     use_kernel = kernel is not None and not cache.options.keeps_exact

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..kv.blocks import SparseConfig
 from ..kv.modes import CacheOptions
+from .attention import check_backend_mode
 from .llm import DEFAULT_PREFILL_CHUNK
 from .sampling import SamplingParams
 
@@ -32,7 +33,7 @@ class GenerateConfig:
 
 def main(cfg: GenerateConfig) -> str:
     """The body of ``kvlens generate``: the text streams to stdout as it is produced; nothing is printed
-    before the prompt is known to fit."""
+    before the prompt is known to fit and the backend to read the cache."""
     import kvlens  # the public entry point (tests stand in for it)
 
     llm = kvlens.load(
@@ -47,6 +48,7 @@ def main(cfg: GenerateConfig) -> str:
     )
     params = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
     llm.check_fits(len(llm.encode_prompt(cfg.prompt, cfg.chat)) + cfg.max_tokens)
+    check_backend_mode(llm.attn_backend, llm.kv)  # what the engine checks, before the prompt is echoed
     if not cfg.chat:
         sys.stdout.write(cfg.prompt)
         sys.stdout.flush()

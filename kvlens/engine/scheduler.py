@@ -37,11 +37,12 @@ from pathlib import Path
 
 import torch
 
-from ..checks import check_int, check_token_ids
+from ..checks import check_bool, check_int, check_token_ids
 from ..kv.cache import BLOCK, NonFiniteKVError
 from ..kv.disk import DiskStats
 from ..kv.modes import MODES
 from ..kv.pool import BlockPool, PagedKV, kv_block_bytes, kv_bytes_per_token
+from .attention import check_backend_mode
 from .budget import default_kv_budget
 from .llm import LLM, ContextOverflowError
 from .model_runner import ModelRunner
@@ -71,6 +72,8 @@ class EngineConfig:
         for name in ("max_batch", "prefill_token_budget", "kv_disk_budget"):
             check_int(getattr(self, name), name, minimum=1)
         check_int(self.max_waiting, "max_waiting", minimum=0)
+        for name in ("prefix_cache", "keep_logits"):
+            check_bool(getattr(self, name), name)
         if self.kv_budget_bytes is not None:
             check_int(self.kv_budget_bytes, "kv_budget_bytes", minimum=1)
         if self.kv_disk is not None and not self.prefix_cache:
@@ -105,11 +108,17 @@ class Engine:
                 "the serving engine runs dense decode over its paged pool, which implements neither sparse decode, "
                 f"the lab's keep-sink / keep-recent options, nor a recipe's keep_sink over {BLOCK} positions"
             )
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        check_backend_mode(llm.attn_backend, llm.kv)  # before any request: not at its first step
         self.llm, self.config = llm, config
         cfg = llm.config
         budget = config.kv_budget_bytes or default_kv_budget(llm, config.max_batch)  # checked >= 1 or None
         pool_settings = (llm.kv, budget, llm.device, llm.cache_options.mirror_prefill)
-        self.pool = BlockPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, *pool_settings)
+        try:
+            self.pool = BlockPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, *pool_settings)
+        except RuntimeError as e:  # the allocator's refusal: the budget is more than this machine has
+            raise ValueError(f"cannot allocate a KV pool of {budget} bytes (kv_budget_bytes): {e}") from None
         self.runner = ModelRunner(llm)
         self.prefix = None
         if config.prefix_cache:
@@ -142,27 +151,7 @@ class Engine:
         self.prompt_tokens += seq.n_prompt
 
     def _check(self, req: Request) -> None:
-        if not isinstance(req, Request):
-            raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
-        if not isinstance(req.request_id, str):  # events, aborts and records are keyed by it
-            raise TypeError(f"request_id must be a str, got {type(req.request_id).__name__}")
-        req.prompt_ids = check_token_ids(
-            req.prompt_ids, self.llm.config.vocab, "prompt token ids", allow_empty=True
-        )
-        if not req.prompt_ids:
-            raise ValueError("the prompt is empty")
-        check_int(req.max_tokens, "max_tokens", minimum=1)
-        if req.logprobs is not None:
-            check_int(req.logprobs, "logprobs", minimum=0)
-        if not isinstance(req.sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(req.sampling).__name__}")
-        total = len(req.prompt_ids) + req.max_tokens
-        try:
-            self.llm.check_fits(total)
-        except ContextOverflowError as e:  # name both parts: either may be what is too long
-            raise ContextOverflowError(
-                f"prompt {len(req.prompt_ids)} + max_tokens {req.max_tokens} = {e}"
-            ) from None
+        total = check_request(self.llm, req)
         if -(-total // BLOCK) > self.pool.n_blocks:
             raise ContextOverflowError(
                 f"{total} tokens (prompt + max_tokens) can never fit in the KV pool "
@@ -332,9 +321,35 @@ class Engine:
         events.append(TokenEvent(req.request_id, tok, logprob, top, reason is not None, reason, kept, cached))
 
 
+def check_request(llm: LLM, req: Request) -> int:
+    """``req``'s fields checked against ``llm`` (its prompt ids put in canonical form); the positions it
+    needs (prompt + max_tokens), which must fit in the model's context."""
+    if not isinstance(req, Request):
+        raise TypeError(f"add_request takes a Request, got {type(req).__name__}")
+    if not isinstance(req.request_id, str):  # events, aborts and records are keyed by it
+        raise TypeError(f"request_id must be a str, got {type(req.request_id).__name__}")
+    req.prompt_ids = check_token_ids(req.prompt_ids, llm.config.vocab, "prompt token ids", allow_empty=True)
+    if not req.prompt_ids:
+        raise ValueError("the prompt is empty")
+    check_int(req.max_tokens, "max_tokens", minimum=1)
+    if req.logprobs is not None:
+        check_int(req.logprobs, "logprobs", minimum=0)
+    if not isinstance(req.sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(req.sampling).__name__}")
+    total = len(req.prompt_ids) + req.max_tokens
+    try:
+        llm.check_fits(total)
+    except ContextOverflowError as e:  # name both parts: either may be what is too long
+        raise ContextOverflowError(
+            f"prompt {len(req.prompt_ids)} + max_tokens {req.max_tokens} = {e}"
+        ) from None
+    return total
+
+
 def fitted_config(llm: LLM, reqs: list[Request], **changes) -> EngineConfig:
-    """A config whose pool holds every request whole at once (no preemption)."""
-    blocks = sum(-(-(len(r.prompt_ids) + r.max_tokens) // BLOCK) for r in reqs)
+    """A config whose pool holds every request whole at once (no preemption); each request checked
+    first, so a bad one is named rather than sizing the pool."""
+    blocks = sum(-(-check_request(llm, r) // BLOCK) for r in reqs)
     cfg = llm.config
     return EngineConfig(
         kv_budget_bytes=blocks * kv_block_bytes(llm.kv, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), **changes
@@ -351,10 +366,11 @@ def _run_out(engine: Engine) -> Iterator[TokenEvent]:
 
 
 def run_alone(llm: LLM, req: Request, config: EngineConfig | None = None) -> Iterator[TokenEvent]:
-    """Events of one request run alone (a batch of one): what ``kvlens generate`` runs."""
+    """Events of one request run alone (a batch of one): what ``kvlens generate`` runs. The engine and
+    the request are checked here, before the first event is asked for (not a generator itself)."""
     engine = Engine(llm, config or fitted_config(llm, [req], max_batch=1))
     engine.add_request(req)
-    yield from _run_out(engine)
+    return _run_out(engine)
 
 
 def run_batch(llm: LLM, reqs: list[Request], config: EngineConfig | None = None) -> dict[str, list[int]]:

@@ -14,8 +14,10 @@ import hashlib
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from ..checks import read_json
 from ..kv.modes import CacheOptions
@@ -91,11 +93,60 @@ class VerifyResult:
     mismatched: dict[str, tuple] = field(default_factory=dict)  # setting -> (record, here)
 
 
+TokenId = Annotated[int, Strict(), Field(ge=0, le=2**31 - 1)]  # hashed as int32 (ids_sha256)
+Number = Annotated[float, Strict()] | Annotated[int, Strict()]
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")  # later versions may add fields
+
+
+class _RecordModel(_Open):
+    source: Annotated[str, Strict()]
+    sha256: Annotated[str, Strict()]
+
+
+class _RecordSampling(_Open):
+    temperature: Number
+    top_k: Annotated[int, Strict()]
+    top_p: Number
+    seed: Annotated[int, Strict()] | None
+
+
+class _RecordFields(_Open):
+    """The fields :func:`make_record` writes, each of the type it writes (JSON's own: no "12" for 12,
+    no true for 1, no 32.7 for a count)."""
+
+    record_version: Literal[1] = RECORD_VERSION  # a later version's record is not read as this one
+    model: _RecordModel
+    kv: Annotated[str, Strict()]
+    weights: Annotated[str, Strict()]
+    attn_backend: Annotated[str, Strict()]
+    prefill_chunk: Annotated[int, Strict(), Field(ge=1)]
+    mirror_prefill: Annotated[str, Strict()]
+    device: Annotated[str, Strict()]
+    cpu: Annotated[str, Strict()]
+    sampling: _RecordSampling
+    max_tokens: Annotated[int, Strict(), Field(ge=1)]
+    stop_ids: list[TokenId] | None = None
+    prompt_ids: list[TokenId]
+    prompt_sha256: Annotated[str, Strict()] | None = None
+    output_ids: list[TokenId]
+    output_sha256: Annotated[str, Strict()]
+
+
 def _check_record(record: dict) -> None:
     need = ("model", "sampling", "max_tokens", "prompt_ids", "output_ids", "output_sha256", *SETTINGS)
     missing = [k for k in need if k not in record]
     if missing:
         raise ValueError(f"not a kvlens record: missing {', '.join(missing)}")
+    try:
+        _RecordFields.model_validate(record)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p not in ("float", "int"))  # not union branches
+        msg = "Input should be an object" if first["type"] == "model_type" else first["msg"]
+        raise ValueError(f"not a kvlens record: {where}: {msg}") from None
     if ids_sha256(record["prompt_ids"]) != record.get("prompt_sha256"):
         raise ValueError("the record's prompt ids do not match its prompt_sha256")
     if ids_sha256(record["output_ids"]) != record["output_sha256"]:
