@@ -144,6 +144,8 @@ def test_generate_command_hands_the_engine_every_setting(monkeypatch, capsys):
     seen = {}
 
     class Engine:
+        attn_backend, kv = "torch", "q8+mirror"  # read by the backend-and-mode check (torch reads any)
+
         def encode_prompt(self, prompt, chat):
             return [7] * len(prompt)
 
