@@ -100,14 +100,22 @@ def check_list_fields(
     kinds: dict[str, type],
     optional: Sequence[str] = (),
     split: Callable[[str], list] | None = None,
+    may_be_empty: Sequence[str] = (),
 ) -> None:
     """A config dataclass's list fields in place through :func:`check_list`: ``kinds`` maps each field
-    to its item type; ``split`` reads a string given to a name field; those in ``optional`` may be None."""
+    to its item type; ``split`` reads a string given to a name field; those in ``optional`` may be None.
+    A list names what a run compares, so it must not be empty (a run of nothing would exit 0 with an
+    empty table) unless named in ``may_be_empty``, nor name one value twice (ValueError naming it)."""
     for field, kind in kinds.items():
         value = getattr(config, field)
-        setattr(
-            config, field, check_list(value, field, kind, field in optional, split if kind is str else None)
-        )
+        items = check_list(value, field, kind, field in optional, split if kind is str else None)
+        named = f"{field} (--{field.replace('_', '-')})"  # the config field and the CLI option
+        if items is not None and not items and field not in may_be_empty:
+            raise ValueError(f"{named} is empty: give at least one value")
+        twice = next((v for i, v in enumerate(items or ()) if v in items[:i]), None)
+        if twice is not None:
+            raise ValueError(f"{named} gives {twice!r} twice")
+        setattr(config, field, items)
 
 
 def check_token_ids(ids: Any, vocab: int, name: str = "token ids", allow_empty: bool = False) -> list[int]:

@@ -73,7 +73,7 @@ def test_short_needle_run(smol_f32, monkeypatch):
 def test_bad_depth_and_empty_lists_are_refused():
     with pytest.raises(ValueError, match="must lie in"):
         NeedleConfig(ctx=[512], depth=[1.5], sparse_budget=[0.25])
-    with pytest.raises(ValueError, match="at least one context"):
+    with pytest.raises(ValueError, match=r"ctx \(--ctx\) is empty: give at least one value"):
         NeedleConfig(ctx=[], depth=[0.5], sparse_budget=[0.25])
 
 

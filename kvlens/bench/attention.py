@@ -375,7 +375,9 @@ class AttentionBenchConfig:
 
     def __post_init__(self) -> None:
         kinds = {"shape": str, "kv": str, "backend": str, "sparse": str, "ctx": int, "sparse_budget": int}
-        check_list_fields(self, kinds, optional=("backend", "sparse"), split=split_mode_list)
+        check_list_fields(
+            self, kinds, optional=("backend", "sparse"), split=split_mode_list, may_be_empty=("sparse",)
+        )
 
 
 def main(cfg: AttentionBenchConfig, json_out: bool = False) -> None:

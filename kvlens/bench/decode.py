@@ -24,9 +24,8 @@ import psutil
 import torch
 
 from ..checks import check_list_fields
-from ..engine.attention import check_backend_name
+from ..engine.attention import BackendError, check_backend_mode, check_backend_name
 from ..engine.llm import LLM
-from ..kernels.cpu_int import IntAttn
 from ..kv.cache import KVCache
 from ..kv.modes import KVMode, split_mode_list
 from .bandwidth import MachineProbe
@@ -215,12 +214,19 @@ def bench_rss(probe: MachineProbe | None) -> int:
     return psutil.Process().memory_info().rss - (probe.nbytes if probe else 0)
 
 
+def backend_reads(backend: str, mode: str) -> bool:
+    """Whether attention ``backend`` decodes over a ``mode`` cache (an integer backend needs K kinds it
+    can score and no packed rows: the engine's own check, :func:`kvlens.engine.attention.check_backend_mode`)."""
+    try:
+        check_backend_mode(backend, KVMode.parse(mode))
+    except BackendError:
+        return False
+    return True
+
+
 def runs_mode(llm: LLM, mode: str) -> bool:
-    """Whether ``llm``'s attention backend decodes over a ``mode`` cache (an integer backend needs
-    K kinds it can score: :meth:`kvlens.kernels.cpu_int.IntAttn.scores`)."""
-    spec = IntAttn.parse(llm.attn_backend)
-    m = KVMode.parse(mode)
-    return spec is None or all(spec.scores(m.kinds(i)[0]) for i in range(llm.config.n_layers))
+    """Whether ``llm``'s attention backend decodes over a ``mode`` cache."""
+    return backend_reads(llm.attn_backend, mode)
 
 
 def step_variant(llm: LLM, kind: str) -> LLM:
@@ -313,6 +319,11 @@ class DecodeBenchConfig:
 
         for m in self.kv:
             KVMode.parse(m)
+        if not any(backend_reads(b, m) for b in self.attn_backend for m in self.kv):
+            raise ValueError(
+                f"no --attn-backend of {','.join(self.attn_backend)} reads any --kv mode of {','.join(self.kv)}"
+                " (the integer backends read int8 K: q8, q8h, q8-k, q8+mirror; numba-int also q4, q4h)"
+            )
         for w in self.weights:
             check_weights_mode(w)
         for b in self.attn_backend:

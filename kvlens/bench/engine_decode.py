@@ -50,12 +50,8 @@ class EngineBenchConfig:
         from ..models.loader import check_weights_mode
 
         check_list_fields(self, {"kv": str, "batches": int}, split=split_mode_list)
-        if not self.kv:
-            raise ValueError("--kv must name at least one cache mode")
         for m in self.kv:
             KVMode.parse(m)
-        if len(set(self.kv)) < len(self.kv):
-            raise ValueError(f"--kv lists a mode twice: {','.join(self.kv)}")
         check_weights_mode(self.weights)
         if not self.batches or not all(1 <= b <= MAX_BATCH for b in self.batches):
             raise ValueError(f"--batches must list whole numbers in [1, {MAX_BATCH}], got {self.batches!r}")

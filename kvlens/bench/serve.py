@@ -266,7 +266,11 @@ class ServeBenchConfig:
         from .multiturn import ARMS
 
         kinds = {"kv": str, "arms": str, "concurrency": int}
-        check_list_fields(self, kinds, optional=("concurrency",), split=split_mode_list)
+        check_list_fields(
+            self, kinds, optional=("concurrency",), split=split_mode_list, may_be_empty=("arms",)
+        )
+        if not self.arms and self.scenario == "multiturn" and not self.vs_llama_server:
+            raise ValueError("arms (--arms) is empty: give at least one arm, or --vs-llama-server")
         for m in self.kv:
             KVMode.parse(m)
         if self.scenario not in SCENARIOS:

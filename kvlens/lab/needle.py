@@ -79,11 +79,11 @@ class NeedleConfig:
     plot: str | None = None
 
     def __post_init__(self) -> None:
-        check_list_fields(self, {"ctx": int, "depth": float, "sparse_budget": float})
+        check_list_fields(
+            self, {"ctx": int, "depth": float, "sparse_budget": float}, may_be_empty=("sparse_budget",)
+        )
         self.kv = KVMode.parse(self.kv)
         check_weights_mode(self.weights)  # before the (slow) load
-        if not self.ctx or not self.depth:
-            raise ValueError("give at least one context and one depth")
         for d in self.depth:
             if not 0 <= d <= 1:
                 raise ValueError(f"depth {d} must lie in [0, 1]")

@@ -58,7 +58,9 @@ class UnitConfig:
     attn_backend: str | None = None  # the quantized side through this decode kernel (lab.unit_kernel)
 
     def validate(self) -> None:
-        check_list_fields(self, {"seq_len": int, "amplitude": float}, optional=("amplitude",))
+        check_list_fields(
+            self, {"seq_len": int, "amplitude": float}, optional=("amplitude",), may_be_empty=("amplitude",)
+        )
         if not self.seq_len or min(self.seq_len) < 1:
             raise ValueError("--seq-len must be one or more positive integers, e.g. 256 or 64,256,1024")
         if self.quantize not in ("k", "v", "kv"):
