@@ -94,12 +94,32 @@ class CellOutcome:
 class Store:
     """A sweep's SQLite file. Open it in the driver only; every write is one transaction."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, create: bool = True) -> None:
+        """``create``: make the tables in a new (or empty) file; else (a report) only read, and refuse a
+        file that holds no sweep. Either way a SQLite file with other tables is refused, never written."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(self.path, isolation_level=None)  # explicit transactions
         self.conn.row_factory = sqlite3.Row
         try:
+            self._open(create)
+        except (sqlite3.DatabaseError, StoreError) as e:
+            self.conn.close()
+            if isinstance(e, StoreError):
+                raise
+            raise StoreError(f"{self.path} is not a kvlens sweep store: {e}") from None
+
+    def _open(self, create: bool) -> None:
+        tables = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if tables and "meta" not in tables:
+            others = ", ".join(sorted(tables)[:5])
+            raise StoreError(
+                f"{self.path} is a SQLite database of other tables ({others}), not a kvlens sweep store"
+            )
+        if not tables and not create:
+            raise StoreError(f"{self.path} holds no sweep (an empty database)")
+        if create:
             self.conn.execute("PRAGMA journal_mode=WAL")
             with self._tx():
                 for stmt in _SCHEMA.split(";"):
@@ -108,12 +128,8 @@ class Store:
                 self.conn.execute(
                     "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,)
                 )
-            version = self.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        except sqlite3.DatabaseError as e:
-            self.conn.close()
-            raise StoreError(f"{self.path} is not a kvlens sweep store: {e}") from None
+        version = self.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if version is None or version[0] != SCHEMA_VERSION:
-            self.conn.close()
             raise StoreError(
                 f"{self.path}: sweep store schema {version and version[0]}, expected {SCHEMA_VERSION}"
             )

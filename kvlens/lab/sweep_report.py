@@ -249,7 +249,7 @@ def _figure(title: str, alt: str, png: Path, reproduce: str) -> list[str]:
 def write_report(db: str | Path, out_dir: str | Path, command: str) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with Store(db) as store:
+    with Store(db, create=False) as store:
         rows, failed = store.rows("done"), store.rows("failed")
         lines = [f"# Sweep report: {Path(db).name}\n", *_provenance(store, rows, failed), ""]
         runs = store.runs()
