@@ -46,7 +46,11 @@ def generate(
     ),
     mirror_prefill: str = Option("exact", help="q8+mirror: prefill reads the 'exact' copy or 'q8' rows."),
     device: str | None = Option(None, help="cpu or cuda (default: cuda if any).", callback=cb.device_option),
-    weights: str = Option("auto", help="f32, bf16, int8, int4 (kept quantized); auto: the file's own."),
+    weights: str = Option(
+        "auto",
+        help="f32, bf16, int8, int4 (kept quantized); auto: the file's own.",
+        callback=cb.weights_option,
+    ),
     sparse: str | None = Option(None, help="Sparse decode: quest or probe (default: dense)."),
     sparse_budget: float = Option(
         2048, help="Tokens, or a context fraction (< 1).", callback=cb.budget_option
@@ -88,8 +92,14 @@ def tour() -> None:
 def serve(
     model: str = opt.MODEL,
     kv: str = typer.Option("q8", help=KV_HELP),
-    weights: str = typer.Option("auto", help="Weights: auto, f32, bf16, int8, int4."),
-    kv_budget: str = typer.Option(None, help="KV pool bytes, e.g. 512MiB (default: a share of free memory)."),
+    weights: str = typer.Option(
+        "auto", help="Weights: auto, f32, bf16, int8, int4.", callback=cb.weights_option
+    ),
+    kv_budget: str = typer.Option(
+        None,
+        help="KV pool bytes, e.g. 512MiB (default: a share of free memory).",
+        callback=cb.byte_size_option,
+    ),
     max_batch: int = typer.Option(16, min=1, help="Running sequences per step."),
     max_waiting: int = typer.Option(
         64, min=0, help="Requests that may wait beyond the free --max-batch slots (more: 429)."
@@ -103,13 +113,19 @@ def serve(
         help="Directory where evicted prefix blocks are spilled and restored.",
         callback=cb.output_dir_option,
     ),
-    kv_disk_budget: str = typer.Option("4GiB", help="Bytes of block files kept under --kv-disk."),
+    kv_disk_budget: str = typer.Option(
+        "4GiB", help="Bytes of block files kept under --kv-disk.", callback=cb.byte_size_option
+    ),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000, min=0, max=65535),
     api_key: str = typer.Option(
         None, help="Require 'Authorization: Bearer KEY' on /v1/*.", callback=cb.api_key_option
     ),
-    graceful_s: float = typer.Option(10.0, help="On SIGTERM: seconds in-flight requests get to finish."),
+    graceful_s: float = typer.Option(
+        10.0,
+        help="On SIGTERM: seconds in-flight requests get to finish.",
+        callback=cb.finite_option(minimum=0),
+    ),
     warmup: bool = typer.Option(True, help="Run tiny requests before listening (compiles the kernels)."),
 ) -> None:
     """An OpenAI-compatible HTTP server (completions, chat, SSE streaming) with continuous batching."""

@@ -91,6 +91,21 @@ def backend_option(value: str | None) -> str | None:
     return _option(check_backend_name)(value)
 
 
+def byte_size_option(value: str | None) -> str | None:
+    """A byte size such as ``512MiB`` (the server's parser), checked when the command line is parsed:
+    an empty or malformed one would otherwise reach a started server."""
+    from .serve.cli import parse_size
+
+    return _option(parse_size)(value)
+
+
+def weights_option(value: str | None) -> str | None:
+    """A weights mode (auto, f32, bf16, int8, int4); an empty one is not "auto"."""
+    from .models.loader import check_weights_mode
+
+    return _option(check_weights_mode)(value)
+
+
 def sizes_option(minimum: int = 1, maximum: int = MAX_SIZE, suffix: bool = True):
     """A comma list of sizes, checked by :func:`parse_sizes`."""
     return _option(lambda v: parse_sizes(v, minimum, maximum, suffix))

@@ -104,15 +104,19 @@ def bench_serve(
     ),
     model: str = opt.MODEL,
     kv: str = typer.Option("q8,f16", help="Cache modes: one server each, compared in one run."),
-    weights: str = typer.Option("auto", help="Weights of the started servers."),
-    kv_budget: str = typer.Option(None, help="KV pool bytes of the started servers (e.g. 512MiB)."),
+    weights: str = typer.Option("auto", help="Weights of the started servers.", callback=cb.weights_option),
+    kv_budget: str = typer.Option(
+        None, help="KV pool bytes of the started servers (e.g. 512MiB).", callback=cb.byte_size_option
+    ),
     max_batch: int = typer.Option(16, min=1, help="Running sequences per step of the started servers."),
     concurrency: str = typer.Option(
         None,
         help="Fixed concurrencies, comma list (default 1,4,8,16; multiturn: users/3).",
         callback=cb.sizes_option(suffix=False),
     ),
-    rate: float = typer.Option(None, min=0.001, help="Poisson arrival rate (requests/s) instead."),
+    rate: float = typer.Option(
+        None, help="Poisson arrival rate (requests/s) instead.", callback=cb.finite_option(minimum=0.001)
+    ),
     requests: int = typer.Option(0, min=0, help="Requests per run (0: 2 x concurrency, at least 4)."),
     prompt_len: int = typer.Option(128, min=1, help="Prompt tokens, cut from the corpus."),
     output_len: int = typer.Option(64, min=1, help="Output tokens per request (ignore_eos)."),
@@ -130,7 +134,9 @@ def bench_serve(
     arms: str = typer.Option(
         "no-cache,cache,disk", help="multiturn: no-cache, cache, disk, small (see docs/serve.md)."
     ),
-    kv_disk_budget: str = typer.Option("4GiB", help="multiturn: --kv-disk-budget of the disk arm."),
+    kv_disk_budget: str = typer.Option(
+        "4GiB", help="multiturn: --kv-disk-budget of the disk arm.", callback=cb.byte_size_option
+    ),
     prefill_chunk: int = typer.Option(
         None,
         help="multiturn: the kvlens servers' --prefill-chunk (their prefix reuse unit), if they have it.",
