@@ -129,9 +129,9 @@ def test_sparse_rows_select_blocks_and_dense_rows_do_not(smol_f32, monkeypatch):
         calls.append(sparse.budget)
         return select(q, cache, layer, length, sparse)
 
-    def spy_build(llm, filler_ids, ctx, depth, secret):
+    def spy_build(llm, filler_ids, ctx, depth, secret, **kwargs):
         secrets.append(secret)
-        return build(llm, filler_ids, ctx, depth, secret)
+        return build(llm, filler_ids, ctx, depth, secret, **kwargs)
 
     monkeypatch.setattr(attention, "select_blocks", spy_select)
     monkeypatch.setattr(needle, "build_prompt", spy_build)

@@ -37,16 +37,21 @@ class NeedleRow:
     needle: str
 
 
-def build_prompt(llm: LLM, filler_ids: list[int], ctx: int, depth: float, secret: str) -> list[int]:
-    """``ctx`` tokens: filler with the fact inserted at ``depth`` (0 = start, 1 = just before the question)."""
+def build_prompt(
+    llm: LLM, filler_ids: list[int], ctx: int, depth: float, secret: str, reserved: int = 0
+) -> list[int]:
+    """``ctx - reserved`` tokens (``reserved``: the answer's, which count in the context): filler with
+    the fact inserted at ``depth`` (0 = start, 1 = just before the question)."""
     tok = llm.tokenizer
     fact = tok.encode(f" The special magic number is {secret}. Remember it: {secret}. ", add_bos=False)
     question = tok.encode(QUESTION, add_bos=False)
     bos = tok.bos_prefix
-    n_filler = ctx - len(fact) - len(question) - len(bos)
-    if n_filler < 16:
+    n_filler = ctx - reserved - len(fact) - len(question) - len(bos)
+    if (
+        n_filler < 16
+    ):  # the context the user gave, and the least that holds the prompt, 16 filler and the answer
         raise ValueError(
-            f"context {ctx} is too short for the needle prompt (needs > {ctx - n_filler + 16} tokens)"
+            f"context {ctx} is too short for the needle prompt: it needs at least {ctx - n_filler + 16}"
         )
     if len(filler_ids) < n_filler:
         raise ValueError(f"the filler corpus has {len(filler_ids)} tokens; context {ctx} needs {n_filler}")
@@ -102,7 +107,7 @@ def run_needle(
         for depth in depths:
             secret = str(rng.randint(10_000, 99_999))
             # the answer's tokens count in the context: the prompt takes the rest
-            ids = build_prompt(llm, filler_ids, ctx - ANSWER_TOKENS, depth, secret)
+            ids = build_prompt(llm, filler_ids, ctx, depth, secret, reserved=ANSWER_TOKENS)
             runs: list[tuple[str, LLM, KVMode]] = [
                 ("f32 dense", llm.variant(kv=MODES["f32"], sparse=None), MODES["f32"]),
                 (f"{kv} dense", llm.variant(kv=kv, sparse=None), kv),

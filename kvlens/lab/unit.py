@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checks import check_list_fields
+from ..checks import check_int, check_list_fields
 from ..kernels.reference import reference_attention
 from ..kv.schemes import get_scheme
 from .metrics import amplitude_verdicts, compare, pooled_t
@@ -35,6 +35,9 @@ from .unit_output import render, to_json, write_plot
 SYNTH_DEFAULTS = {"head_dim": 128, "heads": 1, "kv_heads": 1}
 DISTS = ("normal", "uniform", "student-t:NU", "outlier-channels[:F]", "real")
 _LLMS: dict[str, Any] = {}
+
+
+MAX_AMPLITUDE = 1e30  # times a unit-variance draw: K and V stay far inside float32
 
 
 @dataclass
@@ -74,8 +77,15 @@ class UnitConfig:
         for name in ("head_dim", "heads", "kv_heads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if not all(math.isfinite(a) and a > 0 for a in (self.k_amp, self.v_amp, *(self.amplitude or []))):
-            raise ValueError("amplitudes (--k-amp, --v-amp, --amplitude) must be finite and > 0")
+        if not all(0 < a <= MAX_AMPLITUDE for a in (self.k_amp, self.v_amp, *(self.amplitude or []))):
+            raise ValueError(
+                f"amplitudes (--k-amp, --v-amp, --amplitude) must be > 0 and ≤ {MAX_AMPLITUDE:g} "
+                "(float32 K and V overflow past it)"
+            )
+        # each tensor's torch seed is (seed + trial) * 7919 + which (_stream): it must fit in 64 bits
+        check_int(
+            self.seed, "--seed", minimum=-(2**63) // 7919 + 1, maximum=(2**64 - 1) // 7919 - self.trials - 1
+        )
         if self.amplitude is not None and (len(self.seq_len) != 1 or not self.amplitude):
             raise ValueError("--amplitude needs a list of factors and a single --seq-len")
         h, kvh = self.heads or 1, self.kv_heads or 1
@@ -95,17 +105,19 @@ def parse_list(text: str, kind: type = int) -> list:
 
 
 def parse_dist(dist: str) -> tuple[str, float]:
-    """``(name, parameter)``: student-t's NU, outlier-channels' factor (10 by default), else 0."""
+    """``(name, parameter)``: student-t's NU, outlier-channels' factor (10 by default), else 0; a
+    parameter must be in (0, MAX_AMPLITUDE] (an infinite or NaN one reached the quantizer as non-finite K)."""
     name, _, arg = dist.partition(":")
-    try:
-        if name == "student-t" and arg and float(arg) > 0:
-            return name, float(arg)
-        if name == "outlier-channels":
-            return name, float(arg) if arg else 10.0
-        if name in ("normal", "uniform", "real") and not arg:
-            return name, 0.0
-    except ValueError:
-        pass
+    if name in ("normal", "uniform", "real") and not arg:
+        return name, 0.0
+    if (name == "student-t" and arg) or name == "outlier-channels":
+        try:
+            value = float(arg) if arg else 10.0
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= MAX_AMPLITUDE:  # nan fails too
+            raise ValueError(f"--dist {dist!r}: the {name} parameter must be > 0 and ≤ {MAX_AMPLITUDE:g}")
+        return name, value
     raise ValueError(f"unknown --dist {dist!r}; choose one of: {', '.join(DISTS)} (NU > 0)")
 
 
