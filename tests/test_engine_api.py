@@ -25,7 +25,7 @@ def tiny(tiny_dir):
 
 
 def test_variant_refuses_unknown_settings_and_recipes_of_another_model(tiny):
-    with pytest.raises(AttributeError, match="LLM has no setting 'kv_mode'"):
+    with pytest.raises(TypeError, match="LLM has no setting 'kv_mode'"):
         tiny.variant(kv_mode="q8")
     three_layers = KVMode("r3", S.Q8, S.Q8, layers=((S.Q8, S.Q8),) * 3)
     with pytest.raises(ValueError, match="KV recipe r3 has 3 layers; the model has 2"):

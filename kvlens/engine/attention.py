@@ -69,6 +69,8 @@ def decode_kernel(backend: str, device: torch.device = torch.device("cpu")):
 
 def _int_spec(backend: str) -> IntAttn | None:
     """The integer backend ``backend`` names (None for a float one); a BackendError if malformed."""
+    if not isinstance(backend, str):
+        raise TypeError(f"attn_backend must be a str, got {type(backend).__name__} {backend!r}")
     try:
         return IntAttn.parse(backend)
     except ValueError as e:

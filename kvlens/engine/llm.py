@@ -32,6 +32,14 @@ class ContextOverflowError(ValueError):
     """The prompt (plus the tokens asked for) does not fit in the model's context."""
 
 
+def _check_settings(cache_options: object, sparse: object) -> None:
+    """The engine settings that are values of kvlens' own types (a string there failed at the first forward)."""
+    if not isinstance(cache_options, CacheOptions):
+        raise TypeError(f"cache_options must be a CacheOptions, got {type(cache_options).__name__}")
+    if sparse is not None and not isinstance(sparse, SparseConfig):
+        raise TypeError(f"sparse must be a SparseConfig or None, got {type(sparse).__name__}")
+
+
 class LLM:
     """A model ready to run with a given KV-cache mode (``kv``: a name or a :class:`KVMode`), cache
     options and attention backend."""
@@ -49,6 +57,7 @@ class LLM:
         self.cache_options = cache_options or CacheOptions()
         check_int(prefill_chunk, "prefill_chunk", minimum=1)
         self.sparse = sparse  # sparse decode policy (None: dense); caches then track block bounds
+        _check_settings(self.cache_options, self.sparse)
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
         self.loaded = loaded  # the model file's digest (verifiable records) is cached on it
         self.weights_mode = loaded.weights_mode
@@ -108,6 +117,8 @@ class LLM:
     ) -> torch.Tensor:
         """Run tokens at positions start.. through the model, writing the cache; returns hidden [n, hidden]."""
         ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
+        if not isinstance(cache, (KVCache, PagedKV)):
+            raise TypeError(f"cache must be a KVCache (LLM.new_cache), got {type(cache).__name__}")
         if check_int(start, "start", minimum=0) > cache.length:
             raise ValueError(
                 f"start {start} is past the {cache.length} positions the cache holds: attention would read "
@@ -167,9 +178,10 @@ class LLM:
         other = copy.copy(self)
         for name, value in changes.items():
             if not hasattr(self, name):
-                raise AttributeError(f"LLM has no setting {name!r}")
+                raise TypeError(f"LLM has no setting {name!r}")
             setattr(other, name, value)
         check_int(other.prefill_chunk, "prefill_chunk", minimum=1)
+        _check_settings(other.cache_options, other.sparse)
         other.kv = KVMode.parse(other.kv)
         other.kv.check_layout(other.config.n_layers, other.config.head_dim, other.config.n_kv_heads)
         other.attn_backend = resolve_backend(other.attn_backend, other.device)
