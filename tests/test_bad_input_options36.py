@@ -17,6 +17,8 @@ CASES = [
     (["serve", "--graceful-s", "inf"], "--graceful-s"),
     (["serve", "--kv-budget", ""], "--kv-budget"),
     (["serve", "--kv-budget", "12 parsecs"], "--kv-budget"),
+    (["serve", "--kv-budget", "12XB"], "--kv-budget"),
+    (["serve", "--kv-disk", "d", "--kv-disk-budget", "0GiB"], "--kv-disk-budget"),
     (["serve", "--kv-disk-budget", "0MiB"], "--kv-disk-budget"),
     (["serve", "--weights", ""], "--weights"),
     (["generate", "--weights", "", "hi"], "--weights"),

