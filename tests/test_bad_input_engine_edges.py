@@ -72,3 +72,16 @@ def test_a_request_too_long_is_named_before_a_pool_is_sized(tiny):
         run_batch(tiny, [Request("a", [5, 6], 2**40)])
     with pytest.raises(TypeError, match="max_tokens must be an integer"):
         run_alone(tiny, Request("a", [5, 6], "x"))
+
+
+def test_a_head_the_backend_cannot_read_is_found_in_a_per_head_recipe(tiny):
+    """Head 1 stores q5h K (packed) while the layer's widest K is q8h, which numba-int reads: the
+    check must look at every head, not only each layer's widest pair."""
+    from kvlens.kv.kinds import StoreKind
+    from kvlens.kv.recipe import head_recipe_mode
+
+    q8h, q5h = StoreKind.Q8H, StoreKind.Q5H
+    mode = head_recipe_mode("per-head", [[(q8h, q8h), (q5h, q8h)]] * tiny.config.n_layers)
+    assert mode.kinds(0) == (q8h, q8h)  # the premise: the widest pair hides the packed head
+    with pytest.raises(BackendError, match="cannot read q5h rows"):
+        Engine(tiny.variant(kv=mode, attn_backend="numba-int"), EngineConfig(kv_budget_bytes=1 << 20))

@@ -49,3 +49,14 @@ def test_a_store_is_made_in_a_new_file_and_read_back(tmp_path):
     path = tmp_path / "sweep.db"
     Store(path).close()
     Store(path, create=False).close()
+
+
+def test_a_report_of_an_empty_file_leaves_it_empty(tmp_path):
+    """The report's own path (``write_report``) opens the store read-only."""
+    from kvlens.lab.sweep_report import write_report
+
+    path = tmp_path / "empty.db"
+    path.write_bytes(b"")
+    with pytest.raises(StoreError, match="holds no sweep"):
+        write_report(path, tmp_path / "report", "kvlens lab sweep-report")
+    assert path.read_bytes() == b""
