@@ -283,9 +283,10 @@ def test_sparse_config(kwargs, error, match):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"kld_budget": 0.0}, "--kld-budget must be > 0, got 0.0"),
+        ({"kld_budget": 0.0}, "--kld-budget must be > 0, got 0"),
         ({"kld_budget": -1e-3}, "--kld-budget must be > 0, got -0.001"),
-        ({"kld_budget": math.nan}, "--kld-budget must be > 0, got nan"),
+        ({"kld_budget": math.nan}, "--kld-budget must be a finite number, got nan"),
+        ({"kld_budget": math.inf}, "--kld-budget must be a finite number, got inf"),
         ({"kv": "q9"}, "unknown KV cache mode 'q9'"),  # the lab config's own checks still run first
         ({"kv": "q9", "kld_budget": 0.0}, "unknown KV cache mode 'q9'"),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -24,9 +25,24 @@ from kvlens.lab.plan import (
 
 def test_calib_target_is_a_share_in_0_to_1() -> None:
     assert PlanConfig(calib_target=1.0).calib_target == 1.0
-    for bad in (0.0, 1.01):
-        with pytest.raises(ValueError, match=f"--calib-target must be in \\(0, 1\\], got {bad}"):
+    for bad, said in ((0.0, "> 0, got 0"), (1.01, "≤ 1, got 1.01"), (math.nan, "a finite number, got nan")):
+        with pytest.raises(ValueError, match=f"--calib-target must be {said}"):
             PlanConfig(calib_target=bad)
+    with pytest.raises(TypeError, match="--calib-target must be a number, got str '1'"):
+        PlanConfig(calib_target="1")
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [({"kld_budget": True}, "--kld-budget must be a number, got bool"), ({"ctx": 0}, "--ctx must be ≥ 1"),
+     ({"calib_chunks": 0}, "--calib-chunks must be ≥ 1"), ({"heldout_chunks": -1}, "--heldout-chunks must be ≥ 0"),
+     ({"calib_chunks": 1.5}, "--calib-chunks must be an integer")],
+)  # fmt: skip
+def test_plan_counts_and_budget_are_checked_by_name(changes, said) -> None:
+    """From Python (the CLI's options are typed): calib_chunks=0 ran and said "k_center holds a
+    non-finite value" (thirty-sixth session's sweep)."""
+    with pytest.raises((TypeError, ValueError), match=said):
+        PlanConfig(**changes)
 
 
 def test_candidates_skip_empty_items_and_refuse_none() -> None:

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..checks import check_not_special
+from ..checks import check_float, check_int, check_not_special
 from ..engine.attention import check_backend_name
 from ..engine.llm import LLM
 from ..kv.modes import MODES, KVMode, StoreKind
@@ -68,8 +68,8 @@ class KldBudget:
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the LabConfig after this mixin in the MRO
-        if not self.kld_budget > 0:
-            raise ValueError(f"--kld-budget must be > 0, got {self.kld_budget}")
+        # the CLI refuses nan and inf at parse time; a config built in Python gets the same check
+        self.kld_budget = check_float(self.kld_budget, "--kld-budget", above=0.0)
 
 
 @dataclass
@@ -100,8 +100,10 @@ class PlanConfig(KldBudget, CompareConfig):
             self.candidates = [_kind(c) for c in self.candidates.split(",") if c.strip()]
         if not self.candidates:
             raise ValueError("--candidates names no KV kind")
-        if not 0 < self.calib_target <= 1:
-            raise ValueError(f"--calib-target must be in (0, 1], got {self.calib_target}")
+        check_float(self.calib_target, "--calib-target", above=0.0, maximum=1.0)
+        for name in ("ctx", "calib_chunks"):
+            check_int(getattr(self, name), f"--{name.replace('_', '-')}", minimum=1)
+        check_int(self.heldout_chunks, "--heldout-chunks", minimum=0)
 
 
 def _kind(name: str) -> StoreKind:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -234,8 +235,8 @@ def _section(name: str, raw: dict[str, Any], where: str) -> dict[str, Any]:
         if any(not 0 <= d <= 1 for d in s["depths"]):
             raise SpecError(f"{where}.depths: every depth must lie in [0, 1] (got {s['depths']})")
         s["budgets"] = _list_of(f"{where}.budgets", s["budgets"], float)
-        if any(b <= 0 for b in s["budgets"]):
-            raise SpecError(f"{where}.budgets: budgets must be > 0 (got {s['budgets']})")
+        if not all(0 < b < math.inf for b in s["budgets"]):  # TOML has nan and inf
+            raise SpecError(f"{where}.budgets: budgets must be finite and > 0 (got {s['budgets']})")
         if s["method"] not in ("quest", "probe"):
             raise SpecError(f"{where}.method must be quest or probe (got {s['method']!r})")
     return s
