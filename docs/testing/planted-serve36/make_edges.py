@@ -60,5 +60,14 @@ BUGS = [
     ("needle-names-prompt-share", NEEDLE, "    n_filler = ctx - reserved - len(fact) - len(question) - len(bos)", "    ctx -= reserved\n    n_filler = ctx - len(fact) - len(question) - len(bos)"),
 ]
 
+# the last three fixes of the session
+LATE = [
+    ("kld-budget-inf", PLAN, 'self.kld_budget = check_float(self.kld_budget, "--kld-budget", above=0.0)', "pass"),
+    ("plan-chunks-unchecked", PLAN, 'check_int(getattr(self, name), f"--{name.replace(\'_\', \'-\')}", minimum=1)', "pass"),
+    ("spec-budget-nan", SPEC, 'if not all(0 < b < math.inf for b in s["budgets"]):', 'if any(b <= 0 for b in s["budgets"]):'),
+    ("cache-dir-errno", "kvlens/corpus.py", "    if root.exists() and not root.is_dir():", "    if False:"),
+]
+
 if __name__ == "__main__":
     write_list(HERE / "edges36.json", BUGS)
+    write_list(HERE / "late36.json", LATE)
