@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_int
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode, split_mode_list
 from ..report import figure, label_axes, save_figure
@@ -20,6 +21,10 @@ def parse_modes(spec: str | Sequence[str | KVMode]) -> list[KVMode]:
     """KV modes from a comma list (``all`` = every mode of kvlens.kv.modes.MODES; de-duplicated) or a
     list (kept as given)."""
     if not isinstance(spec, str):
+        if not isinstance(spec, (list, tuple)):
+            raise TypeError(f"kv must be a comma list or a list of modes, got {type(spec).__name__} {spec!r}")
+        if not spec:  # a run of no mode would return no rows
+            raise ValueError(f"no KV mode given; choose from: {', '.join(MODES)}")
         return [KVMode.parse(m) for m in spec]
     names = split_mode_list(spec)
     if names == ["all"]:
@@ -27,6 +32,13 @@ def parse_modes(spec: str | Sequence[str | KVMode]) -> list[KVMode]:
     if not names:
         raise ValueError(f"no KV mode given; choose from: {', '.join(MODES)}")
     return list(dict.fromkeys(KVMode.parse(n) for n in names))
+
+
+def check_counts(config: Any, *names: str, minimum: int | None = 1) -> None:
+    """Each named field of a lab config is an integer ≥ ``minimum``, named as its CLI option: from
+    Python, a string or a float there failed later with a message naming neither."""
+    for name in names:
+        check_int(getattr(config, name), f"--{name.replace('_', '-')}", minimum=minimum)
 
 
 def load_lab(model: str, corpus: str | None, base: str | KVMode, weights: str = "f32"):
@@ -147,6 +159,7 @@ class CompareConfig(LabConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.base = KVMode.parse(self.base)
+        check_counts(self, "prefill_chunk", minimum=None)  # an int (the range is said below)
         if self.prefill_chunk < 1:
             raise ValueError(f"--prefill-chunk must be at least 1 (got {self.prefill_chunk})")
 

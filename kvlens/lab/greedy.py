@@ -34,6 +34,7 @@ from .common import (
     REF_KV,
     VS_F32_TITLE,
     CompareConfig,
+    check_counts,
     header_notes,
     load_compare,
     model_name,
@@ -55,6 +56,9 @@ class GreedyConfig(CompareConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_counts(self, "ctx", "prompts")
+        check_counts(self, "show", minimum=0)
+        check_counts(self, "tokens", minimum=None)  # an int (the range is said below)
         if self.tokens < 1:
             raise ValueError(f"--tokens must be at least 1 (got {self.tokens})")
 

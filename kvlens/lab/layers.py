@@ -30,7 +30,7 @@ from ..kernels.reference import reference_attention
 from ..kv.cache import rotations
 from ..kv.modes import CacheOptions, KVMode, StoreKind
 from ..report import CommandOutput, md_table, print_table, run_command, write_markdown
-from .common import LabConfig, load_lab, model_name, plot_layers
+from .common import LabConfig, check_counts, load_lab, model_name, plot_layers
 from .ppl import make_chunks
 
 
@@ -42,6 +42,10 @@ class LayersConfig(LabConfig):
     ctx: int = 512
     chunks: int = 1
     weights: str = "f32"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_counts(self, "ctx", "chunks")
 
 
 FLAG_FACTOR = 3.0  # a head this many times the mode's median error is flagged

@@ -34,7 +34,7 @@ from ..engine.attention import check_backend_name
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
 from ..kv.modes import CacheOptions, KVMode
-from .common import REF_KV, CompareConfig, model_name, vs_f32_json
+from .common import REF_KV, CompareConfig, check_counts, model_name, vs_f32_json
 from .stats import summarize, target_nll
 
 MIRROR_NOTE = (
@@ -59,6 +59,9 @@ class PplConfig(CompareConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_counts(self, "ctx", minimum=4)  # half of it is context, half is scored
+        if self.chunks is not None:
+            check_counts(self, "chunks")
         if self.attn_backend is not None:
             check_backend_name(self.attn_backend)  # before the model loads, not after it
 

@@ -68,6 +68,16 @@ LATE = [
     ("cache-dir-errno", "kvlens/corpus.py", "    if root.exists() and not root.is_dir():", "    if False:"),
 ]
 
+# the lab configs' counts (the last fix of the session)
+COUNTS = [
+    ("ppl-ctx-unchecked", "kvlens/lab/ppl.py", '        check_counts(self, "ctx", minimum=4)  # half of it is context, half is scored\n', ""),
+    ("greedy-tokens-unchecked", "kvlens/lab/greedy.py", '        check_counts(self, "tokens", minimum=None)  # an int (the range is said below)\n', ""),
+    ("layers-unchecked", "kvlens/lab/layers.py", '        check_counts(self, "ctx", "chunks")\n', "        pass\n"),
+    ("modes-empty-list", "kvlens/lab/common.py", "        if not spec:  # a run of no mode would return no rows", "        if False:"),
+    ("counts-check-nothing", "kvlens/lab/common.py", '        check_int(getattr(config, name), f"--{name.replace(\'_\', \'-\')}", minimum=minimum)', "        pass"),
+]
+
 if __name__ == "__main__":
     write_list(HERE / "edges36.json", BUGS)
     write_list(HERE / "late36.json", LATE)
+    write_list(HERE / "counts36.json", COUNTS)
