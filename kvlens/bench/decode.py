@@ -189,7 +189,7 @@ def run_decode_bench(
             for llm in llms
             for k in step_kinds
             for m in modes
-            if runs_mode(llm, m)
+            if backend_reads(llm.attn_backend, m)
         ]
         rows += timed_rows(runs, caches, ctx, steps, rounds, backend, probe)
         del caches
@@ -222,11 +222,6 @@ def backend_reads(backend: str, mode: str) -> bool:
     except BackendError:
         return False
     return True
-
-
-def runs_mode(llm: LLM, mode: str) -> bool:
-    """Whether ``llm``'s attention backend decodes over a ``mode`` cache."""
-    return backend_reads(llm.attn_backend, mode)
 
 
 def step_variant(llm: LLM, kind: str) -> LLM:
@@ -319,15 +314,16 @@ class DecodeBenchConfig:
 
         for m in self.kv:
             KVMode.parse(m)
+        for w in self.weights:
+            check_weights_mode(w)
+        for b in self.attn_backend:
+            check_backend_name(b)
+        # after the names: a malformed one is named as such, not as a backend that reads no mode
         if not any(backend_reads(b, m) for b in self.attn_backend for m in self.kv):
             raise ValueError(
                 f"no --attn-backend of {','.join(self.attn_backend)} reads any --kv mode of {','.join(self.kv)}"
                 " (the integer backends read int8 K: q8, q8h, q8-k, q8+mirror; numba-int also q4, q4h)"
             )
-        for w in self.weights:
-            check_weights_mode(w)
-        for b in self.attn_backend:
-            check_backend_name(b)
         if self.vs_llama_cpp:
             find_binary(self.vs_llama_cpp)  # fail before the long run
 

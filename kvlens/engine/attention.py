@@ -214,8 +214,9 @@ def _mode_kinds(mode: KVMode) -> list[tuple[StoreKind, StoreKind]]:
 def check_backend_mode(backend: str, mode: KVMode) -> None:
     """Refuse an integer backend (numba-int...) for a KV mode whose K it cannot score, or whose rows
     are packed N-bit codes (q7h, q6h, q5h: the integer kernels read int8 / 4-bit codes only). Checked
-    when an engine is made (load, variant) and again for each cache the attention reads."""
-    spec = IntAttn.parse(backend)
+    when an :class:`Engine` is made, before ``kvlens generate`` echoes its prompt, and for each cache
+    the attention reads."""
+    spec = _int_spec(backend)
     if spec is None:
         return
     pairs = _mode_kinds(mode)

@@ -47,9 +47,8 @@ def build_prompt(
     question = tok.encode(QUESTION, add_bos=False)
     bos = tok.bos_prefix
     n_filler = ctx - reserved - len(fact) - len(question) - len(bos)
-    if (
-        n_filler < 16
-    ):  # the context the user gave, and the least that holds the prompt, 16 filler and the answer
+    # name the context the user gave, and the least that holds the prompt, 16 filler tokens and the answer
+    if n_filler < 16:
         raise ValueError(
             f"context {ctx} is too short for the needle prompt: it needs at least {ctx - n_filler + 16}"
         )

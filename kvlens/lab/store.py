@@ -104,10 +104,11 @@ class Store:
         self.conn.row_factory = sqlite3.Row
         try:
             self._open(create)
-        except (sqlite3.DatabaseError, StoreError) as e:
+        except StoreError:
             self.conn.close()
-            if isinstance(e, StoreError):
-                raise
+            raise
+        except sqlite3.DatabaseError as e:
+            self.conn.close()
             raise StoreError(f"{self.path} is not a kvlens sweep store: {e}") from None
 
     def _open(self, create: bool) -> None:

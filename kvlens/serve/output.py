@@ -101,12 +101,12 @@ def completion_logprobs(tok: Tokenizer, items: list[TokenLogprob]) -> dict[str, 
     }
 
 
-def _chat_entry(tok: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+def _chat_entry(tok: Tokenizer, token_id: int, text: str, logprob: float) -> dict[str, Any]:
     """OpenAI's entry: ``bytes`` are the token's own bytes (part of a UTF-8 character for some
     tokens, whose text alone is U+FFFD), so a client can join them back into the reply; null where
     the tokenizer's decoder does not say."""
     raw = tok.token_bytes(token_id)
-    return {"token": tok.decode([token_id]), "logprob": logprob, "bytes": None if raw is None else list(raw)}
+    return {"token": text, "logprob": logprob, "bytes": None if raw is None else list(raw)}
 
 
 def chat_logprobs(tok: Tokenizer, items: list[TokenLogprob]) -> dict[str, Any]:
@@ -114,8 +114,8 @@ def chat_logprobs(tok: Tokenizer, items: list[TokenLogprob]) -> dict[str, Any]:
     return {
         "content": [
             {
-                **_chat_entry(tok, t.token_id, t.logprob),
-                "top_logprobs": [_chat_entry(tok, i, lp) for i, lp in t.top],
+                **_chat_entry(tok, t.token_id, t.text, t.logprob),
+                "top_logprobs": [_chat_entry(tok, i, tok.decode([i]), lp) for i, lp in t.top],
             }
             for t in items
         ]

@@ -63,7 +63,7 @@ BUGS = [
 # the last three fixes of the session
 LATE = [
     ("kld-budget-inf", PLAN, 'self.kld_budget = check_float(self.kld_budget, "--kld-budget", above=0.0)', "pass"),
-    ("plan-chunks-unchecked", PLAN, 'check_int(getattr(self, name), f"--{name.replace(\'_\', \'-\')}", minimum=1)', "pass"),
+    ("plan-chunks-unchecked", PLAN, 'check_counts(self, "ctx", "calib_chunks")', "pass"),
     ("spec-budget-nan", SPEC, 'if not all(0 < b < math.inf for b in s["budgets"]):', 'if any(b <= 0 for b in s["budgets"]):'),
     ("cache-dir-errno", "kvlens/corpus.py", "    if root.exists() and not root.is_dir():", "    if False:"),
 ]
