@@ -176,9 +176,9 @@ def test_a_stop_string_ends_the_requests_generation(server, client, ref, smol_pa
     )  # fmt: skip
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.index(stop)]
     generated = server.wait_blocks_freed(timeout=60)["kvlens_generation_tokens_total"] - before
-    # the engine may have run some steps ahead of the cut before the abort landed (more on a loaded
-    # machine); a run to max_tokens would be 1000
-    assert r.usage.completion_tokens <= generated < r.usage.completion_tokens + 100
+    # the engine may run steps ahead of the cut until the abort lands (more of them on a loaded
+    # machine); a request that ran on behind the client's back would reach max_tokens, 1000
+    assert r.usage.completion_tokens <= generated < 500
 
 
 def _ends_early(ref) -> str:
@@ -533,7 +533,12 @@ def test_bench_serve_load_gets_exact_output_lengths(server, ref):
 def test_sigterm_finishes_in_flight_then_exits_0(server, client, smol_path):
     """Last in this module: it stops the server."""
     stream = client.completions.create(
-        model=smol_path.stem, prompt=PROMPT, max_tokens=16, temperature=0, stream=True
+        model=smol_path.stem,
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     chunks = [next(iter(stream))]
     server.proc.send_signal(signal.SIGTERM)

@@ -280,12 +280,19 @@ def test_step_threads(threads_, cpus, others, want):
     assert threads.step_threads(threads_, cpus, others) == want
 
 
+def busy_machine(monkeypatch) -> None:
+    """Other tasks hold as many CPUs as this process may use (a fixed count such as 40 is not busy on
+    a runner with 42 or more CPUs), in this and the recent steps."""
+    busy = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(threads, "others_running", lambda read, own: busy)
+    monkeypatch.setattr(threads, "_recent_others", deque([busy, busy], maxlen=threads.RECENT_STEPS))
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads")
 def test_decode_threads_keeps_a_count_the_user_fixed(monkeypatch):
     """A thread count the user set (env, ``--threads``) holds on a busy machine too; otherwise a step
-    runs on the CPUs left free (here: /proc/loadavg says 40 tasks run, i.e. the machine is busy)."""
-    monkeypatch.setattr(threads, "others_running", lambda read, own: 40)
-    monkeypatch.setattr(threads, "_recent_others", deque([40, 40], maxlen=threads.RECENT_STEPS))
+    runs on the CPUs left free (here: other tasks hold every CPU this process may use)."""
+    busy_machine(monkeypatch)
     numba.set_num_threads(2)
     try:
         monkeypatch.setattr(threads, "_user_count", True)
@@ -325,8 +332,7 @@ def test_busy_step_gives_the_same_attention_bits(monkeypatch):
     try:
         quiet = decode_attention_q8(q, k, ks, v, vs, ctx, np.zeros_like(q))
         monkeypatch.setattr(threads, "_user_count", False)
-        monkeypatch.setattr(threads, "others_running", lambda read, own: 40)
-        monkeypatch.setattr(threads, "_recent_others", deque([40, 40], maxlen=threads.RECENT_STEPS))
+        busy_machine(monkeypatch)
         with threads.decode_threads() as n:
             assert n == 1 and threads.split_threads() == 2
             busy = decode_attention_q8(q, k, ks, v, vs, ctx, np.zeros_like(q))
