@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 # Both xdist workers share one numba cache folder (kvlens' own, named by the kernels' sources), so a
 # kernel one worker compiled the other loads instead of compiling it again. numba's cache saves are
@@ -23,6 +24,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# Property tests draw the same examples on every machine and run (derandomize), so a suite that passes
+# here passes on CI and on a user's box; HYPOTHESIS_PROFILE=explore draws new ones each run (the way
+# to search for a failing input: docs/testing.md, "Property tests"). Set here, not left to
+# hypothesis' own "ci" profile, which it loads only where a CI variable is set.
+settings.register_profile("kvlens", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvlens"))
 
 # The longest test files first (cold-cache CPU time, docs/testing.md): under `-n 2 --dist loadfile`
 # a file runs whole on one worker, so a long one dealt out last leaves the other worker idle.
