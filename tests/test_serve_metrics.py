@@ -18,7 +18,8 @@ from kvlens.serve.runner import Runner
 STATS = dict(
     blocks_total=101, blocks_used=103, block_size=32, tokens_capacity=107, f16_tokens_same_bytes=109,
     bytes_per_token=113, running=5, waiting=7, preemptions=11, prompt_tokens=127, generated_tokens=131,
-    prefix_hit_tokens=137, prefix_evictions=139, prefix_cached_blocks=149,
+    prefix_hit_tokens=137, prefix_evictions=139, prefix_cached_blocks=149, peak_running=179,
+    peak_blocks_used=181,
 )  # fmt: skip
 DISK = dict(spilled=151, restored=157, corrupt=163, failed=167, bytes=173)
 
@@ -32,6 +33,8 @@ ENGINE_SERIES = {
     "kvlens_kv_block_size": "block_size",
     "kvlens_requests_running": "running",
     "kvlens_requests_waiting": "waiting",
+    "kvlens_requests_running_peak": "peak_running",
+    "kvlens_kv_blocks_used_peak": "peak_blocks_used",
     "kvlens_prefix_cached_blocks": "prefix_cached_blocks",
     "kvlens_prompt_tokens_total": "prompt_tokens",
     "kvlens_generation_tokens_total": "generated_tokens",

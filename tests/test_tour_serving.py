@@ -73,7 +73,8 @@ class _BadExit:
 
     def metrics(self) -> dict[str, float]:
         return {"kvlens_kv_block_size": 16.0, "kvlens_kv_bytes_per_token": 1.0,
-                "kvlens_kv_tokens_capacity": 1.0, "kvlens_kv_f16_tokens_same_bytes": 2.0}  # fmt: skip
+                "kvlens_kv_tokens_capacity": 1.0, "kvlens_kv_f16_tokens_same_bytes": 2.0,
+                "kvlens_kv_blocks_used_peak": 1.0, "kvlens_requests_running_peak": 1.0}  # fmt: skip
 
     def stop(self) -> int:
         return 3
@@ -84,7 +85,7 @@ class _BadExit:
 
 def test_a_server_that_exits_badly_fails_the_step(monkeypatch, capsys):
     async def answers(url, model, max_tokens):
-        return ["x"] * len(tour.QUESTIONS), {"kvlens_kv_blocks_used": 1.0, "kvlens_requests_running": 1.0}
+        return ["x"] * len(tour.QUESTIONS)
 
     monkeypatch.setattr(tour, "ServerProcess", _BadExit)
     monkeypatch.setattr(tour, "_ask_all", answers)

@@ -97,6 +97,8 @@ class EngineStats:
     prefix_evictions: int = 0  # cached blocks evicted from memory, cumulative
     prefix_cached_blocks: int = 0  # unreferenced cached blocks kept now
     disk: DiskStats | None = None  # the disk tier's counters (None: no disk tier)
+    peak_running: int = 0  # high-water marks since the engine started: exact, where a poll of
+    peak_blocks_used: int = 0  # running / blocks_used can miss a short burst
 
 
 class Engine:
@@ -129,7 +131,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._events: list[TokenEvent] = []  # finishes without a step (aborts)
-        self.preemptions = self.prompt_tokens = self.generated_tokens = 0
+        self.preemptions = self.prompt_tokens = self.generated_tokens = self.peak_running = 0
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -180,7 +182,7 @@ class Engine:
             p.n_blocks, p.blocks_used, BLOCK, p.n_blocks * BLOCK, p.bytes_total // f16_per_token,
             p.bytes_per_token, len(self.running), len(self.waiting), self.preemptions,
             self.prompt_tokens, self.generated_tokens,
-            *self._prefix_stats(),
+            *self._prefix_stats(), peak_running=self.peak_running, peak_blocks_used=p.peak_used,
         )  # fmt: skip
 
     def _prefix_stats(self) -> tuple:
@@ -263,6 +265,7 @@ class Engine:
                 return
             self.waiting.popleft()
             self.running.append(seq)
+            self.peak_running = max(self.peak_running, len(self.running))
             if seq.cached_tokens is None:  # first admission (not a recompute): what it reused
                 seq.cached_tokens = seq.kv.length
                 if self.prefix is not None:

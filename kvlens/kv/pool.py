@@ -92,6 +92,7 @@ class BlockPool:
         )
         self.refcount = np.zeros(self.n_blocks, np.int32)
         self._free: deque[int] = deque(range(self.n_blocks))
+        self.peak_used = 0  # the most blocks referenced by sequences at once (blocks_used's high-water mark)
         self.index: PrefixIndex | None = None  # set by enable_prefix
         self.spill: Callable[[int, bytes], None] | None = None  # told each evicted block before reuse
 
@@ -127,6 +128,7 @@ class BlockPool:
             raise PoolExhaustedError(f"asked for {n} blocks, {self.blocks_free} free")
         blocks = [self._take() for _ in range(n)]
         self.refcount[blocks] = 1
+        self.peak_used = max(self.peak_used, self.blocks_used)
         return blocks
 
     def _take(self) -> int:
@@ -146,6 +148,7 @@ class BlockPool:
                     raise ValueError(f"cannot share free block {b}")
                 self.index.unpark(b)
             self.refcount[b] += 1
+        self.peak_used = max(self.peak_used, self.blocks_used)
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference to each block; blocks left unreferenced go back to the free list."""

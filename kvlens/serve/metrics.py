@@ -30,6 +30,14 @@ _GAUGES = {
     "kvlens_kv_bytes_per_token": ("KV bytes per token position (all layers) in this mode", "bytes_per_token"),
     "kvlens_kv_block_size": ("token positions per block", "block_size"),
     "kvlens_requests_running": ("sequences in the running batch", "running"),
+    "kvlens_requests_running_peak": (
+        "most sequences in the running batch at once, since start",
+        "peak_running",
+    ),
+    "kvlens_kv_blocks_used_peak": (
+        "most KV blocks owned by sequences at once, since start",
+        "peak_blocks_used",
+    ),
     "kvlens_requests_waiting": ("requests in the waiting queue", "waiting"),
     "kvlens_prefix_cached_blocks": (
         "unreferenced prefix-cache blocks kept in the pool",

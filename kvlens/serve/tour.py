@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .process import ServerProcess, watch_peaks
+from .process import ServerProcess
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -17,13 +17,10 @@ SERVER_ARGS = ["--kv", "q8", "--kv-budget", "64MiB", "--max-batch", "8"]
 HEADER = f"kvlens serve {' '.join(SERVER_ARGS)}   ({len(QUESTIONS)} concurrent chat requests, openai client)"
 
 
-async def _ask_all(url: str, model: str, max_tokens: int) -> tuple[list[str], dict[str, float]]:
+async def _ask_all(url: str, model: str, max_tokens: int) -> list[str]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-    peaks = {"kvlens_kv_blocks_used": 0.0, "kvlens_requests_running": 0.0}
-    stop = asyncio.Event()
-    watcher = asyncio.create_task(watch_peaks(url, peaks, stop, 0.05))
     replies = await asyncio.gather(
         *(
             client.chat.completions.create(
@@ -32,10 +29,8 @@ async def _ask_all(url: str, model: str, max_tokens: int) -> tuple[list[str], di
             for q in QUESTIONS
         )
     )
-    stop.set()
-    await watcher
     await client.close()
-    return [r.choices[0].message.content for r in replies], peaks
+    return [r.choices[0].message.content for r in replies]
 
 
 def serving_step(model: str = "smollm2", max_tokens: int = 32) -> None:
@@ -43,16 +38,16 @@ def serving_step(model: str = "smollm2", max_tokens: int = 32) -> None:
 
     with ServerProcess(["--model", model, *SERVER_ARGS]) as srv:
         print(srv.budget_line())
-        answers, peaks = asyncio.run(_ask_all(srv.url, model_id(model), max_tokens))
+        answers = asyncio.run(_ask_all(srv.url, model_id(model), max_tokens))
         for q, a in zip(QUESTIONS, answers, strict=True):
             print(f"  > {q}\n    " + a.strip().replace("\n", "\n    "))
-        m = srv.metrics()
-        tokens = int(peaks["kvlens_kv_blocks_used"] * m["kvlens_kv_block_size"])
+        m = srv.metrics()  # the engine's own high-water marks: exact, however short the burst
+        tokens = int(m["kvlens_kv_blocks_used_peak"] * m["kvlens_kv_block_size"])
         q8_mib = tokens * m["kvlens_kv_bytes_per_token"] / 2**20
         f16_mib = q8_mib * m["kvlens_kv_tokens_capacity"] / m["kvlens_kv_f16_tokens_same_bytes"]
         print(
-            f"at peak {int(peaks['kvlens_requests_running'])} sequences ran at once in "
-            f"{int(peaks['kvlens_kv_blocks_used'])} blocks ({tokens} token positions): {q8_mib:.2f} MiB of "
+            f"at peak {int(m['kvlens_requests_running_peak'])} sequences ran at once in "
+            f"{int(m['kvlens_kv_blocks_used_peak'])} blocks ({tokens} token positions): {q8_mib:.2f} MiB of "
             f"q8 KV, where f16 would take {f16_mib:.2f} MiB"
         )
         code = srv.stop()
