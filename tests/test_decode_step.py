@@ -140,6 +140,7 @@ def test_non_finite_kv_is_refused_like_the_general_path(tiny_dirs):
     assert runs[0][0] == runs[1][0]
 
 
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads")
 def test_thread_count_is_restored(tiny_dirs):
     """Small matmuls and short attention run on one thread inside the compiled call (the
     threading layer's own functions, called by symbol): the count is put back after each."""
