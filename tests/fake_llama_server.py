@@ -97,7 +97,7 @@ class Handler(BaseHTTPRequestHandler):
 
 def main() -> None:
     argv = sys.argv[1:]
-    with open(os.environ["FAKE_LLAMA_LOG"], "a") as log:
+    with open(os.environ["FAKE_LLAMA_LOG"], "a", encoding="utf-8") as log:
         log.write(json.dumps(argv) + "\n")
     if os.environ.get("FAKE_LLAMA_FAIL"):
         print("llama_model_load: error loading model: unknown model architecture", file=sys.stderr)

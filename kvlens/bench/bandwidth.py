@@ -35,7 +35,7 @@ LLC_SIZE_FILE = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")  # index3
 def llc_bytes(size_file: Path = LLC_SIZE_FILE) -> int:
     """Last-level cache size from sysfs (binary K/M/G units), else 32 MiB."""
     try:
-        s = size_file.read_text().strip().upper()
+        s = size_file.read_text(encoding="utf-8").strip().upper()
         mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1], 1)
         return int(s.rstrip("KMG")) * mult
     except (OSError, ValueError, IndexError):
@@ -162,7 +162,7 @@ def _layer() -> str:
 
 def machine_line(bw: dict[str, Bandwidth]) -> str:
     """One line of context for the table: CPU, LLC, threads, bandwidths, OpenMP settings."""
-    with open("/proc/cpuinfo") as f:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
         model = next(
             (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.machine()
         )

@@ -105,7 +105,7 @@ def steady_others(others: int, recent: deque[int] | None = None) -> int:
 
 
 def _read_loadavg() -> str:
-    with open("/proc/loadavg") as f:
+    with open("/proc/loadavg", encoding="utf-8") as f:
         return f.read()
 
 
@@ -114,7 +114,7 @@ def _own_running() -> int:
     n = 0
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
+            with open(f"/proc/self/task/{tid}/stat", encoding="utf-8") as f:
                 n += f.read().rpartition(")")[2].split()[0] == "R"
         except OSError:  # the thread ended
             pass

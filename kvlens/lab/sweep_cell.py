@@ -85,7 +85,7 @@ def cpu_of(cpuinfo: str) -> tuple[str, list[str]]:
 @functools.lru_cache(maxsize=1)
 def _cpu() -> tuple[str, list[str]]:
     try:
-        return cpu_of(Path("/proc/cpuinfo").read_text())
+        return cpu_of(Path("/proc/cpuinfo").read_text(encoding="utf-8"))
     except OSError:
         return cpu_of("")
 

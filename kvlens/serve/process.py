@@ -99,7 +99,7 @@ class ServerProcess:
         fd, log = tempfile.mkstemp(prefix="kvlens-serve-", suffix=".log")
         self.log = Path(log)
         cmd = self.command(args, host, self.port)
-        with open(fd, "w") as out:
+        with open(fd, "w", encoding="utf-8") as out:
             self.proc = subprocess.Popen(
                 cmd,
                 stdout=out,
