@@ -57,6 +57,28 @@ def check_float(
     return _in_range(value, name, minimum, maximum)
 
 
+def option_name(field: str) -> str:
+    """A config field as its CLI option: ``prefill_chunk`` -> ``--prefill-chunk``."""
+    return f"--{field.replace('_', '-')}"
+
+
+def check_counts(config: Any, *names: str, minimum: int | None = 1, maximum: int | None = None) -> None:
+    """Each named field of a command's config (each item of a list field; None skipped) is an integer
+    in ``[minimum, maximum]``, named as its CLI option: the range the CLI checks at parse time, so a
+    config built from Python refuses what the command line refuses (tests/test_config_ranges.py)."""
+    for name in names:
+        value = getattr(config, name)
+        for item in value if isinstance(value, list) else [] if value is None else [value]:
+            check_int(item, option_name(name), minimum=minimum, maximum=maximum)
+
+
+def check_finite_fields(config: Any, *names: str, **bounds: float | None) -> None:
+    """Each named field of a command's config is a finite number within ``bounds`` (check_float's
+    ``minimum``, ``maximum``, ``above``), named as its CLI option."""
+    for name in names:
+        check_float(getattr(config, name), option_name(name), **bounds)
+
+
 def _in_range(value: Any, name: str, minimum: Any, maximum: Any) -> Any:
     def show(x: Any) -> str:  # an int in full (2147483647, not 2.14748e+09), a float short
         return str(x) if isinstance(x, int) else f"{x:g}"

@@ -218,7 +218,7 @@ def test_main_prints_the_tables_against_a_url(tmp_path, monkeypatch, smol_path, 
         (["--scenario", "chat"], "unknown scenario 'chat'"),
         (["--scenario", "multiturn", "--arms", "cache,ram"], "unknown arm 'ram'"),
         (["--vs-llama-server", "/nonexistent/llama-server"], "llama-server not found"),
-        (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+        (["--prefill-chunk", "0"], "--prefill-chunk must be ≥ 1, got 0"),
     ],
 )
 def test_bench_serve_bad_input_is_one_error_line(monkeypatch, capsys, args, needle):

@@ -24,7 +24,7 @@ CASES = [
     (GreedyConfig, {"tokens": 2.5}, TypeError, "--tokens must be an integer, got float 2.5"),
     (GreedyConfig, {"prompts": 0}, ValueError, "--prompts must be ≥ 1"),
     (GreedyConfig, {"show": -1}, ValueError, "--show must be ≥ 0"),
-    (LayersConfig, {"ctx": 0}, ValueError, "--ctx must be ≥ 1"),
+    (LayersConfig, {"ctx": 3}, ValueError, "--ctx must be ≥ 4, got 3"),  # the CLI's floor
     (LayersConfig, {"chunks": 1.0}, TypeError, "--chunks must be an integer"),
 ]
 

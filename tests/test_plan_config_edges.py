@@ -34,7 +34,7 @@ def test_calib_target_is_a_share_in_0_to_1() -> None:
 
 @pytest.mark.parametrize(
     ("changes", "said"),
-    [({"kld_budget": True}, "--kld-budget must be a number, got bool"), ({"ctx": 0}, "--ctx must be ≥ 1"),
+    [({"kld_budget": True}, "--kld-budget must be a number, got bool"), ({"ctx": 3}, "--ctx must be ≥ 4, got 3"),
      ({"calib_chunks": 0}, "--calib-chunks must be ≥ 1"), ({"heldout_chunks": -1}, "--heldout-chunks must be ≥ 0"),
      ({"calib_chunks": 1.5}, "--calib-chunks must be an integer")],
 )  # fmt: skip

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numba
 import torch
 
-from ..checks import check_list_fields
+from ..checks import check_counts, check_finite_fields, check_list_fields
 from ..kernels.cpu import decode_attention
 from ..kernels.cpu_int import IntAttn, decode_attention_int
 from ..kernels.gpu import decode_attention_triton  # imports triton only when called
@@ -378,6 +378,8 @@ class AttentionBenchConfig:
         check_list_fields(
             self, kinds, optional=("backend", "sparse"), split=split_mode_list, may_be_empty=("sparse",)
         )
+        check_counts(self, "ctx", "sparse_budget", "threads", "reps")
+        check_finite_fields(self, "mem_gib", above=0.0)
 
 
 def main(cfg: AttentionBenchConfig, json_out: bool = False) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from ..checks import check_list_fields
+from ..checks import check_counts, check_list_fields
 from ..engine.attention import BackendError, check_backend_mode, check_backend_name
 from ..engine.llm import LLM
 from ..kv.cache import KVCache
@@ -308,6 +308,9 @@ class DecodeBenchConfig:
     def __post_init__(self) -> None:
         kinds = {"kv": str, "weights": str, "attn_backend": str, "ctx": int}
         check_list_fields(self, kinds, split=split_mode_list)
+        check_counts(self, "ctx")
+        check_counts(self, "steps", minimum=3)  # the CLI's floor
+        check_counts(self, "hf_max_ctx", minimum=0)
         if self.step not in (*STEP_KINDS, "both"):
             raise ValueError(f"step must be one of {', '.join(STEP_KINDS)}, both; got {self.step!r}")
         from ..models.loader import check_weights_mode

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..checks import check_list_fields
+from ..checks import check_counts, check_list_fields
 from ..kv.modes import split_mode_list
 from ..models.loader import resolve_model
 from ..models.tokenizer import Tokenizer
@@ -277,10 +277,10 @@ class ServeBenchConfig:
             raise ValueError(f"unknown scenario {self.scenario!r}; choose from {', '.join(SCENARIOS)}")
         if bad := [a for a in self.arms if a not in ARMS]:
             raise ValueError(f"unknown arm {bad[0]!r}; choose from {', '.join(ARMS)}")
-        if min(self.prompt_len, self.output_len, self.users, self.turns, self.turn_len) < 1:
-            raise ValueError("--prompt-len, --output-len, --users, --turns and --turn-len must be >= 1")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError("--prefill-chunk must be >= 1")
+        check_counts(
+            self, "max_batch", "prompt_len", "output_len", "users", "turns", "turn_len", "prefill_chunk"
+        )
+        check_counts(self, "requests", "system_len", minimum=0)
         if self.concurrency is not None and (not self.concurrency or min(self.concurrency) < 1):
             raise ValueError("--concurrency must list numbers >= 1")
         if self.concurrency is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from ..checks import check_counts, check_finite_fields
 from ..kv.blocks import SparseConfig
 from ..kv.modes import CacheOptions
 from .attention import check_backend_mode
@@ -29,6 +30,12 @@ class GenerateConfig:
     device: str | None = None
     weights: str = "auto"
     sparse: SparseConfig | None = None
+
+    def __post_init__(self) -> None:  # the CLI's parse-time ranges, before the model loads
+        check_counts(self, "max_tokens", "prefill_chunk")
+        check_counts(self, "top_k", minimum=0)
+        check_finite_fields(self, "temperature", minimum=0.0)
+        check_finite_fields(self, "top_p", above=0.0, maximum=1.0)
 
 
 def main(cfg: GenerateConfig) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_int
+from ..checks import check_counts
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode, split_mode_list
 from ..report import figure, label_axes, save_figure
@@ -32,13 +32,6 @@ def parse_modes(spec: str | Sequence[str | KVMode]) -> list[KVMode]:
     if not names:
         raise ValueError(f"no KV mode given; choose from: {', '.join(MODES)}")
     return list(dict.fromkeys(KVMode.parse(n) for n in names))
-
-
-def check_counts(config: Any, *names: str, minimum: int | None = 1) -> None:
-    """Each named field of a lab config is an integer ≥ ``minimum``, named as its CLI option: from
-    Python, a string or a float there failed later with a message naming neither."""
-    for name in names:
-        check_int(getattr(config, name), f"--{name.replace('_', '-')}", minimum=minimum)
 
 
 def load_lab(model: str, corpus: str | None, base: str | KVMode, weights: str = "f32"):

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..checks import check_counts
 from ..kernels.reference import reference_attention
 from ..kv.modes import StoreKind
 from ..kv.recipe import mix, recipe_json, recipe_mode
@@ -57,6 +58,7 @@ class DoctorConfig(KldBudget, LabConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_counts(self, "ctx", minimum=4)
         if self.keep_sink or self.keep_recent:
             raise ValueError(
                 "the doctor measures caches as the engine stores them: keep_sink and keep_recent must be 0"

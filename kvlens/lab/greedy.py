@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_counts
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
 from ..kv.modes import CacheOptions, KVMode
@@ -34,7 +35,6 @@ from .common import (
     REF_KV,
     VS_F32_TITLE,
     CompareConfig,
-    check_counts,
     header_notes,
     load_compare,
     model_name,
@@ -56,7 +56,8 @@ class GreedyConfig(CompareConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_counts(self, "ctx", "prompts")
+        check_counts(self, "prompts")
+        check_counts(self, "ctx", minimum=2)  # a prompt token and the one it predicts
         check_counts(self, "show", minimum=0)
         check_counts(self, "tokens", minimum=None)  # an int (the range is said below)
         if self.tokens < 1:

@@ -24,13 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checks import check_counts
 from ..engine.attention import turn
 from ..engine.llm import LLM
 from ..kernels.reference import reference_attention
 from ..kv.cache import rotations
 from ..kv.modes import CacheOptions, KVMode, StoreKind
 from ..report import CommandOutput, md_table, print_table, run_command, write_markdown
-from .common import LabConfig, check_counts, load_lab, model_name, plot_layers
+from .common import LabConfig, load_lab, model_name, plot_layers
 from .ppl import make_chunks
 
 
@@ -45,7 +46,8 @@ class LayersConfig(LabConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_counts(self, "ctx", "chunks")
+        check_counts(self, "chunks")
+        check_counts(self, "ctx", minimum=4)  # the CLI's floor, as ppl's
 
 
 FLAG_FACTOR = 3.0  # a head this many times the mode's median error is flagged

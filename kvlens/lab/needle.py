@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_list_fields
+from ..checks import check_counts, check_list_fields
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode
@@ -86,6 +86,8 @@ class NeedleConfig:
         check_list_fields(
             self, {"ctx": int, "depth": float, "sparse_budget": float}, may_be_empty=("sparse_budget",)
         )
+        check_counts(self, "ctx")
+        check_counts(self, "dense_layers", minimum=0)
         self.kv = KVMode.parse(self.kv)
         check_weights_mode(self.weights)  # before the (slow) load
         for d in self.depth:

@@ -45,13 +45,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..checks import check_float, check_not_special
+from ..checks import check_counts, check_float, check_not_special
 from ..engine.attention import check_backend_name
 from ..engine.llm import LLM
 from ..kv.modes import MODES, KVMode, StoreKind
 from ..kv.recipe import layer_json, mix, save_recipe
 from ..report import print_table
-from .common import CompareConfig, check_counts, kept_exact_line, load_compare, model_name
+from .common import CompareConfig, kept_exact_line, load_compare, model_name
 from .ppl import PplConfig, _PplRun, make_chunks
 from .recipe_search import choose_verified
 from .sensitivity import Sensitivity
@@ -101,8 +101,9 @@ class PlanConfig(KldBudget, CompareConfig):
         if not self.candidates:
             raise ValueError("--candidates names no KV kind")
         check_float(self.calib_target, "--calib-target", above=0.0, maximum=1.0)
-        check_counts(self, "ctx", "calib_chunks")
-        check_counts(self, "heldout_chunks", minimum=0)
+        check_counts(self, "calib_chunks")
+        check_counts(self, "ctx", minimum=4)
+        check_counts(self, "heldout_chunks", minimum=0)  # 0: the doctor's plan (the CLI asks for ≥ 1)
 
 
 def _kind(name: str) -> StoreKind:

@@ -30,11 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checks import check_counts
 from ..engine.attention import check_backend_name
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
 from ..kv.modes import CacheOptions, KVMode
-from .common import REF_KV, CompareConfig, check_counts, model_name, vs_f32_json
+from .common import REF_KV, CompareConfig, model_name, vs_f32_json
 from .stats import summarize, target_nll
 
 MIRROR_NOTE = (

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checks import check_int, check_list_fields
+from ..checks import check_counts, check_int, check_list_fields
 from ..kernels.reference import reference_attention
 from ..kv.schemes import get_scheme
 from .metrics import amplitude_verdicts, compare, pooled_t
@@ -60,6 +60,9 @@ class UnitConfig:
     text: str | None = None  # corpus name or UTF-8 file; None: the default corpus
     attn_backend: str | None = None  # the quantized side through this decode kernel (lab.unit_kernel)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         check_list_fields(
             self, {"seq_len": int, "amplitude": float}, optional=("amplitude",), may_be_empty=("amplitude",)
@@ -72,11 +75,9 @@ class UnitConfig:
         parse_dist(self.dist)
         if self.attn_backend is not None:
             check_backend(self.attn_backend, self.scheme, self.quantize)
-        if self.trials < 1:
-            raise ValueError("--trials must be >= 1")
-        for name in ("head_dim", "heads", "kv_heads"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        check_counts(self, "trials", "heads", "kv_heads")
+        check_counts(self, "head_dim", minimum=2)
+        check_counts(self, "layer", "head", minimum=0)
         if not all(0 < a <= MAX_AMPLITUDE for a in (self.k_amp, self.v_amp, *(self.amplitude or []))):
             raise ValueError(
                 f"amplitudes (--k-amp, --v-amp, --amplitude) must be > 0 and ≤ {MAX_AMPLITUDE:g} "

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..checks import check_counts, check_finite_fields
+
 if TYPE_CHECKING:
     from ..engine.llm import LLM
 
@@ -92,6 +94,12 @@ class ServeConfig:
     api_key: str | None = None
     graceful_s: float = 10.0
     warmup: bool = True  # run tiny requests before listening, so the first client's does not compile
+
+    def __post_init__(self) -> None:  # the CLI's parse-time ranges
+        check_counts(self, "max_batch", "prefill_chunk")
+        check_counts(self, "max_waiting", minimum=0)
+        check_counts(self, "port", minimum=0, maximum=65535)
+        check_finite_fields(self, "graceful_s", minimum=0.0)
 
     def engine_config(self):
         from ..engine.serving import EngineConfig
