@@ -214,7 +214,9 @@ def lab_sweep(
 @lab_app.command("sweep-report")
 def lab_sweep_report(
     db: str = Argument(..., help="A sweep's results store."),
-    out: str = Option(..., help="Directory for the Markdown report and PNG plots."),
+    out: str = Option(
+        ..., help="Directory for the Markdown report and PNG plots.", callback=cb.output_dir_option
+    ),
 ) -> None:
     """Markdown + PNG report of a sweep store: accuracy/memory frontier, KLD vs context, K vs V."""
     from .lab.sweep_report import cli

@@ -248,6 +248,8 @@ def _figure(title: str, alt: str, png: Path, reproduce: str) -> list[str]:
 
 def write_report(db: str | Path, out_dir: str | Path, command: str) -> Path:
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory (the report's folder)")
     out.mkdir(parents=True, exist_ok=True)
     with Store(db, create=False) as store:
         rows, failed = store.rows("done"), store.rows("failed")
