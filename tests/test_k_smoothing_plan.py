@@ -68,7 +68,8 @@ ROW = [0.5] * 32
         ([[ROW, ROW]] * 3, r"one entry per layer \(2\), got 3 entries"),
         ("zeros", r"one entry per layer \(2\), got 'zeros'"),
         ([[ROW, ROW], [ROW]], "k_center layer 1 has 1 KV heads; layer 0 has 2"),
-        ([[ROW, ROW], [ROW, [0.5] * 31]], "k_center layer 1 head 1 has 31 values; head_dim is 32"),
+        ([[ROW, ROW], [ROW, [0.5] * 31]], "k_center layer 1 head 1 has 31 values, layer 0 head 0 has 32"),
+        ([[[0.5] * 31, ROW], [ROW, ROW]], "k_center layer 0 head 1 has 32 values, layer 0 head 0 has 31"),
         (
             [[ROW, ROW], [ROW, [*ROW[:5], float("nan"), *ROW[6:]]]],
             "layer 1 head 1 value 5 is nan, not a finite",

@@ -156,7 +156,10 @@ def parse_k_center(value: Any, n_layers: int, name: str) -> torch.Tensor:
             raise RecipeError(f"{name} k_center layer {i} has {len(rows[i])} KV heads; layer 0 has {n_kv}")
         for h, r in enumerate(rows[i]):
             if len(r) != d:
-                raise RecipeError(f"{name} k_center layer {i} head {h} has {len(r)} values; head_dim is {d}")
+                raise RecipeError(  # which length is right is the model's to say (KVMode.check_layout)
+                    f"{name} k_center layer {i} head {h} has {len(r)} values, layer 0 head 0 has {d}: "
+                    "every row holds head_dim values"
+                )
     return torch.tensor(rows, dtype=torch.float32)
 
 
