@@ -68,7 +68,8 @@ def check_counts(config: Any, *names: str, minimum: int | None = 1, maximum: int
     config built from Python refuses what the command line refuses (tests/test_config_ranges.py)."""
     for name in names:
         value = getattr(config, name)
-        for item in value if isinstance(value, list) else [] if value is None else [value]:
+        items = [] if value is None else value if isinstance(value, list) else [value]
+        for item in items:
             check_int(item, option_name(name), minimum=minimum, maximum=maximum)
 
 
