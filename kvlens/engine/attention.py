@@ -297,7 +297,7 @@ def make_attend(
     use_kernel = kernel is not None and not cache.options.keeps_exact
     check_sparse_cache(sparse, cache)
     paged = isinstance(cache, PagedKV)  # the kernels then read through its block table
-    # rotated kinds (q8h, q4h): the query goes into K's stored basis, the output back from V's
+    # rotated kinds (q8h, q4h, q7h / q6h / q5h): the query goes into K's stored basis, the output back from V's
     rotation = [rotations(cache.k[i], cache.v[i]) for i in range(len(cache.k))]
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

@@ -138,7 +138,7 @@ class RowStore:
 
     def basis(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [n_kv, n, head_dim]`` as the model makes them, in the basis this store keeps: less
-        the K centers (K smoothing) where the store has some, then rotated (q8h, q4h)."""
+        the K centers (K smoothing) where the store has some, then rotated (q8h, q4h, q7h / q6h / q5h)."""
         if self.center is not None:
             rows = rows.to(torch.float32) - self.center
         return store_basis(self.kind, rows)
