@@ -86,3 +86,22 @@ def test_the_peaks_are_the_watched_maxima(llm, prefix_cache):
     assert s.prefix_hit_tokens >= (BLOCK if prefix_cache else 0), "premise: s2 reuses s1's prefix"
     assert s.peak_running == running.longest >= 2
     assert s.peak_blocks_used == max(seen) <= engine.pool.n_blocks
+
+
+def test_taking_parked_blocks_back_raises_the_peak():
+    """``share`` alone, with no ``allocate`` after it: a published block parked when its last owner
+    let go is referenced again (a prefix hit), which the high-water mark counts."""
+    from kvlens.kv.modes import KVMode
+    from kvlens.kv.pool import BlockPool, kv_block_bytes
+
+    mode = KVMode.parse("q8")
+    pool = BlockPool(2, 2, 16, mode, 4 * kv_block_bytes(mode, 2, 2, 16))
+    index = pool.enable_prefix()
+    a, b, c = pool.allocate(3)
+    for n, block in enumerate((a, b, c)):
+        index.publish(bytes([n]), block)
+    pool.release([a, b, c])  # all three parked: 0 referenced, the peak 3
+    pool.allocate(1)
+    assert (pool.blocks_used, pool.peak_used) == (1, 3)
+    pool.share([a, b, c])  # 4 referenced: the pool's every block
+    assert (pool.blocks_used, pool.peak_used) == (4, 4)
