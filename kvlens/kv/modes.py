@@ -75,6 +75,9 @@ class KVMode:
     k_center: torch.Tensor | None = field(default=None, compare=False, repr=False)
     k_center_digest: str = field(default="", init=False)
     keep_sink: int = 0
+    # per layer, how many KV heads a recipe listed (0: none listed); kept apart from ``heads``, which
+    # folds a layer whose heads agree into one pair, so a wrong count is refused either way
+    listed_kv_heads: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_positions(self.keep_sink, f"KV mode {self.name}: keep_sink")
@@ -123,11 +126,11 @@ class KVMode:
         given, ``n_kv_heads`` KV heads: a per-head layer must name that many)."""
         if self.layers and len(self.layers) != n_layers:
             raise ValueError(f"KV recipe {self.name} has {len(self.layers)} layers; the model has {n_layers}")
-        for i, per_head in enumerate(self.heads):
-            if per_head and n_kv_heads is not None and len(per_head) != n_kv_heads:
+        listed = self.listed_kv_heads or tuple(len(per_head) for per_head in self.heads)
+        for i, count in enumerate(listed):
+            if count and n_kv_heads is not None and count != n_kv_heads:
                 raise ValueError(
-                    f"KV recipe {self.name} gives layer {i} kinds for {len(per_head)} KV heads; the model "
-                    f"has {n_kv_heads}"
+                    f"KV recipe {self.name} gives layer {i} kinds for {count} KV heads; the model has {n_kv_heads}"
                 )
         for k, v in [*(self.layers or ((self.k, self.v),)), *(p for layer in self.heads for p in layer)]:
             k.check_head_dim(head_dim)

@@ -118,6 +118,8 @@ def parse_recipe(data: Any, name: str) -> KVMode:
     mode = head_recipe_mode(
         name, [_layer_kinds(entry, f"{name} layer {i}") for i, entry in enumerate(layers)]
     )
+    listed = tuple(next((len(e[r]) for r in ("k", "v") if isinstance(e[r], list)), 0) for e in layers)
+    mode = dataclasses.replace(mode, listed_kv_heads=listed)  # a layer whose listed heads agree folds
     if "keep_sink" in data:
         try:
             mode = dataclasses.replace(mode, keep_sink=data["keep_sink"])
