@@ -25,7 +25,8 @@ the calibration text. A recipe without it stores keys as they are.
 
 A layer may give its KV heads different kinds (a per-KV-head recipe): ``{"k": ["q8h", "q4h", "q8h"],
 "v": "q4h"}`` lists one kind per KV head (a single kind applies to every head of the layer). The
-cache then keeps that layer's heads in separate stores (:class:`kvlens.kv.cache.HeadSplitStore`).
+cache then keeps that layer's heads in separate stores (:class:`kvlens.kv.cache.HeadSplitStore`); a
+layer whose listed heads agree is stored as one pair, and a listed count the model lacks is refused.
 
 ``kvlens lab plan`` writes one (:mod:`kvlens.lab.plan`). A file that does not add up (not JSON, an
 unknown kind, a missing key, a layer count the model does not have) is refused with one
