@@ -18,6 +18,7 @@ from pathlib import Path
 import typer
 
 from .checks import check_not_special
+from .kernels.jitcache import user_cache
 from .models.loader import file_digest
 
 CREDIT = (
@@ -39,9 +40,10 @@ class CorpusError(ValueError):
 
 
 def cache_dir_default() -> Path:
-    """``$KVLENS_CACHE`` if set, else ``~/.cache/kvlens``."""
+    """``$KVLENS_CACHE`` if set, else ``$XDG_CACHE_HOME/kvlens`` (``~/.cache/kvlens`` when unset),
+    beside the compiled kernels."""
     env = os.environ.get("KVLENS_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvlens"
+    return Path(env).expanduser() if env else user_cache()
 
 
 def _extract(sdist: Path, dest: Path) -> None:

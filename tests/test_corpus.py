@@ -158,6 +158,9 @@ def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("KVLENS_CACHE", str(tmp_path))
     assert cache_dir_default() == tmp_path
     monkeypatch.delenv("KVLENS_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # as the compiled kernels' cache
+    assert cache_dir_default() == tmp_path / "xdg" / "kvlens"
+    monkeypatch.delenv("XDG_CACHE_HOME")
     assert cache_dir_default() == Path.home() / ".cache" / "kvlens"
 
 

@@ -35,10 +35,14 @@ def source_digest(folder: Path = KERNELS) -> str:
     return h.hexdigest()[:16]
 
 
+def user_cache(environ: MutableMapping[str, str] = os.environ) -> Path:
+    """``$XDG_CACHE_HOME/kvlens`` (``~/.cache/kvlens`` when unset): kvlens' compiled kernels and corpus."""
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvlens"
+
+
 def cache_dir(environ: MutableMapping[str, str] = os.environ, folder: Path = KERNELS) -> Path:
     """``$XDG_CACHE_HOME/kvlens/numba/<digest>`` (``~/.cache`` when unset)."""
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvlens" / "numba" / source_digest(folder)
+    return user_cache(environ) / "numba" / source_digest(folder)
 
 
 def apply_cache_default(environ: MutableMapping[str, str] = os.environ, folder: Path = KERNELS) -> str | None:
