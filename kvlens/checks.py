@@ -132,7 +132,7 @@ def check_list_fields(
     for field, kind in kinds.items():
         value = getattr(config, field)
         items = check_list(value, field, kind, field in optional, split if kind is str else None)
-        named = f"{field} (--{field.replace('_', '-')})"  # the config field and the CLI option
+        named = f"{field} ({option_name(field)})"  # the config field and the CLI option
         if items is not None and not items and field not in may_be_empty:
             raise ValueError(f"{named} is empty: give at least one value")
         twice = next((v for i, v in enumerate(items or ()) if v in items[:i]), None)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from ..checks import check_int, check_list_fields
+from ..checks import check_counts, check_list_fields
 from ..engine.llm import LLM
 from ..engine.serving import Engine, EngineConfig, Request, fitted_config
 from ..kv.modes import KVMode, split_mode_list
@@ -55,8 +55,7 @@ class EngineBenchConfig:
         check_weights_mode(self.weights)
         if not self.batches or not all(1 <= b <= MAX_BATCH for b in self.batches):
             raise ValueError(f"--batches must list whole numbers in [1, {MAX_BATCH}], got {self.batches!r}")
-        for name in ("prompt_len", "steps", "rounds"):
-            check_int(getattr(self, name), name.replace("_", "-"), minimum=1)
+        check_counts(self, "prompt_len", "steps", "rounds")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import option_name
 from ..kv.modes import KVMode, StoreKind
 from ..report import figure, label_axes, md_table, save_figure, write_markdown
 from .store import Store
@@ -91,7 +92,7 @@ def cell_command(c: dict[str, Any]) -> str:
         args += ["--seed", c["seed"]]
     for k in ("keep_sink", "keep_recent"):
         if c.get(k):
-            args += [f"--{k.replace('_', '-')}", c[k]]
+            args += [option_name(k), c[k]]
     return shlex.join(str(a) for a in args)
 
 

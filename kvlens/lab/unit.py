@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checks import check_counts, check_int, check_list_fields
+from ..checks import check_counts, check_int, check_list_fields, option_name
 from ..kernels.reference import reference_attention
 from ..kv.schemes import get_scheme
 from .metrics import amplitude_verdicts, compare, pooled_t
@@ -78,10 +78,12 @@ class UnitConfig:
         check_counts(self, "trials", "heads", "kv_heads")
         check_counts(self, "head_dim", minimum=2)
         check_counts(self, "layer", "head", minimum=0)
-        if not all(0 < a <= MAX_AMPLITUDE for a in (self.k_amp, self.v_amp, *(self.amplitude or []))):
+        factors = (self.k_amp, self.v_amp, *(self.amplitude or []))
+        scaled = [amp * a for amp in (self.k_amp, self.v_amp) for a in self.amplitude or ()]  # the runs' K, V
+        if not all(0 < a <= MAX_AMPLITUDE for a in (*factors, *scaled)):
             raise ValueError(
-                f"amplitudes (--k-amp, --v-amp, --amplitude) must be > 0 and ≤ {MAX_AMPLITUDE:g} "
-                "(float32 K and V overflow past it)"
+                f"amplitudes (--k-amp, --v-amp, --amplitude, and --k-amp / --v-amp times each --amplitude) "
+                f"must be > 0 and ≤ {MAX_AMPLITUDE:g} (float32 K and V overflow past it)"
             )
         # each tensor's torch seed is (seed + trial) * 7919 + which (_stream): it must fit in 64 bits
         check_int(
@@ -172,9 +174,7 @@ class RealSource:
         for name, have in (("heads", c.n_heads), ("kv_heads", c.n_kv_heads), ("head_dim", c.head_dim)):
             given = getattr(cfg, name)
             if given is not None and given != have:
-                raise ValueError(
-                    f"--dist real: --{name.replace('_', '-')} {given} differs from the model's {have}"
-                )
+                raise ValueError(f"--dist real: {option_name(name)} {given} differs from the model's {have}")
         if cfg.head is not None and not 0 <= cfg.head < c.n_heads:
             raise ValueError(f"--head {cfg.head} out of range: the model has {c.n_heads} query heads")
         self.head, self.group = cfg.head, c.group
@@ -270,8 +270,8 @@ class UnitResult:
 
 
 def run(cfg: UnitConfig, llm: Any = None) -> UnitResult:
-    """Run the configured experiment: one point, a sweep over L, or the amplitude analysis."""
-    cfg.validate()
+    """Run the configured experiment: one point, a sweep over L, or the amplitude analysis (``cfg`` was
+    checked when it was built)."""
     source = RealSource(cfg, llm) if cfg.dist == "real" else None
     if cfg.amplitude is None:
         return UnitResult(cfg, [run_point(cfg, n, source) for n in cfg.seq_len])
