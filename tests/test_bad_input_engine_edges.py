@@ -17,6 +17,7 @@ from test_bad_input_cli import assert_one_error_line, run_main
 from kvlens.engine.attention import BackendError
 from kvlens.engine.llm import ContextOverflowError
 from kvlens.engine.scheduler import Engine, EngineConfig, Request, run_alone, run_batch
+from kvlens.kv import pool as pool_module
 
 TINY_MODEL = ("llama", 3)
 
@@ -49,9 +50,21 @@ def test_generate_refuses_before_it_echoes_the_prompt(monkeypatch, capsys):
     assert_one_error_line(code, out, err, "the numba-int backend needs an int8 K cache")
 
 
-def test_a_pool_the_machine_cannot_allocate_is_named(tiny):
+def test_a_pool_the_machine_cannot_allocate_is_named(tiny, monkeypatch):
+    # The allocator's refusal is faked: whether a real one refuses a size depends on the machine.
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(pool_module, "cache_stores", refuse)
     with pytest.raises(
-        ValueError, match=r"cannot allocate a KV pool of 1000000000000000000 bytes \(kv_budget_bytes\)"
+        ValueError, match=r"cannot allocate a KV pool of 1048576 bytes \(kv_budget_bytes\): DefaultCPU"
+    ):
+        Engine(tiny, EngineConfig(kv_budget_bytes=1 << 20))
+
+
+def test_a_pool_past_the_kernels_position_limit_is_named(tiny):
+    with pytest.raises(
+        ValueError, match=r"a KV budget of 10{18} bytes is \d+ positions .* at most 2147483647"
     ):
         Engine(tiny, EngineConfig(kv_budget_bytes=10**18))
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import MAX_POSITIONS, check_int, check_tensor
+from ..checks import MAX_POSITIONS, check_device, check_int, check_tensor
 from .blocks import BlockBounds
 from .modes import SINK_KIND, CacheOptions, KVMode, sink_positions
 from .quant import first_nonfinite
@@ -124,20 +124,21 @@ class KVCache:
             raise TypeError(f"KVCache takes a KVMode (KVMode.parse(name)), got {type(mode).__name__}")
         if not isinstance(options, CacheOptions):
             raise TypeError(f"KVCache takes CacheOptions, got {type(options).__name__}")
-        for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
-            check_int(value, name, minimum=1)
+        mode.check_layout(n_layers, head_dim, n_kv_heads)  # the counts too
         check_int(capacity, "capacity", minimum=0, maximum=MAX_POSITIONS)
         self.mode, self.options = mode, options
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
-        self.device = torch.device(device)
+        self.device = check_device(device)
         # An exact copy is kept for the mirror mode and for the lab's keep-recent option.
         self.has_mirror = mode.mirror or options.keeps_exact
         cap = round_up(max(capacity, 1))
 
-        mode.check_layout(n_layers, head_dim, n_kv_heads)
-        self.k, self.v, self.k_exact, self.v_exact = cache_stores(
-            mode, n_layers, n_kv_heads, cap, head_dim, self.device, exact=self.has_mirror
-        )
+        try:
+            self.k, self.v, self.k_exact, self.v_exact = cache_stores(
+                mode, n_layers, n_kv_heads, cap, head_dim, self.device, exact=self.has_mirror
+            )
+        except RuntimeError as e:  # the allocator's refusal: more than this machine has
+            raise ValueError(f"cannot allocate a KV cache of {capacity} positions: {e}") from None
         self.sink = sink_positions(mode, options)
         self.k_sink, self.v_sink = sink_stores(n_layers, n_kv_heads, self.sink, head_dim, self.device)
         self.length = 0  # positions written in every layer

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import MAX_POSITIONS
+from ..checks import MAX_POSITIONS, check_int
 from .kinds import _PACKED, StoreKind  # StoreKind: the kinds a mode is made of, imported from here too
 
 MIRROR_PREFILL = ("exact", "q8")
@@ -123,7 +123,11 @@ class KVMode:
 
     def check_layout(self, n_layers: int, head_dim: int, n_kv_heads: int | None = None) -> None:
         """ValueError when this mode cannot store a model of ``n_layers`` layers of ``head_dim`` (and,
-        given, ``n_kv_heads`` KV heads: a per-head layer must name that many)."""
+        given, ``n_kv_heads`` KV heads: a per-head layer must name that many); TypeError when a count is
+        not an integer."""
+        for name, count in (("n_layers", n_layers), ("head_dim", head_dim), ("n_kv_heads", n_kv_heads)):
+            if count is not None:
+                check_int(count, name, minimum=1)
         if self.layers and len(self.layers) != n_layers:
             raise ValueError(f"KV recipe {self.name} has {len(self.layers)} layers; the model has {n_layers}")
         listed = self.listed_kv_heads or tuple(len(per_head) for per_head in self.heads)

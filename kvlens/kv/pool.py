@@ -28,6 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ..checks import MAX_POSITIONS, check_device, check_int
 from .cache import BLOCK, HeadSplitStore, RowStore, cache_stores, check_kv_finite, sink_rows_of, sink_stores
 from .modes import MIRROR_PREFILL, CacheOptions, KVMode
 from .prefix import PrefixIndex
@@ -66,9 +67,10 @@ class BlockPool:
             raise TypeError(f"BlockPool takes a KVMode (KVMode.parse(name)), got {type(mode).__name__}")
         if mirror_prefill not in MIRROR_PREFILL:
             raise ValueError("mirror_prefill must be 'exact' or 'q8'")
+        check_int(budget_bytes, "budget_bytes", minimum=1)
         self.mode, self.n_layers, self.n_kv_heads, self.head_dim = mode, n_layers, n_kv_heads, head_dim
         self.mirror_prefill, self.has_mirror = mirror_prefill, mode.mirror
-        self.device = torch.device(device)
+        self.device = check_device(device)
         self.bytes_per_token = kv_bytes_per_token(mode, n_layers, n_kv_heads, head_dim)
         if mode.keep_sink > BLOCK:
             raise ValueError(
@@ -83,6 +85,11 @@ class BlockPool:
                 f"({self.block_bytes} bytes in mode {mode})"
             )
         cap = self.n_blocks * BLOCK
+        if cap > MAX_POSITIONS:  # positions index int32 tensors in the kernels
+            raise ValueError(
+                f"a KV budget of {budget_bytes} bytes is {cap} positions in mode {mode}; a pool holds at most "
+                f"{MAX_POSITIONS}"
+            )
 
         self.k, self.v, self.k_exact, self.v_exact = cache_stores(
             mode, n_layers, n_kv_heads, cap, head_dim, self.device, exact=mode.mirror
