@@ -32,11 +32,16 @@ def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | 
     return _in_range(int(value), name, minimum, maximum)
 
 
+def check_instance(value: Any, kind: type, name: str, what: str) -> Any:
+    """``value``, a ``kind``; else a TypeError: ``name`` must be ``what`` (the words for one)."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {what}, got {_kind(value)} {value!r}")
+    return value
+
+
 def check_bool(value: Any, name: str) -> bool:
     """A bool (not 0/1, not a string such as "no", which would read as true)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {_kind(value)} {value!r}")
-    return value
+    return check_instance(value, bool, name, "True or False")
 
 
 def check_float(

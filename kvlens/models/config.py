@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checks import check_float, check_int, check_not_special
+from ..checks import check_float, check_instance, check_int, check_not_special
 
 
 class ModelLoadError(ValueError):
@@ -191,13 +191,7 @@ HF_KEYS = {
 
 def _of_type(kind: type, what: str) -> Callable[[Any, str], Any]:
     """A :func:`read_key` check that the value is a ``kind`` (``what``: the words for one)."""
-
-    def check(value: Any, name: str) -> Any:
-        if not isinstance(value, kind):
-            raise TypeError(f"{name} must be {what}, got {value!r}")
-        return value
-
-    return check
+    return lambda value, name: check_instance(value, kind, name, what)
 
 
 _flag = _of_type(bool, "true or false")
