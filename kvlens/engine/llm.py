@@ -14,7 +14,7 @@ from ..checks import check_device, check_int, check_text, check_token_ids
 from ..kernels.attend_step import AttendStep
 from ..kernels.threads import decode_threads
 from ..kv.blocks import SparseConfig
-from ..kv.cache import BLOCK, KVCache
+from ..kv.cache import BLOCK, KVCache, check_fits_model
 from ..kv.modes import MODES, CacheOptions, KVMode
 from ..kv.pool import PagedKV
 from ..models.loader import LoadedModel, check_weights_mode, load_model
@@ -119,6 +119,7 @@ class LLM:
         ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
         if not isinstance(cache, (KVCache, PagedKV)):
             raise TypeError(f"cache must be a KVCache (LLM.new_cache), got {type(cache).__name__}")
+        check_fits_model(cache, self.config.n_layers, self.config.n_kv_heads, self.config.head_dim)
         if check_int(start, "start", minimum=0) > cache.length:
             raise ValueError(
                 f"start {start} is past the {cache.length} positions the cache holds: attention would read "

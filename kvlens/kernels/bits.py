@@ -9,6 +9,7 @@ import numpy as np
 from numba import njit
 
 FP16_MAX = np.float32(65504.0)  # the largest finite fp16
+FP16_ROUNDS_TO_INF = np.float32(65520.0)  # the least |x| whose fp16 (nearest even) is infinite
 F16_MAGIC = np.float32(2.0**112)  # (h & 0x7fff) << 13 read as f32, times 2^112, is the f16 value (exact)
 
 

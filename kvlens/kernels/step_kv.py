@@ -15,12 +15,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .bits import FP16_ROUNDS_TO_INF, absmax
 from .q4store import first_fp16_overflow, hadamard_rows, store_q4_rows
 from .q8store import first_row_past_fp16, row_code, row_scale, store_packed_rows, store_q8_rows
 from .stage import CODE_F16, CODE_PACKED, CODE_Q4, CODE_Q8
 
 Q_BLOCK = 32  # the 8-bit query's block (cpu_int's 8-bit rule: kernels.cpu.QBLOCK)
-FP16_OVERFLOW = -2  # store_kv's answer when a 4-bit block's scale would overflow fp16
+FP16_OVERFLOW = -2  # store_kv's answer when a value or scale would overflow fp16 (4-bit, packed, f16)
 
 
 @njit(cache=True)
@@ -102,13 +103,17 @@ def to_basis(rows, span, signs, ones, out):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def out_of_fp16(code, rows, search):  # pragma: no cover - compiled
-    """Whether rows ``[n, d]`` of storage ``code`` would need an fp16 scale past its range: a 4-bit
+    """Whether rows ``[n, d]`` of storage ``code`` would need an fp16 value past its range: a 4-bit
     block's step (:func:`~.q4store.first_fp16_overflow`), a packed row's max_abs
-    (:func:`~.q8store.first_row_past_fp16`, the packer's own check)."""
+    (:func:`~.q8store.first_row_past_fp16`, the packer's own check), an f16 store's values."""
     if code == CODE_Q4:
         return first_fp16_overflow(rows, search) >= 0
     if code > CODE_PACKED:
         return first_row_past_fp16(rows.reshape(rows.shape[0], 1, rows.shape[1])) >= 0
+    if code == CODE_F16:  # a value that would be stored as infinity (the general path refuses it too)
+        for h in range(rows.shape[0]):
+            if absmax(rows[h]) >= FP16_ROUNDS_TO_INF:
+                return True
     return False
 
 

@@ -48,6 +48,8 @@ naming the layer and position, in every mode (a quantized NaN would be silent ga
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..checks import MAX_POSITIONS, check_device, check_int, check_tensor
@@ -104,6 +106,34 @@ def sink_rows_of(
         store.read(row, row + n) if getattr(store, "kind", None) == F32 else sink.read(sink_row, sink_row + n)
         for store, sink in ((k_store, k_sink), (v_store, v_sink))
     )
+
+
+def check_rows(cache: Any, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """ValueError / TypeError unless ``k`` and ``v`` are rows ``[n_kv_heads, n, head_dim]`` of
+    ``cache`` (a :class:`KVCache` or a pool's ``PagedKV``) for a layer it has: the JIT writes index
+    the stores with these shapes unchecked."""
+    check_int(layer, "layer", minimum=0, maximum=cache.n_layers - 1)
+    check_int(start, "start", minimum=0)
+    for name, rows in (("k", k), ("v", v)):
+        check_tensor(rows, name, floating=True)
+        if rows.dim() != 3 or rows.shape[0] != cache.n_kv_heads or rows.shape[2] != cache.head_dim:
+            raise ValueError(
+                f"{name} must be [n_kv_heads={cache.n_kv_heads}, n, head_dim={cache.head_dim}], "
+                f"got {tuple(rows.shape)}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def check_fits_model(cache: Any, n_layers: int, n_kv_heads: int, head_dim: int) -> None:
+    """ValueError unless ``cache`` holds ``n_layers`` layers of ``n_kv_heads`` heads of ``head_dim``
+    (a model run over another model's cache would index past its stores)."""
+    got = (cache.n_layers, cache.n_kv_heads, cache.head_dim)
+    if got != (n_layers, n_kv_heads, head_dim):
+        raise ValueError(
+            f"the cache is for {got[0]} layers x {got[1]} KV heads x head_dim {got[2]}; this model has "
+            f"{n_layers} x {n_kv_heads} x {head_dim}"
+        )
 
 
 class KVCache:
@@ -171,7 +201,7 @@ class KVCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows ``[n_kv, n, head_dim]`` for positions ``start .. start+n-1`` of ``layer``."""
-        self._check_rows(layer, start, k, v)
+        check_rows(self, layer, start, k, v)
         check_kv_finite(layer, start, k, v)
         end = start + k.shape[1]
         self.reserve(end)
@@ -190,19 +220,6 @@ class KVCache:
             self.bounds.update(layer, self.k[layer].read(first, end), first, end)
         if layer == self.n_layers - 1:
             self.length = max(self.length, end)
-
-    def _check_rows(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        check_int(layer, "layer", minimum=0, maximum=self.n_layers - 1)
-        check_int(start, "start", minimum=0)
-        for name, rows in (("k", k), ("v", v)):
-            check_tensor(rows, name, floating=True)
-            if rows.dim() != 3 or rows.shape[0] != self.n_kv_heads or rows.shape[2] != self.head_dim:
-                raise ValueError(
-                    f"{name} must be [n_kv_heads={self.n_kv_heads}, n, head_dim={self.head_dim}], "
-                    f"got {tuple(rows.shape)}"
-                )
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
 
     def read(self, layer: int, end: int, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions ``[0, end)`` as float32 ``[n_kv, end, head_dim]`` — what attention sees."""

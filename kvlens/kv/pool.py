@@ -29,7 +29,16 @@ import numpy as np
 import torch
 
 from ..checks import MAX_POSITIONS, check_device, check_int
-from .cache import BLOCK, HeadSplitStore, RowStore, cache_stores, check_kv_finite, sink_rows_of, sink_stores
+from .cache import (
+    BLOCK,
+    HeadSplitStore,
+    RowStore,
+    cache_stores,
+    check_kv_finite,
+    check_rows,
+    sink_rows_of,
+    sink_stores,
+)
 from .modes import MIRROR_PREFILL, CacheOptions, KVMode
 from .prefix import PrefixIndex
 
@@ -201,6 +210,7 @@ class PagedKV:
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.mode, self.n_layers, self.head_dim = pool.mode, pool.n_layers, pool.head_dim
+        self.n_kv_heads = pool.n_kv_heads
         self.options = CacheOptions(mirror_prefill=pool.mirror_prefill)  # what attention asks a cache
         self.k, self.v = pool.k, pool.v
         self.has_mirror, self.mirror_prefill = pool.has_mirror, pool.mirror_prefill
@@ -250,6 +260,7 @@ class PagedKV:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows ``[n_kv, n, head_dim]`` for positions ``start ..`` of ``layer`` (blocks must be held)."""
+        check_rows(self, layer, start, k, v)
         end = start + k.shape[1]
         if end > self.capacity:
             raise ValueError(

@@ -166,7 +166,13 @@ class RowStore:
         elif self.kind.packed:
             store_packed(rows, self.data, self.scale, start, self.kind.bits)
         else:
-            self.data[:, start : start + rows.shape[1]] = rows
+            values = rows.to(self.data.dtype)
+            if self.kind != StoreKind.F32 and torch.isinf(values).any():  # f16, bf16: past their range
+                raise ValueError(
+                    f"|x| up to {float(rows.abs().max()):.6g} overflows the {self.kind} store (largest "
+                    f"finite value {torch.finfo(values.dtype).max:.5g})"
+                )
+            self.data[:, start : start + rows.shape[1]] = values
 
     def _values(self, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if self.kind.int8:
