@@ -17,7 +17,7 @@ from test_bad_input_cli import assert_one_error_line, run_main
 from kvlens.engine.attention import BackendError
 from kvlens.engine.llm import ContextOverflowError
 from kvlens.engine.scheduler import Engine, EngineConfig, Request, run_alone, run_batch
-from kvlens.kv import pool as pool_module
+from kvlens.kv import stores as stores_module
 
 TINY_MODEL = ("llama", 3)
 
@@ -55,9 +55,11 @@ def test_a_pool_the_machine_cannot_allocate_is_named(tiny, monkeypatch):
     def refuse(*_args, **_kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
 
-    monkeypatch.setattr(pool_module, "cache_stores", refuse)
+    monkeypatch.setattr(stores_module, "layer_stores", refuse)
     with pytest.raises(
-        ValueError, match=r"cannot allocate a KV pool of 1048576 bytes \(kv_budget_bytes\): DefaultCPU"
+        ValueError,
+        match=r"cannot allocate a KV pool of 1048576 bytes \(kv_budget_bytes\): cannot allocate KV stores of "
+        r"\d+ positions \(\d+ bytes\): DefaultCPU",
     ):
         Engine(tiny, EngineConfig(kv_budget_bytes=1 << 20))
 

@@ -100,14 +100,44 @@ def test_a_device_that_is_not_one_here_is_named(make, device, error, said):
 
 
 def test_a_cache_the_machine_cannot_allocate_is_named(monkeypatch):
-    from kvlens.kv import cache as cache_module
+    from kvlens.kv import stores
 
     def refuse(*_args, **_kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
 
-    monkeypatch.setattr(cache_module, "cache_stores", refuse)
-    with pytest.raises(ValueError, match="^cannot allocate a KV cache of 64 positions: DefaultCPUAllocator"):
+    monkeypatch.setattr(stores, "layer_stores", refuse)
+    with pytest.raises(
+        ValueError, match=r"^cannot allocate KV stores of 64 positions \(\d+ bytes\): DefaultCPU"
+    ):
         cache()
+
+
+@pytest.mark.parametrize("make", [pool, cache])
+def test_stores_past_free_memory_are_refused_before_allocating(monkeypatch, make):
+    # a pool that is zero-filled past free memory is killed by the system, not refused by torch
+    from kvlens.kv import stores
+
+    def no_allocation(*_args, **_kwargs):
+        raise AssertionError("allocated")
+
+    built = make()  # its bytes, as the stores are sized
+    per_token = Q8.bytes_per_token(2, 2, 64)
+    need = per_token * (built.k[0].capacity)
+    monkeypatch.setattr(stores, "layer_stores", no_allocation)
+    monkeypatch.setattr(stores, "available_memory", lambda device: need - 1)
+    with pytest.raises(
+        ValueError, match=f"^KV stores of \\d+ positions need {need} bytes; {need - 1} bytes are free$"
+    ):
+        make()
+    monkeypatch.setattr(stores, "available_memory", lambda device: need)
+    with pytest.raises(AssertionError, match="allocated"):  # exactly enough: it goes on to allocate
+        make()
+
+
+def test_a_cache_of_2_40_layers_is_refused_at_once(monkeypatch):
+    # its byte count is a product, not a loop over the layers; then free memory refuses it
+    with pytest.raises(ValueError, match=r"^KV stores of 64 positions need \d+ bytes; \d+ bytes are free$"):
+        cache(n_layers=2**40)
 
 
 def test_a_recipe_for_other_layers_is_refused_by_the_pool_as_by_the_cache(tmp_path):
@@ -116,3 +146,22 @@ def test_a_recipe_for_other_layers_is_refused_by_the_pool_as_by_the_cache(tmp_pa
     for make in (pool, cache):
         with pytest.raises(ValueError, match="has 3 layers; the model has 2"):
             make(mode=mode)
+
+
+@pytest.mark.parametrize("kv", ["q8", "q8+mirror", "f16", "q4h"])
+@pytest.mark.parametrize("keep_recent", [0, 4])
+def test_the_free_memory_check_counts_what_the_stores_hold(monkeypatch, kv, keep_recent):
+    # the bytes asked of free memory are the bytes the stores then hold (the exact copies included)
+    from test_kv_bytes import held_bytes
+
+    from kvlens.kv import stores
+    from kvlens.kv.modes import CacheOptions
+
+    options = CacheOptions(keep_recent=keep_recent)
+    built = cache(mode=KVMode.parse(kv), options=options)
+    held = held_bytes((*built.k, *built.v, *built.k_exact, *built.v_exact))
+    monkeypatch.setattr(stores, "available_memory", lambda device: held)
+    cache(mode=KVMode.parse(kv), options=options)
+    monkeypatch.setattr(stores, "available_memory", lambda device: held - 1)
+    with pytest.raises(ValueError, match=f"need {held} bytes; {held - 1} bytes are free"):
+        cache(mode=KVMode.parse(kv), options=options)

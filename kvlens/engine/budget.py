@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
-import torch
-
 from ..kv.cache import BLOCK
 from ..kv.pool import kv_block_bytes
+from ..kv.stores import available_memory
 from .llm import LLM
 
 MEMORY_SHARE = 0.25  # of the memory free at start-up (the weights are already loaded)
 MIN_BUDGET = 16 << 20
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free now: the GPU's free memory, or the host's MemAvailable (Linux; else physical / 2)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def default_kv_budget(llm: LLM, max_batch: int) -> int:

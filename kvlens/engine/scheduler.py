@@ -42,6 +42,7 @@ from ..kv.cache import BLOCK, NonFiniteKVError
 from ..kv.disk import DiskStats
 from ..kv.modes import MODES
 from ..kv.pool import BlockPool, PagedKV, kv_block_bytes, kv_bytes_per_token
+from ..kv.stores import KVAllocationError
 from .attention import check_backend_mode
 from .budget import default_kv_budget
 from .llm import LLM, ContextOverflowError
@@ -119,7 +120,7 @@ class Engine:
         pool_settings = (llm.kv, budget, llm.device, llm.cache_options.mirror_prefill)
         try:
             self.pool = BlockPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, *pool_settings)
-        except RuntimeError as e:  # the allocator's refusal: the budget is more than this machine has
+        except KVAllocationError as e:  # the budget is more than this machine has free
             raise ValueError(f"cannot allocate a KV pool of {budget} bytes (kv_budget_bytes): {e}") from None
         self.runner = ModelRunner(llm)
         self.prefix = None

@@ -163,12 +163,9 @@ class KVCache:
         self.has_mirror = mode.mirror or options.keeps_exact
         cap = round_up(max(capacity, 1))
 
-        try:
-            self.k, self.v, self.k_exact, self.v_exact = cache_stores(
-                mode, n_layers, n_kv_heads, cap, head_dim, self.device, exact=self.has_mirror
-            )
-        except RuntimeError as e:  # the allocator's refusal: more than this machine has
-            raise ValueError(f"cannot allocate a KV cache of {capacity} positions: {e}") from None
+        self.k, self.v, self.k_exact, self.v_exact = cache_stores(
+            mode, n_layers, n_kv_heads, cap, head_dim, self.device, exact=self.has_mirror
+        )
         self.sink = sink_positions(mode, options)
         self.k_sink, self.v_sink = sink_stores(n_layers, n_kv_heads, self.sink, head_dim, self.device)
         self.length = 0  # positions written in every layer

@@ -154,6 +154,13 @@ class KVMode:
         sums and the mirror copy included)."""
         self.check_layout(n_layers, head_dim, n_kv_heads)
         mirror = 2 * StoreKind.F32.row_bytes(head_dim) if self.mirror else 0
+        if not self.layers and not self.heads:  # every layer alike (n_layers unbounded: no loop over it)
+            k, v = self.k, self.v
+            return (
+                n_layers
+                * n_kv_heads
+                * (k.row_bytes(head_dim, with_ksum=True) + v.row_bytes(head_dim) + mirror)
+            )
         rows = 0
         for i in range(n_layers):
             pairs = self.head_kinds(i) or (self.kinds(i),) * n_kv_heads

@@ -7,6 +7,7 @@ the layout), and the builders of a cache's stores.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -77,14 +78,43 @@ def layer_stores(
     return k, v
 
 
+class KVAllocationError(ValueError):
+    """KV stores larger than the memory this machine has free: refused before allocating, or refused
+    by the allocator (a zero-filled pool past free memory would be killed by the system instead)."""
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free now: the GPU's free memory, or the host's MemAvailable (Linux; else physical / 2)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
 def cache_stores(
     mode: KVMode, n_layers: int, n_kv: int, cap: int, head_dim: int, device: torch.device, exact: bool
 ) -> tuple[list[RowStore | HeadSplitStore], ...]:
     """``(k, v, k_exact, v_exact)``: the K and V stores of every layer in ``mode`` (:func:`layer_stores`)
-    and, with ``exact``, their f32 copies (the mirror mode's, or the kept-exact rows'); else empty."""
-    k, v = layer_stores(mode, n_layers, n_kv, cap, head_dim, device)
-    f32 = KVMode("f32", F32, F32)
-    k_exact, v_exact = layer_stores(f32, n_layers, n_kv, cap, head_dim, device) if exact else ([], [])
+    and, with ``exact``, their f32 copies (the mirror mode's, or the kept-exact rows'); else empty.
+    :class:`KVAllocationError` when they need more than the device has free."""
+    per_token = mode.bytes_per_token(n_layers, n_kv, head_dim)
+    if exact and not mode.mirror:  # the mirror's copy is in bytes_per_token already
+        per_token += 2 * F32.row_bytes(head_dim) * n_kv * n_layers
+    need, free = per_token * cap, available_memory(device)
+    if need > free:
+        raise KVAllocationError(f"KV stores of {cap} positions need {need} bytes; {free} bytes are free")
+    try:
+        k, v = layer_stores(mode, n_layers, n_kv, cap, head_dim, device)
+        f32 = KVMode("f32", F32, F32)
+        k_exact, v_exact = layer_stores(f32, n_layers, n_kv, cap, head_dim, device) if exact else ([], [])
+    except RuntimeError as e:  # the allocator's refusal
+        raise KVAllocationError(f"cannot allocate KV stores of {cap} positions ({need} bytes): {e}") from None
     return k, v, k_exact, v_exact
 
 
