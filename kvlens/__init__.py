@@ -7,7 +7,8 @@ apply_env_defaults()  # OpenMP settings, read when torch and numba load: before 
 apply_cache_default()  # numba's cache folder, named by the kernels' sources (read when numba loads)
 lock_numba_cache()  # numba's cache files are not safe for two processes at once
 
-from .engine.llm import LLM, load  # noqa: E402
+from .engine.llm import LLM  # noqa: E402
+from .engine.loading import load  # noqa: E402
 from .engine.sampling import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"

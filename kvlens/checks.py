@@ -171,20 +171,27 @@ def check_tensor(
     name: str,
     dtypes: Sequence[torch.dtype] | None = None,
     floating: bool = False,
-    shape: Sequence[int] | None = None,
+    shape: Sequence[int | None] | None = None,
     min_dim: int = 0,
+    no_nan: bool = False,
 ) -> torch.Tensor:
-    """A torch tensor of one of ``dtypes`` (or any floating dtype), with ``shape`` or ≥ ``min_dim`` dims."""
+    """A torch tensor of one of ``dtypes`` (or any floating dtype), with ``shape`` (None: any size on
+    that axis) or ≥ ``min_dim`` dims, and with ``no_nan`` no NaN (±inf stays: a masked logit is one)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {_kind(x)}")
     if dtypes is not None and x.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
     if floating and not x.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-    if shape is not None and tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if shape is not None and (
+        x.dim() != len(shape) or any(w is not None and g != w for g, w in zip(x.shape, shape, strict=True))
+    ):
+        want = ", ".join("n" if w is None else str(w) for w in shape)
+        raise ValueError(f"{name} must have shape ({want}), got {tuple(x.shape)}")
     if x.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
+    if no_nan and bool(torch.isnan(x).any()):
+        raise ValueError(f"{name} holds NaN")
     return x
 
 

@@ -115,9 +115,9 @@ def test_counts_and_layers(llm):
     with pytest.raises(ValueError, match="chunk must be ≥ 1, got 0"):
         llm.prefill([1, 2], llm.new_cache(4), chunk=0)
     with pytest.raises(ValueError, match="prefill_chunk must be ≥ 1"):
-        kvlens.LLM.__init__(
-            object.__new__(kvlens.LLM), None, prefill_chunk=0
-        )  # checked before the model is touched
+        llm.variant(prefill_chunk=0)
+    with pytest.raises(TypeError, match="LLM takes a LoadedModel .kvlens.load builds one., got NoneType"):
+        kvlens.LLM(None, prefill_chunk=0)
     with pytest.raises(TypeError, match="sampling must be a SamplingParams, got dict"):
         list(llm.generate_ids([1, 2], 2, sampling={"temperature": 1.0}))
 

@@ -23,7 +23,7 @@ from tiny_models import write_hf
 
 from kvlens import cli, cli_args
 from kvlens.cli_args import MAX_SIZE, parse_floats, parse_sizes
-from kvlens.engine import llm as llm_module
+from kvlens.engine import loading as loading_module
 
 
 def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -82,7 +82,7 @@ def test_bad_option_values_are_usage_errors_before_anything_runs(monkeypatch, ca
     def no_load(*_args, **_kwargs):  # a value that slipped through must not start a run (serve: forever)
         raise RuntimeError("a model was loaded: the option passed its parse-time check")
 
-    monkeypatch.setattr(llm_module, "load_model", no_load)
+    monkeypatch.setattr(loading_module, "load_model", no_load)
     code, out, err = run_main(monkeypatch, capsys, *args)
     assert code == 2, err
     assert out == ""

@@ -6,18 +6,17 @@ import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 
 import torch
 
-from ..checks import check_device, check_int, check_text, check_token_ids
+from ..checks import check_bool, check_int, check_tensor, check_text, check_token_ids
 from ..kernels.attend_step import AttendStep
 from ..kernels.threads import decode_threads
 from ..kv.blocks import SparseConfig
 from ..kv.cache import BLOCK, KVCache, check_fits_model
 from ..kv.modes import MODES, CacheOptions, KVMode
 from ..kv.pool import PagedKV
-from ..models.loader import LoadedModel, check_weights_mode, load_model
+from ..models.loader import LoadedModel
 from ..models.transformer import Transformer
 from ..models.weights import step_read_bytes
 from .attention import check_sparse_cache, make_attend, resolve_backend
@@ -26,6 +25,9 @@ from .sampling import Sampler, SamplingParams
 from .sequence import Request
 
 DEFAULT_PREFILL_CHUNK = 512
+
+
+VARIANT_SETTINGS = ("kv", "attn_backend", "cache_options", "prefill_chunk", "sparse", "fused_step")
 
 
 class ContextOverflowError(ValueError):
@@ -53,6 +55,8 @@ class LLM:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         sparse: SparseConfig | None = None,
     ) -> None:
+        if not isinstance(loaded, LoadedModel):
+            raise TypeError(f"LLM takes a LoadedModel (kvlens.load builds one), got {type(loaded).__name__}")
         self.kv = KVMode.parse(kv)
         self.cache_options = cache_options or CacheOptions()
         check_int(prefill_chunk, "prefill_chunk", minimum=1)
@@ -93,7 +97,7 @@ class LLM:
         return check_token_ids(ids, self.config.vocab)
 
     def check_fits(self, n_tokens: int) -> None:
-        if n_tokens > self.config.max_ctx:
+        if check_int(n_tokens, "n_tokens", minimum=0) > self.config.max_ctx:
             raise ContextOverflowError(
                 f"{n_tokens} tokens do not fit in the model's context of {self.config.max_ctx} tokens"
             )
@@ -117,6 +121,7 @@ class LLM:
     ) -> torch.Tensor:
         """Run tokens at positions start.. through the model, writing the cache; returns hidden [n, hidden]."""
         ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
+        backend = self.attn_backend if backend is None else resolve_backend(backend, self.device)
         if not isinstance(cache, (KVCache, PagedKV)):
             raise TypeError(f"cache must be a KVCache (LLM.new_cache), got {type(cache).__name__}")
         check_fits_model(cache, self.config.n_layers, self.config.n_kv_heads, self.config.head_dim)
@@ -130,13 +135,13 @@ class LLM:
         check_sparse_cache(sparse, cache)  # before the fused step, which runs dense
         if not prefill and ids.shape[0] == 1 and self.fused_step and self.fused is not None:
             with self._step_threads(True):
-                hidden = self.forward_fused(ids, cache, start, backend or self.attn_backend)
+                hidden = self.forward_fused(ids, cache, start, backend)
             if hidden is not None:
                 return hidden
         attend = make_attend(
             cache,
             prefill,
-            backend or self.attn_backend,
+            backend,
             self.config.layer_windows,
             sparse,
             self.model.profiler,
@@ -167,6 +172,7 @@ class LLM:
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of final hidden states [n, hidden] (what :meth:`forward` returns)."""
+        check_tensor(hidden, "hidden", floating=True, shape=(None, self.config.hidden))
         with self._step_threads(hidden.shape[0] == 1):
             return self.model.logits(hidden)
 
@@ -178,9 +184,12 @@ class LLM:
         """The same loaded model with other engine settings (kv, sparse, attn_backend, ...), weights shared."""
         other = copy.copy(self)
         for name, value in changes.items():
-            if not hasattr(self, name):
-                raise TypeError(f"LLM has no setting {name!r}")
+            if name not in VARIANT_SETTINGS:
+                raise TypeError(
+                    f"LLM has no setting {name!r} (variant changes {', '.join(VARIANT_SETTINGS)})"
+                )
             setattr(other, name, value)
+        check_bool(other.fused_step, "fused_step")
         check_int(other.prefill_chunk, "prefill_chunk", minimum=1)
         _check_settings(other.cache_options, other.sparse)
         other.kv = KVMode.parse(other.kv)
@@ -246,6 +255,7 @@ class LLM:
         over a contiguous cache instead."""
         prompt_ids = self.check_ids(prompt_ids)
         self._check_decode_args(len(prompt_ids), max_new_tokens, sampling)
+        check_bool(stop_at_eos, "stop_at_eos")
         if cache is not None or not self.servable:
             cache = cache or self.new_cache(len(prompt_ids) + max_new_tokens)
             logits = self.prefill(prompt_ids, cache, prefill_chunk)
@@ -286,6 +296,8 @@ class LLM:
     ) -> Iterator[int]:
         """Decode after a prefill: ``logits`` of the last prompt position, ``pos`` = prompt length."""
         self._check_decode_args(pos, max_new_tokens, sampling)
+        check_bool(stop_at_eos, "stop_at_eos")
+        check_tensor(logits, "logits", floating=True, shape=(self.config.vocab,), no_nan=True)
         sample = Sampler(sampling or SamplingParams())
         for i in range(max_new_tokens):
             tok = sample(logits)
@@ -308,7 +320,7 @@ class LLM:
         request's own generator with that seed."""
         from .scheduler import run_batch
 
-        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of strings")
         check_int(max_new_tokens, "max_new_tokens", minimum=1)
         reqs = [
@@ -321,7 +333,7 @@ class LLM:
 
     def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         check_text(prompt)
-        if chat:
+        if check_bool(chat, "chat"):
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
             ]
@@ -338,6 +350,8 @@ class LLM:
         on_text: Callable[[str], None] | None = None,
     ) -> str:
         """Generate a continuation of ``prompt`` (greedy unless ``sampling`` says otherwise)."""
+        if on_text is not None and not callable(on_text):
+            raise TypeError(f"on_text must be a callable or None, got {type(on_text).__name__}")
         ids = self.encode_prompt(prompt, chat)
         stream = self.tokenizer.stream_decoder()
         pieces = []
@@ -379,25 +393,3 @@ class LLM:
 
         self.model.forward(torch.as_tensor(ids, dtype=torch.long, device=self.device), 0, attend)
         return [captured[i] for i in wanted]
-
-
-def load(
-    model: str | Path = "smollm2",
-    kv: str | KVMode = "q8",
-    device: str | None = None,
-    attn_backend: str = "auto",
-    cache_options: CacheOptions | None = None,
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-    weights: str | None = None,
-    sparse: SparseConfig | None = None,
-) -> LLM:
-    """Load a model (``"smollm2"``, ``"gemma3-270m"``, a .gguf file or an HF directory) with a KV-cache mode.
-
-    ``weights``: f32, bf16, int8 or int4 (kept quantized); None/"auto" = closest to the file's
-    own precision for a GGUF (SmolLM2 Q4_1: int4 layers, int8 embedding/head), f32 otherwise.
-    """
-    kv = KVMode.parse(kv)  # fail before the (slow) load
-    check_weights_mode(weights or "auto")
-    dev = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    loaded = load_model(model, dev, weights=weights or "auto")
-    return LLM(loaded, kv, attn_backend, cache_options, prefill_chunk, sparse)

@@ -9,19 +9,26 @@ import torch
 from ..checks import check_float, check_int
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
+    """Checked once, when built, and frozen (a field set later would reach the sampler unchecked;
+    ``dataclasses.replace`` builds a checked copy)."""
+
     temperature: float = 0.0  # 0 → greedy
     top_k: int = 0  # 0 → no limit
     top_p: float = 1.0
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        self.temperature = check_float(self.temperature, "temperature", minimum=0.0)
-        self.top_p = check_float(self.top_p, "top_p", above=0.0, maximum=1.0)
-        self.top_k = check_int(self.top_k, "top_k", minimum=0)
+        checked = {
+            "temperature": check_float(self.temperature, "temperature", minimum=0.0),
+            "top_p": check_float(self.top_p, "top_p", above=0.0, maximum=1.0),
+            "top_k": check_int(self.top_k, "top_k", minimum=0),
+        }
         if self.seed is not None:
-            self.seed = check_int(self.seed, "seed", minimum=-(2**63), maximum=2**64 - 1)
+            checked["seed"] = check_int(self.seed, "seed", minimum=-(2**63), maximum=2**64 - 1)
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
 
 class Sampler:

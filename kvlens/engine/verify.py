@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from ..checks import read_json
 from ..kv.modes import CacheOptions
-from .llm import LLM, load
+from .llm import LLM
+from .loading import load
 from .sampling import SamplingParams
 from .scheduler import run_alone
 from .sequence import Request
