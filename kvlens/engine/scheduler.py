@@ -29,6 +29,7 @@ makes a hit exact: it resumes at a chunk boundary, so every later chunk is the s
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from collections import deque
 from collections.abc import Iterator
@@ -77,6 +78,8 @@ class EngineConfig:
             check_bool(getattr(self, name), name)
         if self.kv_budget_bytes is not None:
             check_int(self.kv_budget_bytes, "kv_budget_bytes", minimum=1)
+        if self.kv_disk is not None and not isinstance(self.kv_disk, (str, os.PathLike)):
+            raise TypeError(f"kv_disk must be a directory path or None, got {type(self.kv_disk).__name__}")
         if self.kv_disk is not None and not self.prefix_cache:
             raise ValueError("the KV disk tier holds prefix-cache blocks: it needs prefix_cache=True")
 
@@ -106,6 +109,8 @@ class Engine:
     """Continuous-batching engine over one :class:`LLM` (not thread-safe: drive it from one thread)."""
 
     def __init__(self, llm: LLM, config: EngineConfig = EngineConfig()) -> None:
+        if not isinstance(llm, LLM):
+            raise TypeError(f"Engine takes an LLM (kvlens.load), got {type(llm).__name__}")
         if not llm.servable:
             raise ValueError(
                 "the serving engine runs dense decode over its paged pool, which implements neither sparse decode, "
@@ -340,6 +345,12 @@ def check_request(llm: LLM, req: Request) -> int:
         check_int(req.logprobs, "logprobs", minimum=0)
     if not isinstance(req.sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(req.sampling).__name__}")
+    if req.stop_ids is not None:  # a string was a set of characters: it never stopped
+        if not isinstance(req.stop_ids, (set, frozenset, list, tuple)):
+            raise TypeError(f"stop_ids must be a set of token ids or None, got {type(req.stop_ids).__name__}")
+        req.stop_ids = frozenset(
+            check_token_ids(list(req.stop_ids), llm.config.vocab, "stop_ids", allow_empty=True)
+        )
     total = len(req.prompt_ids) + req.max_tokens
     try:
         llm.check_fits(total)

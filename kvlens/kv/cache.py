@@ -60,6 +60,7 @@ from .stores import (  # noqa: F401 - store_basis, rotations, Rotation, layer_st
     BLOCK,
     F32,
     HeadSplitStore,
+    KVAllocationError,
     Rotation,
     RowStore,
     cache_stores,
@@ -123,6 +124,13 @@ def check_rows(cache: Any, layer: int, start: int, k: torch.Tensor, v: torch.Ten
             )
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def check_span(cache: Any, layer: int, end: int) -> None:
+    """ValueError / TypeError unless ``layer`` is one of ``cache``'s and ``[0, end)`` lies in its
+    capacity (a read past it came back short, without a word)."""
+    check_int(layer, "layer", minimum=0, maximum=cache.n_layers - 1)
+    check_int(end, "end", minimum=0, maximum=cache.capacity)
 
 
 def check_fits_model(cache: Any, n_layers: int, n_kv_heads: int, head_dim: int) -> None:
@@ -190,11 +198,14 @@ class KVCache:
 
     def reserve(self, capacity: int) -> None:
         """Grow every layer's storage (block by block) to hold at least ``capacity`` positions."""
-        if capacity <= self.capacity:
+        if check_int(capacity, "capacity", minimum=0, maximum=MAX_POSITIONS) <= self.capacity:
             return
         cap = round_up(capacity)
-        for store in (*self.k, *self.v, *self.k_exact, *self.v_exact):
-            store.grow(cap)
+        try:
+            for store in (*self.k, *self.v, *self.k_exact, *self.v_exact):
+                store.grow(cap)
+        except RuntimeError as e:  # the allocator's refusal
+            raise KVAllocationError(f"cannot grow the KV cache to {capacity} positions: {e}") from None
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows ``[n_kv, n, head_dim]`` for positions ``start .. start+n-1`` of ``layer``."""
@@ -220,6 +231,7 @@ class KVCache:
 
     def read(self, layer: int, end: int, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions ``[0, end)`` as float32 ``[n_kv, end, head_dim]`` — what attention sees."""
+        check_span(self, layer, end)
         if prefill and self.mode.mirror and self.options.mirror_prefill == "exact":
             return self.k_exact[layer].read(0, end), self.v_exact[layer].read(0, end)
         k, v = self.k[layer].read(0, end), self.v[layer].read(0, end)
@@ -243,4 +255,4 @@ class KVCache:
 
     def truncate(self, length: int) -> None:
         """Forget positions ≥ length (they are overwritten by the next write)."""
-        self.length = min(self.length, length)
+        self.length = min(self.length, check_int(length, "length", minimum=0))

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import check_int
 from .cache import BLOCK
 from .pool import BlockPool
 
@@ -80,9 +81,13 @@ class DiskTier:
     """Block files of one pool under ``root``, at most ``budget_bytes`` of them (oldest deleted first)."""
 
     def __init__(self, root: Path | str, budget_bytes: int, pool: BlockPool, model_digest: str) -> None:
-        if budget_bytes < 1:
+        if check_int(budget_bytes, "the KV disk budget (bytes)") < 1:
             raise ValueError("the KV disk budget must be more than 0 bytes")
-        self.root, self.budget, self.pool = Path(root), int(budget_bytes), pool
+        if not isinstance(pool, BlockPool):
+            raise TypeError(f"pool must be a BlockPool, got {type(pool).__name__}")
+        if not isinstance(root, (str, os.PathLike)) or str(root) == "":
+            raise ValueError(f"the KV disk tier needs a directory path, got {root!r}")
+        self.root, self.budget, self.pool = Path(root), budget_bytes, pool
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -36,6 +36,7 @@ from .cache import (
     cache_stores,
     check_kv_finite,
     check_rows,
+    check_span,
     sink_rows_of,
     sink_stores,
 )
@@ -140,7 +141,7 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks, each now referenced once: free ones first, then evicted least recently parked."""
-        if n > self.blocks_free:
+        if check_int(n, "n", minimum=0) > self.blocks_free:
             raise PoolExhaustedError(f"asked for {n} blocks, {self.blocks_free} free")
         blocks = [self._take() for _ in range(n)]
         self.refcount[blocks] = 1
@@ -158,6 +159,7 @@ class BlockPool:
 
     def share(self, blocks: list[int]) -> None:
         """One more reference to each of ``blocks`` (prefix sharing; a parked block is taken back)."""
+        self._check_ids(blocks)
         for b in blocks:
             if self.refcount[b] == 0:
                 if self.index is None or not self.index.is_parked(b):
@@ -168,6 +170,7 @@ class BlockPool:
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference to each block; blocks left unreferenced go back to the free list."""
+        self._check_ids(blocks)
         for b in blocks:
             if self.refcount[b] < 1:
                 raise ValueError(f"block {b} released more often than it was referenced")
@@ -177,6 +180,10 @@ class BlockPool:
                     self.index.park(b)
                 else:
                     self._free.append(b)
+
+    def _check_ids(self, blocks: list[int]) -> None:
+        for b in blocks:
+            check_int(b, "block", minimum=0, maximum=self.n_blocks - 1)
 
     def block_rows(self, block: int) -> list[torch.Tensor]:
         """Views of every stored tensor of ``block`` (each layer's K, V, mirror copies; codes then
@@ -293,6 +300,7 @@ class PagedKV:
 
     def read(self, layer: int, end: int, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions ``[0, end)`` as float32 ``[n_kv, end, head_dim]`` (gathered)."""
+        check_span(self, layer, end)
         k, v = self.k, self.v
         if prefill and self.has_mirror and self.mirror_prefill == "exact":
             k, v = self.pool.k_exact, self.pool.v_exact

@@ -25,21 +25,24 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..checks import check_int, check_token_ids
 from .cache import BLOCK
 from .modes import KVMode
 
 
 def cache_salt(model_digest: str, mode: KVMode, mirror_prefill: str, prefill_chunk: int) -> bytes:
     """What a block's contents depend on besides its tokens (the root of every hash chain)."""
+    if not isinstance(mode, KVMode):
+        raise TypeError(f"mode must be a KVMode, got {type(mode).__name__}")
     return f"kvlens-prefix-v1|{model_digest}|{mode.identity}|{mirror_prefill}|chunk={prefill_chunk}".encode()
 
 
 def block_hashes(tokens: Sequence[int], n_blocks: int, salt: bytes) -> list[bytes]:
-    """The chained hashes of the first ``n_blocks`` full blocks of ``tokens``."""
-    if n_blocks * BLOCK > len(tokens):
+    """The chained hashes of the first ``n_blocks`` full blocks of ``tokens`` (token ids, < 2**31)."""
+    if check_int(n_blocks, "n_blocks", minimum=0) * BLOCK > len(tokens):
         raise ValueError(f"{len(tokens)} tokens hold no {n_blocks} full blocks")
     h = hashlib.sha256(salt).digest()
-    ids = np.asarray(tokens[: n_blocks * BLOCK], "<i4")
+    ids = np.asarray(check_token_ids(tokens[: n_blocks * BLOCK], 2**31, allow_empty=True), "<i4")
     out = []
     for j in range(n_blocks):
         h = hashlib.sha256(h + ids[j * BLOCK : (j + 1) * BLOCK].tobytes()).digest()
@@ -78,10 +81,14 @@ class PrefixIndex:
         self._parked[block] = None
 
     def unpark(self, block: int) -> None:
+        if block not in self._parked:
+            raise ValueError(f"block {block} is not parked")
         del self._parked[block]
 
     def evict(self) -> tuple[int, bytes]:
         """Forget the least recently parked block; its number and former hash."""
+        if not self._parked:
+            raise ValueError("no parked block to evict")
         block, _ = self._parked.popitem(last=False)
         h = self.hash_of.pop(block)
         del self.block_of[h]

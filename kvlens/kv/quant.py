@@ -66,6 +66,8 @@ def quantize_q8(
     rounded value; returned as float16; a row whose max_abs exceeds 65504 is refused (ValueError)."""
     qmax = float(row_qmax(bits))
     x = check_tensor(x, "x", floating=True, min_dim=1).to(torch.float32)
+    if x.shape[-1] == 0:
+        raise ValueError(f"x must have rows to quantize (a last dimension > 0), got shape {tuple(x.shape)}")
     if check:
         check_finite(x)
     max_abs = row_max_abs(x)
@@ -86,14 +88,16 @@ def dequantize_q8(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_q8`: ``q * (max_abs / qmax)`` in float32 (qmax 127 at 8 bits)."""
     check_tensor(q, "q", dtypes=(torch.int8,), min_dim=1)
-    check_tensor(max_abs, "max_abs", floating=True, shape=q.shape[:-1])
+    check_tensor(max_abs, "max_abs", floating=True, shape=q.shape[:-1], no_nan=True)
+    if bool((max_abs < 0).any()):  # a max |x| is never negative: the codes' signs would flip
+        raise ValueError(f"max_abs must be ≥ 0, got {float(max_abs.min())}")
     step = (max_abs.to(torch.float32) / row_qmax(bits)).unsqueeze(-1)
     return (q.to(torch.float32) * step).to(dtype)
 
 
 def q8_step(max_abs: torch.Tensor) -> torch.Tensor:
     """The quantization step (distance between adjacent codes) of each row."""
-    return max_abs.to(torch.float32) / Q8_MAX
+    return check_tensor(max_abs, "max_abs", floating=True).to(torch.float32) / Q8_MAX
 
 
 def first_nonfinite(x: torch.Tensor) -> int | None:
