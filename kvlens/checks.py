@@ -7,6 +7,7 @@ from kvlens, so every layer may use it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
@@ -15,6 +16,7 @@ import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -67,15 +69,41 @@ def option_name(field: str) -> str:
     return f"--{field.replace('_', '-')}"
 
 
-def check_counts(config: Any, *names: str, minimum: int | None = 1, maximum: int | None = None) -> None:
+def check_counts(
+    config: Any, *names: str, minimum: int | None = 1, maximum: int | None = MAX_POSITIONS
+) -> None:
     """Each named field of a command's config (each item of a list field; None skipped) is an integer
-    in ``[minimum, maximum]``, named as its CLI option: the range the CLI checks at parse time, so a
-    config built from Python refuses what the command line refuses (tests/test_config_ranges.py)."""
+    in ``[minimum, maximum]`` (by default at most :data:`MAX_POSITIONS`, the CLI's bound on sizes),
+    named as its CLI option: the range the CLI checks at parse time, so a config built from Python
+    refuses what the command line refuses (tests/test_config_ranges.py)."""
     for name in names:
         value = getattr(config, name)
         items = [] if value is None else value if isinstance(value, list) else [value]
         for item in items:
             check_int(item, option_name(name), minimum=minimum, maximum=maximum)
+
+
+_SCALARS: dict[str, Callable[[Any, str], Any]] = {
+    "bool": check_bool,
+    "int": check_int,
+    "float": check_float,  # finite: the CLI's numeric options refuse nan and inf at parse time
+    "str": lambda value, name: check_instance(value, str, name, "a string"),
+}
+
+
+def check_field_types(config: Any) -> None:
+    """Every field of a command's config dataclass annotated ``bool``, ``int``, ``float`` or ``str``
+    (or one of them ``| None``, None allowed) holds that type, named as its CLI option: ``"no"`` for a
+    flag (read as true), ``1.5`` for a count, nan for a rate or ``5`` for a URL are refused as the CLI
+    refuses them. Lists and ranges are the config's own checks (:func:`check_list_fields`,
+    :func:`check_counts`)."""
+    for f in dataclasses.fields(config):
+        kind = str(f.type).replace(" ", "")
+        optional = kind.endswith("|None")
+        check = _SCALARS.get(kind.removesuffix("|None"))
+        value = getattr(config, f.name)
+        if check is not None and not (optional and value is None):
+            check(value, option_name(f.name))
 
 
 def check_finite_fields(config: Any, *names: str, **bounds: float | None) -> None:
@@ -223,6 +251,24 @@ def check_device(device: Any) -> torch.device:
     elif dev.type != "cpu":
         raise ValueError(f"unsupported device {device!r}; expected cpu or cuda[:N]")
     return dev
+
+
+def check_url(value: str) -> str:
+    """An http(s) URL with a host (a server's base URL, as ``http://127.0.0.1:8000``)."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
+    return value
+
+
+def check_api_key(value: str) -> str:
+    """A key a client can send: not empty (``--api-key "$KEY"`` with KEY unset must not serve an
+    open server) and printable ASCII without spaces (what an HTTP header carries as sent)."""
+    if not value:
+        raise ValueError("the API key is empty; omit --api-key to serve without one")
+    if not value.isascii() or any(c.isspace() or not c.isprintable() for c in value):
+        raise ValueError("the API key must be printable ASCII without spaces")
+    return value
 
 
 def check_not_special(path: str | os.PathLike[str], error: type[Exception], what: str = "") -> None:

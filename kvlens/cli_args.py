@@ -15,11 +15,10 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import typer
 
-from .checks import MAX_POSITIONS, check_device, check_float, check_text
+from .checks import MAX_POSITIONS, check_api_key, check_device, check_float, check_text, check_url
 
 MAX_SIZE = MAX_POSITIONS
 _SIZE = re.compile(r"([0-9]{1,12})([kK]?)")
@@ -130,24 +129,6 @@ def check_output_path(value: str, directory: bool) -> Path:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write to {ancestor} (permission denied)")
     return path
-
-
-def check_url(value: str) -> str:
-    """An http(s) URL with a host (a server's base URL, as ``http://127.0.0.1:8000``)."""
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
-    return value
-
-
-def check_api_key(value: str) -> str:
-    """A key a client can send: not empty (``--api-key "$KEY"`` with KEY unset must not serve an
-    open server) and printable ASCII without spaces (what an HTTP header carries as sent)."""
-    if not value:
-        raise ValueError("the API key is empty; omit --api-key to serve without one")
-    if not value.isascii() or any(c.isspace() or not c.isprintable() for c in value):
-        raise ValueError("the API key must be printable ASCII without spaces")
-    return value
 
 
 def nonempty_text(value: str) -> str:

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numba
 import torch
 
-from ..checks import check_counts, check_finite_fields, check_list_fields
+from ..checks import check_counts, check_field_types, check_finite_fields, check_list_fields
 from ..kernels.cpu import decode_attention
 from ..kernels.cpu_int import IntAttn, decode_attention_int
 from ..kernels.gpu import decode_attention_triton  # imports triton only when called
@@ -314,6 +314,7 @@ class AttentionBenchConfig:
     sparse_budget: list[int] = field(default_factory=lambda: [1024, 2048])
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         kinds = {"shape": str, "kv": str, "backend": str, "sparse": str, "ctx": int, "sparse_budget": int}
         check_list_fields(
             self, kinds, optional=("backend", "sparse"), split=split_mode_list, may_be_empty=("sparse",)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from ..checks import check_counts, check_list_fields
+from ..checks import check_counts, check_field_types, check_list_fields
 from ..engine.attention import BackendError, check_backend_mode, check_backend_name
 from ..engine.llm import LLM
 from ..kv.cache import KVCache
@@ -306,6 +306,7 @@ class DecodeBenchConfig:
     step: str = "fused"  # fused, general, or both (interleaved)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         kinds = {"kv": str, "weights": str, "attn_backend": str, "ctx": int}
         check_list_fields(self, kinds, split=split_mode_list)
         check_counts(self, "ctx")

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from ..checks import check_counts, check_list_fields
+from ..checks import check_counts, check_field_types, check_list_fields
 from ..engine.llm import LLM
 from ..engine.serving import Engine, EngineConfig, Request, fitted_config
 from ..kv.modes import KVMode, split_mode_list
@@ -47,6 +47,7 @@ class EngineBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         from ..models.loader import check_weights_mode
 
         check_list_fields(self, {"kv": str, "batches": int}, split=split_mode_list)

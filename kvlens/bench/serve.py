@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..checks import check_counts, check_list_fields
+from ..checks import check_counts, check_field_types, check_float, check_list_fields, check_url
 from ..kv.modes import split_mode_list
 from ..models.loader import resolve_model
 from ..models.tokenizer import Tokenizer
@@ -261,7 +261,10 @@ class ServeBenchConfig:
     vs_llama_server: str | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         from ..kv.modes import KVMode
+        from ..models.loader import check_weights_mode
+        from ..serve.cli import check_sizes
         from .llama_server import find_llama_server
         from .multiturn import ARMS
 
@@ -281,8 +284,15 @@ class ServeBenchConfig:
             self, "max_batch", "prompt_len", "output_len", "users", "turns", "turn_len", "prefill_chunk"
         )
         check_counts(self, "requests", "system_len", minimum=0)
-        if self.concurrency is not None and (not self.concurrency or min(self.concurrency) < 1):
+        if self.concurrency is not None and not self.concurrency:
             raise ValueError("--concurrency must list numbers >= 1")
+        check_counts(self, "concurrency")
+        if self.rate is not None:
+            check_float(self.rate, "--rate", minimum=0.001)  # the CLI's floor: a slower rate sleeps for days
+        if self.url is not None:
+            check_url(self.url)
+        check_weights_mode(self.weights)
+        check_sizes(self, "kv_budget", "kv_disk_budget")
         if self.concurrency is None:
             self.concurrency = [1, 4, 8, 16] if self.scenario == "throughput" else [-(-self.users // 3)]
         if self.vs_llama_server:

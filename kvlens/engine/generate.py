@@ -5,9 +5,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ..checks import check_counts, check_finite_fields
+from ..checks import check_counts, check_field_types, check_finite_fields
 from ..kv.blocks import SparseConfig
 from ..kv.modes import CacheOptions
+from ..models.loader import check_weights_mode
 from .attention import check_backend_mode
 from .llm import DEFAULT_PREFILL_CHUNK
 from .sampling import SamplingParams
@@ -32,10 +33,19 @@ class GenerateConfig:
     sparse: SparseConfig | None = None
 
     def __post_init__(self) -> None:  # the CLI's parse-time ranges, before the model loads
+        check_field_types(self)
         check_counts(self, "max_tokens", "prefill_chunk")
         check_counts(self, "top_k", minimum=0)
         check_finite_fields(self, "temperature", minimum=0.0)
         check_finite_fields(self, "top_p", above=0.0, maximum=1.0)
+        self.sampling  # noqa: B018 - the seed's range, checked before the model loads
+        check_weights_mode(self.weights)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed
+        )
 
 
 def main(cfg: GenerateConfig) -> str:
@@ -53,7 +63,7 @@ def main(cfg: GenerateConfig) -> str:
         weights=cfg.weights,
         sparse=cfg.sparse,
     )
-    params = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
+    params = cfg.sampling
     llm.check_fits(len(llm.encode_prompt(cfg.prompt, cfg.chat)) + cfg.max_tokens)
     check_backend_mode(llm.attn_backend, llm.kv)  # what the engine checks, before the prompt is echoed
     if not cfg.chat:

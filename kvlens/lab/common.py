@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_counts
+from ..checks import check_counts, check_field_types
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode, split_mode_list
 from ..report import figure, label_axes, save_figure
@@ -129,6 +129,7 @@ class LabConfig:
     keep_recent: int = 0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         self.kv = parse_modes(self.kv)
         self.cache_options  # noqa: B018 - validates keep_sink / keep_recent now
 

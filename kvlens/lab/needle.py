@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_counts, check_list_fields
+from ..checks import check_counts, check_field_types, check_float, check_list_fields
 from ..engine.llm import LLM
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode
@@ -83,11 +83,15 @@ class NeedleConfig:
     plot: str | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_list_fields(
             self, {"ctx": int, "depth": float, "sparse_budget": float}, may_be_empty=("sparse_budget",)
         )
         check_counts(self, "ctx")
         check_counts(self, "dense_layers", minimum=0)
+        for budget in self.sparse_budget:  # tokens (≥ 1) or a fraction of the context, as the CLI's
+            check_float(budget, "--sparse-budget", above=0.0)
+        SparseConfig(self.sparse)  # a method it knows
         self.kv = KVMode.parse(self.kv)
         check_weights_mode(self.weights)  # before the (slow) load
         for d in self.depth:

@@ -97,9 +97,14 @@ class PlanConfig(KldBudget, CompareConfig):
         if self.attn_backend is not None:
             check_backend_name(self.attn_backend)  # before minutes of calibration, not after
         if isinstance(self.candidates, str):
-            self.candidates = [_kind(c) for c in self.candidates.split(",") if c.strip()]
+            self.candidates = [c for c in self.candidates.split(",") if c.strip()]
+        if not isinstance(self.candidates, (list, tuple)):
+            raise TypeError(f"--candidates must be a list of KV kinds, got {type(self.candidates).__name__}")
+        self.candidates = [c if isinstance(c, StoreKind) else _kind(c) for c in self.candidates]
         if not self.candidates:
             raise ValueError("--candidates names no KV kind")
+        if len(set(self.candidates)) < len(self.candidates):
+            raise ValueError(f"--candidates names a kind twice: {', '.join(map(str, self.candidates))}")
         check_float(self.calib_target, "--calib-target", above=0.0, maximum=1.0)
         check_counts(self, "calib_chunks")
         check_counts(self, "ctx", minimum=4)
@@ -107,6 +112,8 @@ class PlanConfig(KldBudget, CompareConfig):
 
 
 def _kind(name: str) -> StoreKind:
+    if not isinstance(name, str):
+        raise TypeError(f"--candidates must name KV kinds, got {type(name).__name__} {name!r}")
     try:
         return StoreKind(name.strip())
     except ValueError:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checks import check_counts, check_int, check_list_fields, option_name
+from ..checks import check_counts, check_field_types, check_int, check_list_fields, option_name
 from ..kernels.reference import reference_attention
 from ..kv.schemes import get_scheme
 from .metrics import amplitude_verdicts, compare, pooled_t
@@ -61,6 +61,7 @@ class UnitConfig:
     attn_backend: str | None = None  # the quantized side through this decode kernel (lab.unit_kernel)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         self.validate()
 
     def validate(self) -> None:
@@ -75,7 +76,7 @@ class UnitConfig:
         parse_dist(self.dist)
         if self.attn_backend is not None:
             check_backend(self.attn_backend, self.scheme, self.quantize)
-        check_counts(self, "trials", "heads", "kv_heads")
+        check_counts(self, "trials", "heads", "kv_heads", "seq_len")
         check_counts(self, "head_dim", minimum=2)
         check_counts(self, "layer", "head", minimum=0)
         factors = (self.k_amp, self.v_amp, *(self.amplitude or []))

@@ -10,9 +10,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..checks import check_counts, check_finite_fields
+from ..checks import check_api_key, check_counts, check_field_types, check_finite_fields, option_name
+from ..models.loader import check_weights_mode
 
 if TYPE_CHECKING:
     from ..engine.llm import LLM
@@ -27,10 +28,25 @@ def parse_size(text: str) -> int:
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
         raise ValueError(f"bad size {text!r}: use a number with KiB, MiB or GiB (e.g. 512MiB)")
-    size = int(float(m.group(1)) * _UNITS[unit])
+    number = float(m.group(1)) * _UNITS[unit]
+    if not number < 2**63:  # inf from a long digit string, or more bytes than any machine has
+        raise ValueError(f"bad size {text!r}: too large")
+    size = int(number)
     if size <= 0:
         raise ValueError(f"bad size {text!r}: must be more than 0 bytes")
     return size
+
+
+def check_sizes(config: Any, *names: str) -> None:
+    """Each named size field of a config (None skipped) parses as :func:`parse_size` (an empty one
+    is not "the default"), named as its CLI option."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None:
+            try:
+                parse_size(value)
+            except ValueError as e:
+                raise ValueError(f"{option_name(name)}: {e}") from None
 
 
 def model_id(model: str) -> str:
@@ -96,10 +112,15 @@ class ServeConfig:
     warmup: bool = True  # run tiny requests before listening, so the first client's does not compile
 
     def __post_init__(self) -> None:  # the CLI's parse-time ranges
+        check_field_types(self)
         check_counts(self, "max_batch", "prefill_chunk")
         check_counts(self, "max_waiting", minimum=0)
         check_counts(self, "port", minimum=0, maximum=65535)
         check_finite_fields(self, "graceful_s", minimum=0.0)
+        check_sizes(self, "kv_budget", "kv_disk_budget")
+        check_weights_mode(self.weights)
+        if self.api_key is not None:
+            check_api_key(self.api_key)
 
     def engine_config(self):
         from ..engine.serving import EngineConfig
