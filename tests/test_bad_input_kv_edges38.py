@@ -149,3 +149,16 @@ def test_the_q8_helpers_name_what_they_cannot_use():
         dequantize_q8(q, torch.tensor([1.0, -1.0]))  # the codes' signs flipped, silently
     with pytest.raises(TypeError, match="max_abs must be a torch.Tensor, got list"):
         q8_step([1.0])
+
+
+def test_kv_values_are_built_of_their_own_types():
+    from kvlens.kv.modes import CacheOptions
+
+    with pytest.raises(TypeError, match="KV mode x: k and v are StoreKinds"):
+        KVMode("x", "q8", "q8")  # accepted; the first use was an AttributeError
+    with pytest.raises(TypeError, match="mirror must be True or False, got str"):
+        KVMode("x", Q8.k, Q8.v, mirror="no")
+    with pytest.raises(TypeError, match="track_blocks must be True or False, got str 'no'"):
+        CacheOptions(track_blocks="no")
+    with pytest.raises(TypeError, match="PagedKV takes a BlockPool, got str"):
+        PagedKV("x")

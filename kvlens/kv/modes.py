@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import MAX_POSITIONS, check_int
+from ..checks import MAX_POSITIONS, check_bool, check_int
 from .kinds import _PACKED, StoreKind  # StoreKind: the kinds a mode is made of, imported from here too
 
 MIRROR_PREFILL = ("exact", "q8")
@@ -81,6 +81,10 @@ class KVMode:
 
     def __post_init__(self) -> None:
         check_positions(self.keep_sink, f"KV mode {self.name}: keep_sink")
+        pairs = [(self.k, self.v), *self.layers, *(p for layer in self.heads for p in layer)]
+        if not all(isinstance(kind, StoreKind) for pair in pairs for kind in pair):
+            raise TypeError(f"KV mode {self.name}: k and v are StoreKinds (KVMode.parse('q8') builds a mode)")
+        check_bool(self.mirror, "mirror")
         if self.k_center is not None:
             c = self.k_center
             if not isinstance(c, torch.Tensor) or c.dtype != torch.float32 or c.dim() != 3:
@@ -277,6 +281,7 @@ class CacheOptions:
             raise ValueError(f"mirror_prefill must be 'exact' or 'q8', got {self.mirror_prefill!r}")
         check_positions(self.keep_sink, "keep_sink")
         check_positions(self.keep_recent, "keep_recent")
+        check_bool(self.track_blocks, "track_blocks")
 
     @property
     def keeps_exact(self) -> bool:

@@ -215,6 +215,8 @@ class PagedKV:
     bounds = None  # no sparse-decode block metadata in the pool
 
     def __init__(self, pool: BlockPool) -> None:
+        if not isinstance(pool, BlockPool):
+            raise TypeError(f"PagedKV takes a BlockPool, got {type(pool).__name__}")
         self.pool = pool
         self.mode, self.n_layers, self.head_dim = pool.mode, pool.n_layers, pool.head_dim
         self.n_kv_heads = pool.n_kv_heads
