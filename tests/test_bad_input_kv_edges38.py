@@ -162,3 +162,14 @@ def test_kv_values_are_built_of_their_own_types():
         CacheOptions(track_blocks="no")
     with pytest.raises(TypeError, match="PagedKV takes a BlockPool, got str"):
         PagedKV("x")
+
+
+def test_sink_rows_and_grow_check_their_arguments():
+    from kvlens.kv.modes import CacheOptions
+
+    cache = KVCache(1, 1, 64, 8, Q8, options=CacheOptions(keep_sink=4))
+    with pytest.raises(ValueError, match="layer must be ≤ 0, got 99"):
+        cache.sink_rows(99, 3)  # IndexError
+    paged = PagedKV(BlockPool(2, 1, 64, Q8, 1 << 20))
+    with pytest.raises(ValueError, match="end must be ≥ 0, got -1"):
+        paged.grow(-1)  # did nothing, silently

@@ -134,3 +134,31 @@ def test_check_fits_and_on_text_are_checked(tiny):
         tiny.check_fits(float("nan"))
     with pytest.raises(TypeError, match="on_text must be a callable or None, got int"):
         tiny.generate("Hi", 2, on_text=5)
+
+
+def test_decode_checks_its_cache_and_position_even_when_the_first_token_ends_it(tiny):
+    # with an EOS first, decode returned before forward ever looked at the cache or the position
+    logits = torch.zeros(tiny.config.vocab)
+    logits[min(tiny.tokenizer.eos_ids)] = 9.0
+    with pytest.raises(TypeError, match="cache must be a KVCache"):
+        list(tiny.decode("x", logits, 0, 2))
+    cache = tiny.new_cache(8)
+    with pytest.raises(ValueError, match="pos must be ≥ 0, got -1"):
+        list(tiny.decode(cache, logits, -1, 2))
+    with pytest.raises(ValueError, match="pos 5 is past the 0 positions the cache holds"):
+        list(tiny.decode(cache, logits, 5, 2))
+    with pytest.raises(TypeError, match="pos must be an integer, got float 1.5"):
+        list(tiny.decode(cache, logits, 1.5, 2))
+
+
+def test_decode_refuses_logits_with_nothing_to_choose(tiny):
+    cache = tiny.new_cache(8)
+    tiny.prefill([5, 6], cache)
+    for sampling in (None, SamplingParams(temperature=1.0, seed=1)):
+        with pytest.raises(ValueError, match="logits has no finite entry"):
+            list(tiny.decode(cache, torch.full((tiny.config.vocab,), float("-inf")), 2, 1, sampling))
+
+
+def test_forward_takes_prefill_as_a_bool(tiny):
+    with pytest.raises(TypeError, match="prefill must be True or False, got str"):
+        tiny.forward([5, 6], tiny.new_cache(4), 0, prefill="no")

@@ -108,3 +108,22 @@ def test_sizes_parse_as_the_cli_reads_them():
     assert parse_size(str(2**63 - 1024)) == 2**63 - 1024  # the largest float below 2**63, exactly
     with pytest.raises(ValueError, match="too large"):
         parse_size(str(2**63))
+
+
+@pytest.mark.parametrize(
+    ("cls", "changes", "error", "said"),
+    [
+        (GenerateConfig, {"prompt": "Hi", "kv": "bogus"}, ValueError, "unknown KV cache mode 'bogus'"),
+        (GenerateConfig, {"prompt": "Hi", "attn_backend": "bogus"}, ValueError, "bogus"),
+        (GenerateConfig, {"prompt": "Hi", "mirror_prefill": "bogus"}, ValueError, "mirror_prefill must be"),
+        (GenerateConfig, {"prompt": "Hi", "device": "tpu"}, ValueError, "device 'tpu'"),
+        (GenerateConfig, {"prompt": ""}, ValueError, "empty"),
+        (ServeConfig, {"kv": "bogus"}, ValueError, "unknown KV cache mode 'bogus'"),
+        (GreedyConfig, {"weights": "int3"}, ValueError, "unknown weights mode 'int3'"),
+        (PplConfig, {"weights": "int3"}, ValueError, "unknown weights mode 'int3'"),
+        (LayersConfig, {"weights": "int3"}, ValueError, "unknown weights mode 'int3'"),
+    ],
+)
+def test_names_are_checked_before_a_model_loads(cls, changes, error, said):
+    with pytest.raises(error, match=said):
+        cls(**changes)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ..checks import check_counts, check_field_types, check_finite_fields
+from ..checks import check_counts, check_device, check_field_types, check_finite_fields, check_text
 from ..kv.blocks import SparseConfig
-from ..kv.modes import CacheOptions
+from ..kv.modes import CacheOptions, KVMode
 from ..models.loader import check_weights_mode
-from .attention import check_backend_mode
+from .attention import check_backend_mode, check_backend_name
 from .llm import DEFAULT_PREFILL_CHUNK
 from .sampling import SamplingParams
 
@@ -38,6 +38,13 @@ class GenerateConfig:
         check_counts(self, "top_k", minimum=0)
         check_finite_fields(self, "temperature", minimum=0.0)
         check_finite_fields(self, "top_p", above=0.0, maximum=1.0)
+        if not check_text(self.prompt):
+            raise ValueError("the prompt is empty")
+        KVMode.parse(self.kv)
+        check_backend_name(self.attn_backend)
+        CacheOptions(mirror_prefill=self.mirror_prefill)
+        if self.device is not None:
+            check_device(self.device)
         self.sampling  # noqa: B018 - the seed's range, checked before the model loads
         check_weights_mode(self.weights)
 

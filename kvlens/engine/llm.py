@@ -121,6 +121,7 @@ class LLM:
     ) -> torch.Tensor:
         """Run tokens at positions start.. through the model, writing the cache; returns hidden [n, hidden]."""
         ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
+        check_bool(prefill, "prefill")
         backend = self.attn_backend if backend is None else resolve_backend(backend, self.device)
         if not isinstance(cache, (KVCache, PagedKV)):
             raise TypeError(f"cache must be a KVCache (LLM.new_cache), got {type(cache).__name__}")
@@ -295,9 +296,15 @@ class LLM:
         stop_at_eos: bool = True,
     ) -> Iterator[int]:
         """Decode after a prefill: ``logits`` of the last prompt position, ``pos`` = prompt length."""
-        self._check_decode_args(pos, max_new_tokens, sampling)
+        if not isinstance(cache, (KVCache, PagedKV)):
+            raise TypeError(f"cache must be a KVCache (LLM.new_cache), got {type(cache).__name__}")
+        self._check_decode_args(check_int(pos, "pos", minimum=0), max_new_tokens, sampling)
+        if pos > cache.length:
+            raise ValueError(f"pos {pos} is past the {cache.length} positions the cache holds")
         check_bool(stop_at_eos, "stop_at_eos")
         check_tensor(logits, "logits", floating=True, shape=(self.config.vocab,), no_nan=True)
+        if not bool(torch.isfinite(logits).any()):  # all masked: no token to choose
+            raise ValueError("logits has no finite entry")
         sample = Sampler(sampling or SamplingParams())
         for i in range(max_new_tokens):
             tok = sample(logits)

@@ -248,6 +248,7 @@ class KVCache:
     def sink_rows(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """K and V of the sink positions below ``end`` as attention reads them, float32 ``[n_kv, s,
         head_dim]`` in the stores' basis (an f32 store's own rows), or None without a sink."""
+        check_span(self, layer, end)
         n = min(self.sink, end)
         if n == 0:
             return None

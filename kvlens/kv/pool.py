@@ -246,6 +246,7 @@ class PagedKV:
 
     def grow(self, end: int) -> None:
         """Take the blocks that positions ``[0, end)`` need from the pool."""
+        check_int(end, "end", minimum=0)
         self.blocks += self.pool.allocate(self.blocks_needed(end))
 
     def free(self) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 from ..checks import check_counts, check_field_types
 from ..kv.blocks import SparseConfig
 from ..kv.modes import MODES, CacheOptions, KVMode, split_mode_list
+from ..models.loader import check_weights_mode
 from ..report import figure, label_axes, save_figure
 
 
@@ -44,7 +45,6 @@ def load_lab(model: str, corpus: str | None, base: str | KVMode, weights: str = 
     import kvlens
 
     from ..corpus import load_corpus
-    from ..models.loader import check_weights_mode
 
     base = KVMode.parse(base)
     check_weights_mode(weights)
@@ -153,6 +153,7 @@ class CompareConfig(LabConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.base = KVMode.parse(self.base)
+        check_weights_mode(self.weights)
         check_counts(self, "prefill_chunk", minimum=None)  # an int (the range is said below)
         if self.prefill_chunk < 1:
             raise ValueError(f"--prefill-chunk must be at least 1 (got {self.prefill_chunk})")

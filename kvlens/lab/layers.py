@@ -30,6 +30,7 @@ from ..engine.llm import LLM
 from ..kernels.reference import reference_attention
 from ..kv.cache import rotations
 from ..kv.modes import CacheOptions, KVMode, StoreKind
+from ..models.loader import check_weights_mode
 from ..report import CommandOutput, md_table, print_table, run_command, write_markdown
 from .common import LabConfig, load_lab, model_name, plot_layers
 from .ppl import make_chunks
@@ -46,6 +47,7 @@ class LayersConfig(LabConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_weights_mode(self.weights)
         check_counts(self, "chunks")
         check_counts(self, "ctx", minimum=4)  # the CLI's floor, as ppl's
 

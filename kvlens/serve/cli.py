@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..checks import check_api_key, check_counts, check_field_types, check_finite_fields, option_name
+from ..kv.modes import KVMode
 from ..models.loader import check_weights_mode
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class ServeConfig:
         check_finite_fields(self, "graceful_s", minimum=0.0)
         check_sizes(self, "kv_budget", "kv_disk_budget")
         check_weights_mode(self.weights)
+        KVMode.parse(self.kv)
         if self.api_key is not None:
             check_api_key(self.api_key)
 
