@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from test_decode_step import refusals_of_both_paths, tiny_dirs  # noqa: F401 - tiny_dirs: a fixture
+from test_decode_step import assert_layer_1_unstored, refusals_of_both_paths, tiny_dirs  # noqa: F401 - tiny_dirs: a fixture
 
 import kvlens
 from kvlens.kernels.stage import CODE_F16
@@ -119,8 +119,6 @@ def test_the_fused_step_refuses_an_f16_overflow_like_the_general_path(tiny_dirs)
     runs = refusals_of_both_paths(
         llm, "f16", list(range(3, 20)), spoil, ValueError, "overflows the f16 store"
     )
-    n = llm.config.n_layers
-    for _, cache, before in runs:
-        after = [s.data for s in cache.k + cache.v]
-        assert torch.equal(after[1], before[1]) and torch.equal(after[n + 1], before[n + 1])
+    assert_layer_1_unstored(llm, runs)
+    for _, cache, _ in runs:
         assert not any(torch.isinf(s.data).any() for s in cache.k + cache.v)

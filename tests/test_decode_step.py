@@ -296,6 +296,12 @@ def test_an_fp16_scale_out_of_range_is_refused_like_the_general_path(tiny_dirs, 
 
     runs = refusals_of_both_paths(llm, kv, list(range(3, 20)), spoil, ValueError, "fp16")
     assert runs[0][0] == runs[1][0]
+    assert_layer_1_unstored(llm, runs)
+
+
+def assert_layer_1_unstored(llm, runs: list[tuple]) -> None:
+    """Layer 1's K and V stores, after each refused step of ``runs`` (:func:`refusals_of_both_paths`),
+    hold what they held before it: nothing of the refused rows was stored."""
     n = llm.config.n_layers
     for _, cache, before in runs:
         after = [s.data for s in cache.k + cache.v]
