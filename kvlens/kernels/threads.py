@@ -10,10 +10,12 @@ them: docs/decode.md, "Steady speed".
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
+from types import TracebackType
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -34,6 +36,32 @@ def apply_env_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[s
     added = {k: v for k, v in ENV_DEFAULTS.items() if k not in environ}
     environ.update(added)
     return added
+
+
+class ThreadSettingError(ValueError):
+    """``NUMBA_NUM_THREADS`` holds a value numba cannot start with (it raises while it is imported)."""
+
+
+def check_thread_env(environ: Mapping[str, str] = os.environ) -> None:
+    """:class:`ThreadSettingError` naming ``NUMBA_NUM_THREADS`` when it is not a whole number ≥ 1: at 0
+    numba's import fails with a traceback that names no variable, and a non-number is ignored with a
+    warning. Checked from ``kvlens/__init__``, before numba loads; left uncaught (a command line), the
+    error prints as one ``error:`` line instead of a traceback, and the exit status is 1."""
+    value = environ.get("NUMBA_NUM_THREADS")
+    if value is None or (value.strip().isdigit() and int(value) >= 1):
+        return
+    previous = sys.excepthook
+
+    def one_line(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, ThreadSettingError):
+            print(f"error: {error}", file=sys.stderr)
+        else:
+            previous(kind, error, tb)
+
+    sys.excepthook = one_line
+    raise ThreadSettingError(
+        f"NUMBA_NUM_THREADS={value!r}: numba needs a whole number of threads ≥ 1 (unset it for one per CPU)"
+    )
 
 
 def set_threads(threads: int | None) -> None:
