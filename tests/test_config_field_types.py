@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_config_ranges import CONFIGS as COMMAND_CONFIGS
 
 from kvlens.bench.attention import AttentionBenchConfig
-from kvlens.bench.decode import DecodeBenchConfig
 from kvlens.bench.engine_decode import EngineBenchConfig
 from kvlens.bench.serve import ServeBenchConfig
 from kvlens.engine.generate import GenerateConfig
-from kvlens.lab.doctor import DoctorConfig
 from kvlens.lab.greedy import GreedyConfig
 from kvlens.lab.layers import LayersConfig
 from kvlens.lab.needle import NeedleConfig
@@ -23,11 +22,10 @@ from kvlens.lab.ppl import PplConfig
 from kvlens.lab.unit import UnitConfig
 from kvlens.serve.cli import ServeConfig, parse_size
 
-REQUIRED = {GenerateConfig: {"prompt": "Hi"}}
-CONFIGS = [
-    ServeConfig, GenerateConfig, UnitConfig, PplConfig, GreedyConfig, LayersConfig, NeedleConfig,
-    DoctorConfig, PlanConfig, AttentionBenchConfig, DecodeBenchConfig, EngineBenchConfig, ServeBenchConfig,
-]  # fmt: skip
+# every command's config (test_config_ranges.CONFIGS: the one list, checked against the CLI there),
+# and what each needs besides its defaults
+REQUIRED = dict(COMMAND_CONFIGS.values())
+CONFIGS = list(REQUIRED)
 # a value of another type for each scalar annotation, and the words the refusal uses
 WRONG = {"bool": ("no", "True or False"), "int": (1.5, "an integer"), "float": ("x", "a number"),
          "str": (5, "a string")}  # fmt: skip
