@@ -1,6 +1,7 @@
 """Content-addressed prefix cache over a :class:`~kvlens.kv.pool.BlockPool`.
 
-A full block is named by a chained hash: ``h_j = sha256(h_{j-1} || token ids of block j)``, with
+A full block is named by a chained hash: ``h_j = sha256(h_{j-1} || token ids of block j)`` (the ids as
+little-endian int32: the names a disk tier keeps across processes and machines), with
 ``h_{-1}`` a salt naming everything else its contents depend on (model file digest, KV mode, mirror
 prefill source, prefill chunk). Two sequences that share their first ``j`` blocks of tokens share
 ``h_0 .. h_{j-1}`` and so the blocks themselves.
