@@ -16,7 +16,7 @@ from test_decode_step import Spy, assert_same_steps
 from test_kv_q4_search import searched_reference
 from test_kv_rotated_q4 import q4_0_reference
 from test_q8_cache import rule
-from test_recipe_heads import paged_and_contiguous
+from test_recipe_heads import engine_logits, paged_and_contiguous
 from tiny_models import write_hf
 
 import kvlens
@@ -87,15 +87,6 @@ def reference_logits(llm, ids: list[int], heads, c: torch.Tensor | None) -> torc
 
     with torch.inference_mode():
         return llm.model.logits(llm.model.forward(torch.tensor(ids), 0, attend))
-
-
-def engine_logits(llm, ids: list[int]) -> torch.Tensor:
-    """Prefill of all but the last token, then one decode step (the fused step where it applies)."""
-    cache = llm.new_cache(len(ids))
-    with torch.inference_mode():
-        prefill = llm.model.logits(llm.forward(ids[:-1], cache, 0, prefill=True))
-        last = llm.lm_head(llm.forward(ids[-1:], cache, len(ids) - 1, prefill=False))
-    return torch.cat([prefill, last])
 
 
 # ------------------------------------------------------------------ (a) invariance without quantization

@@ -92,17 +92,22 @@ def reference_logits(llm, ids: list[int], heads) -> torch.Tensor:
         return model.logits(model.forward(torch.tensor(ids), 0, attend))
 
 
+def engine_logits(llm, ids: list[int]) -> torch.Tensor:
+    """Prefill of all but the last token, then one decode step (the fused step where it applies)."""
+    cache = llm.new_cache(len(ids))
+    with torch.inference_mode():
+        prefill = llm.model.logits(llm.forward(ids[:-1], cache, 0, prefill=True))
+        last = llm.lm_head(llm.forward(ids[-1:], cache, len(ids) - 1, prefill=False))
+    return torch.cat([prefill, last])
+
+
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 def test_per_head_logits_match_a_per_head_reference(tmp_path, tiny, backend):
     path = write(tmp_path / "h.json", [{"k": ["q4h", "q8"], "v": ["q8", "q4h"]}, {"k": "q4h", "v": "q4h"}])
     ids = list(range(5, 46))
     ref = reference_logits(tiny, ids, HEADS)
     llm = tiny.variant(kv=path, attn_backend=backend)
-    cache = llm.new_cache(len(ids))
-    with torch.inference_mode():
-        prefill = llm.model.logits(llm.forward(ids[:-1], cache, 0, prefill=True))
-        last = llm.lm_head(llm.forward(ids[-1:], cache, len(ids) - 1, prefill=False))
-    got = torch.cat([prefill, last])
+    got = engine_logits(llm, ids)
     # f32 engine vs f64 reference on the same quantized values: f32 rounding only (logits ~O(10))
     assert (got - ref).abs().max() < 2e-3 * ref.abs().max()
     # and the heads' kinds matter: the uniform mode of layer 1's pair differs by far more

@@ -3,8 +3,7 @@
 head by head. test_recipe_heads covers layers that mix rotated and unrotated heads."""
 
 import pytest
-import torch
-from test_recipe_heads import reference_logits, write
+from test_recipe_heads import engine_logits, reference_logits, write
 
 from kvlens.kv.cache import HeadSplitStore
 from kvlens.kv.modes import StoreKind
@@ -22,12 +21,9 @@ def test_all_rotated_heads_match_a_per_head_reference(tmp_path, tiny, backend):
     ids = list(range(5, 46))
     ref = reference_logits(tiny, ids, HEADS)
     llm = tiny.variant(kv=write(tmp_path / "r.json", LAYERS), attn_backend=backend)
-    cache = llm.new_cache(len(ids))
+    cache = llm.new_cache(len(ids))  # what the run below makes: the stores of a split, rotated layer
     assert isinstance(cache.k[0], HeadSplitStore)
     assert rotations(cache.k[0], cache.v[0]) == ([32, 32], [32, 32])
-    with torch.inference_mode():
-        prefill = llm.model.logits(llm.forward(ids[:-1], cache, 0, prefill=True))
-        last = llm.lm_head(llm.forward(ids[-1:], cache, len(ids) - 1, prefill=False))
-    got = torch.cat([prefill, last])
+    got = engine_logits(llm, ids)
     # f32 engine vs f64 reference on the same quantized values: f32 rounding only, as in test_recipe_heads
     assert (got - ref).abs().max() < 2e-3 * ref.abs().max()
