@@ -2,9 +2,10 @@
 child forked from a warm, one-thread parent, and print CAUGHT (a test failed or errored), SURVIVED
 (every test passed), HUNG (killed after its time) or CRASHED (a signal).
 
-Why not mutmut's own verdicts: in this project they included about 900 runs ended by SIGTERM (exit
--15, "suspicious") that a plain run of the same tests reports as passing or failing; which came
-from where, the run does not say. This runner forks the same way but keeps the exit code honest.
+Why not mutmut's own verdicts: in this project about 1,400 of its runs ended by SIGTERM (exit -15,
+"suspicious"; strace shows the test process raising it on itself), among them mutants that a plain
+run of the same tests catches and mutants it does not. This runner forks the same way (one thread:
+GNU OpenMP is not fork-safe) but reads pytest's own exit code.
 Run it in the folder that holds ``mutants/`` (after ``mutmut run``), one mutant name a line:
 
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python forkrun.py names.txt > verdicts.txt
