@@ -9,7 +9,7 @@ import torch
 from kvlens.engine.scheduler import Engine, EngineConfig, Request, run_alone
 from kvlens.kv.cache import KVCache
 from kvlens.kv.disk import DiskTier
-from kvlens.kv.modes import KVMode
+from kvlens.kv.modes import CacheOptions, KVMode
 from kvlens.kv.pool import BlockPool, PagedKV
 from kvlens.kv.prefix import BLOCK, PrefixIndex, block_hashes, cache_salt
 from kvlens.kv.quant import dequantize_q8, q8_step, quantize_q8
@@ -152,8 +152,6 @@ def test_the_q8_helpers_name_what_they_cannot_use():
 
 
 def test_kv_values_are_built_of_their_own_types():
-    from kvlens.kv.modes import CacheOptions
-
     with pytest.raises(TypeError, match="KV mode x: k and v are StoreKinds"):
         KVMode("x", "q8", "q8")  # accepted; the first use was an AttributeError
     with pytest.raises(TypeError, match="mirror must be True or False, got str"):
@@ -165,8 +163,6 @@ def test_kv_values_are_built_of_their_own_types():
 
 
 def test_sink_rows_and_grow_check_their_arguments():
-    from kvlens.kv.modes import CacheOptions
-
     cache = KVCache(1, 1, 64, 8, Q8, options=CacheOptions(keep_sink=4))
     with pytest.raises(ValueError, match="layer must be ≤ 0, got 99"):
         cache.sink_rows(99, 3)  # IndexError

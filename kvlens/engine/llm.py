@@ -110,6 +110,12 @@ class LLM:
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         self.check_fits(n_before + max_new_tokens)
 
+    def _check_cache(self, cache: KVCache | PagedKV) -> None:
+        """TypeError unless ``cache`` is a KV cache; ValueError unless it is this model's shape."""
+        if not isinstance(cache, (KVCache, PagedKV)):
+            raise TypeError(f"cache must be a KVCache (LLM.new_cache), got {type(cache).__name__}")
+        check_fits_model(cache, self.config.n_layers, self.config.n_kv_heads, self.config.head_dim)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -123,9 +129,7 @@ class LLM:
         ids = torch.as_tensor(self.check_ids(ids), dtype=torch.long, device=self.device)
         check_bool(prefill, "prefill")
         backend = self.attn_backend if backend is None else resolve_backend(backend, self.device)
-        if not isinstance(cache, (KVCache, PagedKV)):
-            raise TypeError(f"cache must be a KVCache (LLM.new_cache), got {type(cache).__name__}")
-        check_fits_model(cache, self.config.n_layers, self.config.n_kv_heads, self.config.head_dim)
+        self._check_cache(cache)
         if check_int(start, "start", minimum=0) > cache.length:
             raise ValueError(
                 f"start {start} is past the {cache.length} positions the cache holds: attention would read "
@@ -296,8 +300,7 @@ class LLM:
         stop_at_eos: bool = True,
     ) -> Iterator[int]:
         """Decode after a prefill: ``logits`` of the last prompt position, ``pos`` = prompt length."""
-        if not isinstance(cache, (KVCache, PagedKV)):
-            raise TypeError(f"cache must be a KVCache (LLM.new_cache), got {type(cache).__name__}")
+        self._check_cache(cache)
         self._check_decode_args(check_int(pos, "pos", minimum=0), max_new_tokens, sampling)
         if pos > cache.length:
             raise ValueError(f"pos {pos} is past the {cache.length} positions the cache holds")
