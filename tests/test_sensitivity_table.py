@@ -1,14 +1,17 @@
 """The plan's sensitivity table, whole: per layer or per KV head as asked (every item of the model and
-each kind, no other key), each entry the KLD of a full engine pass over that item's probe, and one
-progress line per layer on stderr."""
+each kind, no other key), each entry the KLD of a full engine pass over that item's probe (also for a sliding-window model
+whose chunk is longer than its hidden size), and one progress line per layer on stderr."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
+import torch
 from test_sensitivity import engine_kld
+from tiny_models import write_hf
 
+import kvlens
 from kvlens.kv.modes import StoreKind
 from kvlens.lab.sensitivity import Sensitivity, probe_mode
 
@@ -42,3 +45,32 @@ def test_one_progress_line_per_layer(tiny, per_head, capsys):
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "sensitivity:" in line]
     assert lines == ["  sensitivity: layer 1/2", "  sensitivity: layer 2/2"]
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A tiny Mistral whose every layer attends its last 8 positions (hidden size 64, head_dim 32)."""
+    out = tmp_path_factory.mktemp("windowed") / "hf"
+    write_hf("mistral", out, seed=3, sliding_window=8, head_dim=32)
+    return kvlens.load(out, kv="f32", attn_backend="torch")
+
+
+@pytest.mark.parametrize("item", [(0, "v"), (1, 1, "v")])
+def test_a_windowed_models_probe_is_its_engine_kld(windowed, item):
+    """96 positions, past the 8-position window and past the hidden size: the resumed sensitivity pass
+    attends as the engine does."""
+    ctx = 96
+    chunk = [3 + (7 * i) % 90 for i in range(ctx)]
+    mode = probe_mode(2, 2, item, Q4H)
+    expected = engine_kld(windowed, [chunk], mode, ctx)
+    assert expected > 1e-6
+    assert Sensitivity(windowed, [chunk], ctx).kld(mode) == pytest.approx(expected, rel=1e-3, abs=1e-9)
+
+
+def test_the_k_centers_are_the_float64_mean_rounded_once(tiny):
+    """128 O(1) float32 keys per channel sum exactly in float64 and 128 divides exactly, so the centers
+    are the exact mean of the engine's captured keys rounded once to float32: equal, bit for bit."""
+    chunks = [list(range(3, 3 + 64)), list(range(100, 100 + 64))]
+    sens = Sensitivity(tiny, chunks, 64, smooth_k=True)
+    keys = [torch.stack([k for _, k, _ in tiny.capture_qkv(chunk)]) for chunk in chunks]  # [L, KV, n, d]
+    assert torch.equal(sens.k_center, torch.cat(keys, 2).double().mean(2).float())
