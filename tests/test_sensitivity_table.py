@@ -15,7 +15,7 @@ import kvlens
 from kvlens.kv.modes import StoreKind
 from kvlens.lab.sensitivity import Sensitivity, probe_mode
 
-Q4H, Q8H = StoreKind.Q4H, StoreKind.Q8H
+Q4H, Q8H, F32 = StoreKind.Q4H, StoreKind.Q8H, StoreKind.F32
 TINY_MODEL = ("qwen3", 7)  # conftest's tiny: 2 layers, 2 KV heads, head_dim 32
 CTX = 48
 
@@ -74,3 +74,10 @@ def test_the_k_centers_are_the_float64_mean_rounded_once(tiny):
     sens = Sensitivity(tiny, chunks, 64, smooth_k=True)
     keys = [torch.stack([k for _, k, _ in tiny.capture_qkv(chunk)]) for chunk in chunks]  # [L, KV, n, d]
     assert torch.equal(sens.k_center, torch.cat(keys, 2).double().mean(2).float())
+
+
+def test_a_per_head_k_probe_by_hand():
+    """One KV head's K in the probed kind (``test_sensitivity`` has the per-head V case)."""
+    k10 = probe_mode(2, 2, (1, 0, "k"), Q4H)
+    assert k10.head_kinds(0) is None or k10.head_kinds(0) == ((F32, F32), (F32, F32))
+    assert k10.head_kinds(1) == ((Q4H, F32), (F32, F32))
