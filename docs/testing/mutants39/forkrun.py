@@ -3,9 +3,13 @@ child forked from a warm, one-thread parent, and print CAUGHT (a test failed or 
 (every test passed), HUNG (killed after its time) or CRASHED (a signal).
 
 Why not mutmut's own verdicts: in this project about 1,400 of its runs ended by SIGTERM (exit -15,
-"suspicious"; strace shows the test process raising it on itself), among them mutants that a plain
-run of the same tests catches and mutants it does not. This runner forks the same way (one thread:
-GNU OpenMP is not fork-safe) but reads pytest's own exit code.
+"suspicious"). The fortieth session found why: numba's GNU OpenMP threading layer, called in a child
+forked from a process that has already run a parallel region, prints "Terminating: fork() called
+from a process already using GNU OpenMP, this is unsafe." and raises SIGTERM on itself (gdb: the
+``raise`` comes from a parallel numba kernel). mutmut's parent runs the tests once before it forks,
+so every child that reached a parallel kernel died. With ``NUMBA_THREADING_LAYER=workqueue`` (fork-safe)
+mutmut's verdicts are sound again. This runner forks from a parent that has imported, but not run,
+anything parallel, and reads pytest's own exit code.
 Run it in the folder that holds ``mutants/`` (after ``mutmut run``), one mutant name a line:
 
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python forkrun.py names.txt > verdicts.txt
