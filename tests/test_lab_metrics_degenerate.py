@@ -45,3 +45,13 @@ def test_one_component_has_no_t_and_two_have_theirs() -> None:
     m, delta, _, _ = compare(q, k, v, k, v_hat, None, torch.full_like(v, 0.5))
     d = delta.double().numpy().ravel()
     assert d.size == 2 and m["signed_t"] == pytest.approx(d.mean() / (d.std(ddof=1) / np.sqrt(2)), rel=1e-12)
+
+
+def test_a_small_output_still_has_its_cosine() -> None:
+    """Only an output of norm exactly 0 lacks a direction: at norm ~1e-3 the cosine is numpy's."""
+    q, k, v = qkv(1, 2, 16, 32, seed=3)
+    v = v * 1e-4
+    m, _, out_f, out_q = compare(q, k, v, k, v * 1.01 + 1e-6, None, torch.full_like(v, 1e-6))
+    of, oq = out_f.double().numpy().ravel(), out_q.double().numpy().ravel()
+    assert 0 < np.linalg.norm(of) < 1e-2
+    assert m["cosine"] == pytest.approx(of @ oq / (np.linalg.norm(of) * np.linalg.norm(oq)), rel=1e-12)

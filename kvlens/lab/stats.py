@@ -173,7 +173,9 @@ def dp_stats(p_q: Any, p_base: Any, top_q: Any, top_base: Any) -> dict[str, floa
 def summarize(nll_q: Any, nll_base: Any, kld: Any, top_q: Any, top_base: Any) -> dict[str, float]:
     """All three blocks from per-token arrays (p = exp(-nll)), ready for :func:`format_kld_report`."""
     a, b = _as_f64(nll_q, "nll_q"), _as_f64(nll_base, "nll_base")
-    return ppl_stats(a, b) | kld_stats(kld) | dp_stats(np.exp(-a), np.exp(-b), top_q, top_base)
+    k, tq, tb = _as_f64(kld, "kld"), _as_f64(top_q, "top_q"), _as_f64(top_base, "top_base")
+    _same_len(nll_q=a, nll_base=b, kld=k, top_q=tq, top_base=tb)  # kld_stats alone cannot see a mismatch
+    return ppl_stats(a, b) | kld_stats(k) | dp_stats(np.exp(-a), np.exp(-b), tq, tb)
 
 
 def _pm(v: float, e: float) -> str:

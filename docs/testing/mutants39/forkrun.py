@@ -13,6 +13,9 @@ anything parallel, and reads pytest's own exit code.
 Run it in the folder that holds ``mutants/`` (after ``mutmut run``), one mutant name a line:
 
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python forkrun.py names.txt > verdicts.txt
+
+With ``FORKRUN_TESTS="tests/a.py tests/b.py"`` every mutant runs those test files instead (tests
+written after mutmut recorded which tests reach what; copy them into ``mutants/tests`` first).
 """
 
 import json
@@ -33,6 +36,8 @@ CHILDREN = 2
 
 
 def covering_tests(stats: dict, mutant: str) -> list[str]:
+    if os.environ.get("FORKRUN_TESTS"):
+        return os.environ["FORKRUN_TESTS"].split()
     mangled = mutant.rsplit("__mutmut_", 1)[0]
     tests = stats["tests_by_mangled_function_name"].get(mangled, [])
     return sorted(tests, key=lambda t: stats["duration_by_test"].get(t, 0.0))  # fast ones first
