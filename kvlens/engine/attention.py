@@ -290,7 +290,7 @@ def make_attend(
     write and attention run as one compiled call where it applies (:func:`~kvlens.engine.fused_step.attend_fused`:
     CPU, the numba backends, no sparse decode); the same results.
     """
-    kernel = _fused_kernel(backend)
+    kernel = _fused_kernel(check_backend_name(backend))  # a misspelt name is not torch's
     check_backend_mode(backend, cache.mode)
     sink = cache.sink  # positions read from the cache's sink store (0: none)
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
