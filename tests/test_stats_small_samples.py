@@ -1,0 +1,35 @@
+"""The statistics at the smallest samples that have them, by hand, and their inputs' shapes: two
+tokens already have standard errors and a correlation; a per-token array given 2-D is taken flat (its
+percentiles are the flat array's, not a row's)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvlens.lab.stats import dp_stats, kld_stats, mean_and_err, ppl_stats
+
+
+def test_two_tokens_by_hand() -> None:
+    """nll_q [1, 3], nll_base [1, 2]: means 2 and 1.5; population variances 1 and 0.25 over n - 1 = 1,
+    so standard errors 1 and 0.5; covariance of the means 0.5, hence correlation 1; ln ratio [0, 1]:
+    0.5 ± 0.5."""
+    assert mean_and_err(np.array([1.0, 3.0])) == (2.0, 1.0)
+    s = ppl_stats([1.0, 3.0], [1.0, 2.0])
+    assert s["ppl_q"] == pytest.approx(math.exp(2)) and s["ppl_q_err"] == pytest.approx(math.exp(2))
+    assert s["ppl_base"] == pytest.approx(math.exp(1.5)) and s["ppl_base_err"] == pytest.approx(
+        0.5 * math.exp(1.5)
+    )
+    assert s["cor_ln_ppl"] == pytest.approx(1.0)
+    assert (s["ln_ratio"], s["ln_ratio_err"]) == pytest.approx((0.5, 0.5))
+
+
+def test_a_2d_array_is_taken_flat() -> None:
+    kld = np.array([[0.9, 0.1], [0.3, 0.2]])
+    assert kld_stats(kld) == kld_stats(kld.ravel())
+    assert kld_stats(kld)["kld_median"] == pytest.approx(0.25)  # of 0.1 0.2 0.3 0.9
+    p_q, p_b = np.array([[0.5, 0.2], [0.1, 0.4]]), np.array([[0.25, 0.25], [0.25, 0.25]])
+    tops = np.array([[1, 2], [3, 4]])
+    assert dp_stats(p_q, p_b, tops, tops) == dp_stats(p_q.ravel(), p_b.ravel(), tops.ravel(), tops.ravel())
