@@ -1,5 +1,5 @@
 """The statistics at the smallest samples that have them, by hand, and their inputs' shapes: two
-tokens already have standard errors and a correlation; a per-token array given 2-D is taken flat (its
+tokens already have standard errors and a correlation, a constant side has none; a per-token array given 2-D is taken flat (its
 percentiles are the flat array's, not a row's)."""
 
 from __future__ import annotations
@@ -33,3 +33,13 @@ def test_a_2d_array_is_taken_flat() -> None:
     p_q, p_b = np.array([[0.5, 0.2], [0.1, 0.4]]), np.array([[0.25, 0.25], [0.25, 0.25]])
     tops = np.array([[1, 2], [3, 4]])
     assert dp_stats(p_q, p_b, tops, tops) == dp_stats(p_q.ravel(), p_b.ravel(), tops.ravel(), tops.ravel())
+
+
+@pytest.mark.parametrize(
+    ("nll_q", "nll_base"), [([2.0, 2.0, 2.0], [1.0, 2.0, 4.0]), ([1.0, 2.0, 4.0], [3.0] * 3)]
+)
+def test_a_constant_side_has_no_correlation(nll_q, nll_base) -> None:
+    """A side whose nll never moves has no spread to correlate with: NaN, as Pearson's r is undefined."""
+    s = ppl_stats(nll_q, nll_base)
+    assert math.isnan(s["cor_ln_ppl"])
+    assert s["ln_ratio"] == pytest.approx(np.mean(nll_q) - np.mean(nll_base))
