@@ -43,3 +43,10 @@ def test_a_constant_side_has_no_correlation(nll_q, nll_base) -> None:
     s = ppl_stats(nll_q, nll_base)
     assert math.isnan(s["cor_ln_ppl"])
     assert s["ln_ratio"] == pytest.approx(np.mean(nll_q) - np.mean(nll_base))
+
+
+def test_identical_probabilities_have_no_dp_and_no_error() -> None:
+    p, tops = [0.5, 0.25, 0.125, 0.75], [1, 2, 3, 4]
+    s = dp_stats(p, p, tops, tops)
+    assert (s["dp_mean"], s["dp_mean_err"], s["rms_dp"], s["rms_dp_err"]) == (0.0, 0.0, 0.0, 0.0)
+    assert (s["same_top_p"], s["same_top_p_err"]) == (100.0, 0.0)
