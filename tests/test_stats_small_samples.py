@@ -50,3 +50,9 @@ def test_identical_probabilities_have_no_dp_and_no_error() -> None:
     s = dp_stats(p, p, tops, tops)
     assert (s["dp_mean"], s["dp_mean_err"], s["rms_dp"], s["rms_dp_err"]) == (0.0, 0.0, 0.0, 0.0)
     assert (s["same_top_p"], s["same_top_p_err"]) == (100.0, 0.0)
+
+
+def test_two_tokens_agreeing_once() -> None:
+    """same top p = 1/2, binomial error sqrt(p (1 - p) / (n - 1)) = 0.5: 50 ± 50 %."""
+    s = dp_stats([0.5, 0.5], [0.25, 0.5], [1, 2], [1, 3])
+    assert (s["same_top_p"], s["same_top_p_err"]) == pytest.approx((50.0, 50.0))
