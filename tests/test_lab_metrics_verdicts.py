@@ -42,31 +42,34 @@ def _row(scaled: str, amplitude: float, rel_l2: float, quantize: str, out_rms: f
             "quantize": quantize}  # fmt: skip
 
 
-def test_the_v_verdict_in_full() -> None:
-    rows = [_row("v", 1, 0.2, "kv", 0.5), _row("v", 4, 0.2, "kv", 1.5),
-            _row("k", 1, 0.2, "kv", 0.5), _row("k", 4, 0.2, "kv", 0.5)]  # fmt: skip
-    assert amplitude_verdicts(rows)["v"] == (
-        "V scaled: rel L2 ratio vs x1 = x1: 1.000, x4: 1.000 -> holds (V's per-row scales grow with V, "
-        "so V-hat scales by the same factor (exactly for a power of two) and the weights do not change: "
-        "Δout and out scale together (mean|Δ| x4.00, rms(out) x3.00))."
-    )
+V_SCALED = (
+    [_row("v", 1, 0.2, "kv", 0.5), _row("v", 4, 0.2, "kv", 1.5),
+     _row("k", 1, 0.2, "kv", 0.5), _row("k", 4, 0.2, "kv", 0.5)],
+    "v",
+    "V scaled: rel L2 ratio vs x1 = x1: 1.000, x4: 1.000 -> holds (V's per-row scales grow with V, "
+    "so V-hat scales by the same factor (exactly for a power of two) and the weights do not change: "
+    "Δout and out scale together (mean|Δ| x4.00, rms(out) x3.00)).",
+)  # fmt: skip
+K_QUANTIZED = (
+    [_row("v", 1, 0.2, "kv", 0.5), _row("v", 2, 0.2, "kv", 1.0),
+     _row("k", 1, 0.2, "kv", 0.5), _row("k", 2, 0.3, "kv", 0.25)],
+    "k",
+    "K scaled: rel L2 ratio vs x1 = x1: 1.000, x2: 1.500 -> does NOT hold (K×a multiplies every logit "
+    "by a (softmax temperature 1/a): effective keys 12.0 -> 6.0; K's step grows by a too, so the logit "
+    "errors grow a-fold: KL(w||w-hat) 1.00e-04 -> 4.00e-04, mean|Δ| x2.00, rms(out) x0.50).",
+)  # fmt: skip
+K_EXACT = (
+    [_row("v", 1, 0.2, "v", 0.5), _row("v", 2, 0.2, "v", 1.0),
+     _row("k", 1, 0.2, "v", 0.5), _row("k", 3, 0.192, "v", 0.4)],
+    "k",
+    "K scaled: rel L2 ratio vs x1 = x1: 1.000, x3: 0.960 -> holds (K×a multiplies every logit by a "
+    "(softmax temperature 1/a): effective keys 12.0 -> 4.0; K is exact here, and the V error relative "
+    "to |out| hardly depends on the weights (mean|Δ| x3.00, rms(out) x0.80)).",
+)  # fmt: skip
 
 
-def test_the_k_verdict_with_k_quantized_in_full() -> None:
-    rows = [_row("v", 1, 0.2, "kv", 0.5), _row("v", 2, 0.2, "kv", 1.0),
-            _row("k", 1, 0.2, "kv", 0.5), _row("k", 2, 0.3, "kv", 0.25)]  # fmt: skip
-    assert amplitude_verdicts(rows)["k"] == (
-        "K scaled: rel L2 ratio vs x1 = x1: 1.000, x2: 1.500 -> does NOT hold (K×a multiplies every logit "
-        "by a (softmax temperature 1/a): effective keys 12.0 -> 6.0; K's step grows by a too, so the logit "
-        "errors grow a-fold: KL(w||w-hat) 1.00e-04 -> 4.00e-04, mean|Δ| x2.00, rms(out) x0.50)."
-    )
-
-
-def test_the_k_verdict_with_k_exact_in_full() -> None:
-    rows = [_row("v", 1, 0.2, "v", 0.5), _row("v", 2, 0.2, "v", 1.0),
-            _row("k", 1, 0.2, "v", 0.5), _row("k", 3, 0.192, "v", 0.4)]  # fmt: skip
-    assert amplitude_verdicts(rows)["k"] == (
-        "K scaled: rel L2 ratio vs x1 = x1: 1.000, x3: 0.960 -> holds (K×a multiplies every logit by a "
-        "(softmax temperature 1/a): effective keys 12.0 -> 4.0; K is exact here, and the V error relative "
-        "to |out| hardly depends on the weights (mean|Δ| x3.00, rms(out) x0.80))."
-    )
+@pytest.mark.parametrize(
+    ("rows", "which", "sentence"), [V_SCALED, K_QUANTIZED, K_EXACT], ids=["v", "k-quantized", "k-exact"]
+)
+def test_the_verdict_in_full(rows, which, sentence) -> None:
+    assert amplitude_verdicts(rows)[which] == sentence
