@@ -44,7 +44,9 @@ class BackendError(ValueError):
 
 
 def _fused_kernel(backend: str):
-    spec = IntAttn.parse(backend)
+    """The fused decode kernel ``backend`` names; None for torch (and auto); a BackendError for a name
+    that is none of them, so a misspelt name never attends through torch."""
+    spec = _int_spec(backend)
     if spec is not None:
         from ..kernels.cpu_int import decode_attention_int
 
@@ -54,6 +56,7 @@ def _fused_kernel(backend: str):
     elif backend == "triton":
         from ..kernels.gpu import decode_attention_triton as decode_attention
     else:
+        _check_float_name(backend)
         return None
     return decode_attention
 
@@ -290,7 +293,7 @@ def make_attend(
     write and attention run as one compiled call where it applies (:func:`~kvlens.engine.fused_step.attend_fused`:
     CPU, the numba backends, no sparse decode); the same results.
     """
-    kernel = _fused_kernel(check_backend_name(backend))  # a misspelt name is not torch's
+    kernel = _fused_kernel(backend)
     check_backend_mode(backend, cache.mode)
     sink = cache.sink  # positions read from the cache's sink store (0: none)
     # Fused kernels read the stores directly; options that splice exact rows in go through torch.
