@@ -1,6 +1,7 @@
 """The plan's sensitivity table, whole: per layer or per KV head as asked (every item of the model and
-each kind, no other key), each entry the KLD of a full engine pass over that item's probe (also for a sliding-window model
-whose chunk is longer than its hidden size), and one progress line per layer on stderr."""
+each kind, no other key), each entry the KLD of a full engine pass over that item's probe (also for a
+sliding-window model whose chunk is longer than its hidden size), and one progress line per layer on
+stderr."""
 
 from __future__ import annotations
 
@@ -79,5 +80,5 @@ def test_the_k_centers_are_the_float64_mean_rounded_once(tiny):
 def test_a_per_head_k_probe_by_hand():
     """One KV head's K in the probed kind (``test_sensitivity`` has the per-head V case)."""
     k10 = probe_mode(2, 2, (1, 0, "k"), Q4H)
-    assert k10.head_kinds(0) is None or k10.head_kinds(0) == ((F32, F32), (F32, F32))
+    assert (k10.kinds(0), k10.head_kinds(0)) == ((F32, F32), None)  # layer 0 unsplit, all f32
     assert k10.head_kinds(1) == ((Q4H, F32), (F32, F32))
