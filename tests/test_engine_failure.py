@@ -51,6 +51,10 @@ def _drive(engine: Engine, reqs: list[Request]) -> dict[str, list]:
             out[ev.request_id].append(ev)
     assert not engine.has_unfinished()
     assert engine.stats().blocks_used == 0 and engine.pool.blocks_free == engine.pool.n_blocks
+    # every request's events end with exactly one finished event (the server's stream closes on it)
+    assert all(
+        [ev.finished for ev in events] == [False] * (len(events) - 1) + [True] for events in out.values()
+    )
     return out
 
 
