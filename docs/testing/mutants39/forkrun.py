@@ -7,8 +7,9 @@ Why not mutmut's own verdicts: in this project about 1,400 of its runs ended by 
 forked from a process that has already run a parallel region, prints "Terminating: fork() called
 from a process already using GNU OpenMP, this is unsafe." and raises SIGTERM on itself (gdb: the
 ``raise`` comes from a parallel numba kernel). mutmut's parent runs the tests once before it forks,
-so every child that reached a parallel kernel died. With ``NUMBA_THREADING_LAYER=workqueue`` (fork-safe)
-mutmut's verdicts are sound again. This runner forks from a parent that has imported, but not run,
+so every child that reached a parallel kernel died. With ``NUMBA_THREADING_LAYER=workqueue`` and one
+OpenMP thread (``OMP_NUM_THREADS=1``: torch's own pool hangs in a forked child otherwise, see
+docs/testing.md, "Fork") mutmut's verdicts are sound again. This runner forks from a parent that has imported, but not run,
 anything parallel, and reads pytest's own exit code.
 Run it in the folder that holds ``mutants/`` (after ``mutmut run``), one mutant name a line:
 
