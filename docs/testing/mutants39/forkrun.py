@@ -51,7 +51,12 @@ def start(mutant: str, tests: list[str]) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
-        code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", *tests])
+        # a base temp of its own, so no two children (nor their cleanups) share pytest's numbered temp
+        # folders: one mutant's verdict never depends on what another child did to the disk
+        basetemp = f"/tmp/forkrun-{os.getpid()}"
+        code = pytest.main(
+            ["-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", f"--basetemp={basetemp}", *tests]
+        )
         os._exit(int(code))
     return pid
 
