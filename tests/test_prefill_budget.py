@@ -61,11 +61,13 @@ def test_a_chunk_that_fills_the_budget_exactly_runs_in_that_step(llm):  # noqa: 
 
 def test_a_prompt_resumed_from_the_prefix_cache_spends_only_what_it_computes(llm):  # noqa: F811
     """Chunks of 32, budget 64. P (65 tokens) ran before, so its two whole chunks are cached; the same
-    prompt again computes its last token only (1), which leaves room for R's 32 in the same step."""
+    prompt again computes its last token only (1), and R's 32 fits beside it in either order."""
     llm = llm.variant(prefill_chunk=32)
     p = req("P", 65, 1, 7)
     again = req("again", 65, 1, 7)
     assert prefill_schedule(llm, [again, req("R", 32, 1, 8)], 64, prefix_cache=True, before=[p]) == [[1, 32]]
+    # the other order: R's 32 first, then the resumed prompt's 1 still fits
+    assert prefill_schedule(llm, [req("R", 32, 1, 8), again], 64, prefix_cache=True, before=[p]) == [[32, 1]]
 
 
 @pytest.mark.parametrize("seed", range(6))
