@@ -70,3 +70,72 @@ def test_without_a_prefix_cache_its_counters_are_zero(llm):  # noqa: F811
     s = engine.stats()
     assert (s.prefix_hit_tokens, s.prefix_evictions, s.prefix_cached_blocks, s.disk) == (0, 0, 0, None)
     assert s.prompt_tokens == 80  # the premise: both prompts ran
+
+
+def test_a_prefix_cache_without_a_disk_tier_reports_no_disk(llm):  # noqa: F811
+    engine = Engine(
+        llm.variant(prefill_chunk=32), EngineConfig(kv_budget_bytes=budget(llm, 8), prefix_cache=True)
+    )
+    engine.add_request(req("a", 40, 2, seed=1))
+    for _ in range(20):
+        engine.step()
+    assert not engine.has_unfinished() and engine.stats().prefix_cached_blocks == 1  # its one whole chunk
+    assert engine.stats().disk is None
+
+
+def test_the_disk_stats_are_a_copy_taken_at_the_call(llm, tmp_path):  # noqa: F811
+    """The HTTP thread reads the stats while the engine thread restores blocks: it gets a copy whose
+    restore-time histogram does not move under it."""
+    config = EngineConfig(kv_budget_bytes=budget(llm, 8), prefix_cache=True, kv_disk=tmp_path / "tier")
+    engine = Engine(llm.variant(prefill_chunk=32), config)
+    live = engine.prefix.disk.stats.restore_seconds
+    live.observe(0.01)
+    seen = engine.stats().disk.restore_seconds
+    assert seen is not live and (seen.bounds, seen.counts, seen.total) == (
+        live.bounds,
+        live.counts,
+        live.total,
+    )
+    live.observe(0.02)
+    assert sum(seen.counts) == 1 and seen.total == 0.01
+
+
+def test_the_newest_running_sequence_is_the_one_preempted(llm, monkeypatch):  # noqa: F811
+    """vLLM's rule, and the docstring's: a short pool sends back the sequence admitted last, so the
+    oldest requests keep their progress."""
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget(llm, 6)))
+    newest: list[bool] = []
+    preempt = engine._preempt
+
+    def watched(seq) -> None:
+        newest.append(seq is engine.running[-1] and len(engine.running) >= 2)
+        preempt(seq)
+
+    monkeypatch.setattr(engine, "_preempt", watched)
+    drive(engine, {0: [req(str(i), 20 + 9 * i, 30, seed=i) for i in range(4)]}, {})
+    assert newest and all(newest)
+
+
+def test_a_drawn_seed_fits_a_signed_64_bit_integer(llm):  # noqa: F811
+    """A sampled request without a seed gets one drawn for its record (verify re-runs it); records go
+    to JSON and SQLite, whose integers are signed 64-bit. 64 draws: a 64-bit draw would exceed 2**63 - 1
+    in one of them with probability 1 - 2**-64."""
+    from kvlens.engine.sampling import SamplingParams
+    from kvlens.engine.scheduler import Request
+
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget(llm, 8), max_waiting=64))
+    seeds = []
+    for i in range(64):
+        r = Request(str(i), [5, 6, 7], 1, SamplingParams(temperature=1.0), frozenset())
+        engine.add_request(r)
+        seeds.append(r.sampling.seed)
+    assert all(isinstance(s, int) and 0 <= s < 2**63 for s in seeds)
+    assert len(set(seeds)) == 64
+
+
+def test_a_negative_logprobs_count_is_refused_at_admission(llm):  # noqa: F811
+    from kvlens.engine.scheduler import Request
+
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget(llm, 8)))
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.add_request(Request("r", [5, 6, 7], 1, logprobs=-1))

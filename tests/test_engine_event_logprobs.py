@@ -40,3 +40,14 @@ def test_logprobs_are_the_log_softmax_of_the_events_logits(llm, n):  # noqa: F81
         want = torch.topk(lp, n)
         assert [i for i, _ in ev.top_logprobs] == want.indices.tolist()
         assert all(abs(v - w) <= tol for (_, v), w in zip(ev.top_logprobs, want.values.tolist(), strict=True))
+
+
+def test_events_carry_no_logits_unless_asked(llm):  # noqa: F811
+    """A server keeps no copy of every step's logits (a vocabulary of floats per token) unless its
+    config asks (``keep_logits``, for tests and the lab)."""
+    engine = Engine(llm, EngineConfig(kv_budget_bytes=budget(llm, 4)))
+    engine.add_request(req("r", 12, 3, seed=4))
+    events = []
+    for _ in range(20):
+        events += engine.step()
+    assert len(events) == 3 and all(ev.logits is None for ev in events)
