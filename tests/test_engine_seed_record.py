@@ -4,6 +4,7 @@ its temperature; a greedy one gets none. The recorded seed reproduces the sample
 from dataclasses import replace
 
 import pytest
+from engine_loop import steps_until_done
 from test_scheduler import budget, req
 
 from kvlens.engine.sampling import SamplingParams
@@ -20,7 +21,7 @@ def test_a_sampled_request_gets_a_seed_that_reproduces_it(tiny, temperature):
     seed = first.sampling.seed
     assert isinstance(seed, int)
     tokens = []
-    while engine.has_unfinished():
+    for _ in steps_until_done(engine):
         tokens += [e.token_id for e in engine.step() if e.token_id is not None]
     again = replace(req("b", 20, 6), sampling=SamplingParams(temperature=temperature, seed=seed))
     assert run_batch(tiny, [again])["b"] == tokens

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from engine_loop import steps_until_done
 from tiny_models import write_hf
 
 import kvlens
@@ -156,7 +157,7 @@ def _engine(llm, disk_dir, blocks: int) -> Engine:
 def _run(engine: Engine, rid: str, prompt: list[int]) -> list:
     engine.add_request(Request(rid, prompt, 2, stop_ids=frozenset()))
     events = []
-    while engine.has_unfinished():
+    for _ in steps_until_done(engine):
         events += engine.step()
     return events
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_loop import steps_until_done
 from test_scheduler import budget, llm, req  # noqa: F401
 
 from kvlens.engine.scheduler import Engine, EngineConfig
@@ -25,7 +26,7 @@ def prefill_schedule(
     engine = Engine(model, config)
     for r in before:
         engine.add_request(r)
-    while engine.has_unfinished():
+    for _ in steps_until_done(engine):
         engine.step()
     steps: list[list[int]] = []
     prefill = engine.runner.prefill
@@ -37,7 +38,7 @@ def prefill_schedule(
     engine.runner.prefill = watched
     for r in requests:
         engine.add_request(r)
-    while engine.has_unfinished():
+    for _ in steps_until_done(engine):
         steps.append([])
         engine.step()
         assert len(steps) < 500

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from engine_loop import steps_until_done
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +41,7 @@ def ids(rng: random.Random, n: int) -> list[int]:
 def run(engine: Engine, rid: str, prompt: list[int], n: int = 3) -> list:
     engine.add_request(Request(rid, prompt, n, stop_ids=frozenset()))
     events = []
-    while engine.has_unfinished():
+    for _ in steps_until_done(engine):
         events += engine.step()
     return events
 
@@ -92,7 +93,7 @@ def test_concurrent_requests_sharing_a_prefix_match_each_alone(llm):
         engine.add_request(Request(f"r{i}", p, 6, stop_ids=frozenset()))
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     cached = {}
-    while engine.has_unfinished():
+    for _ in steps_until_done(engine):
         for ev in engine.step():
             got[ev.request_id].append(ev.token_id)
             cached.setdefault(ev.request_id, ev.cached_tokens)

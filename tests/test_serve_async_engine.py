@@ -11,6 +11,7 @@ import asyncio
 import threading
 
 import pytest
+from engine_loop import steps_until_done
 from test_prefix_cache import engine_bytes_per_token
 
 import kvlens
@@ -146,7 +147,7 @@ def test_a_fault_in_a_step_ends_the_requests_in_flight_and_the_thread_serves_on(
     alone = new_engine(llm)
     alone.add_request(request("after"))
     want = []
-    while alone.has_unfinished():
+    for _ in steps_until_done(alone):
         want += [e.token_id for e in alone.step()]
     assert after == want
 

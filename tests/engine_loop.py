@@ -1,0 +1,15 @@
+"""A bounded drive loop for the serving engine's tests: a scheduler bug that never finishes a request
+fails the test after ``limit`` steps instead of hanging the suite."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+def steps_until_done(engine, limit: int = 5000) -> Iterator[None]:
+    """Yield once per step while ``engine`` has unfinished requests; AssertionError after ``limit``."""
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            return
+        yield
+    raise AssertionError(f"requests still unfinished after {limit} engine steps")
