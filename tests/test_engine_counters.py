@@ -6,6 +6,7 @@ dashboard, not a wrong answer, which is why the output tests cannot see it."""
 from __future__ import annotations
 
 import pytest
+from engine_loop import steps_until_done
 from test_scheduler import budget, drive, llm, req  # noqa: F401
 
 import kvlens
@@ -77,7 +78,7 @@ def test_a_prefix_cache_without_a_disk_tier_reports_no_disk(llm):  # noqa: F811
         llm.variant(prefill_chunk=32), EngineConfig(kv_budget_bytes=budget(llm, 8), prefix_cache=True)
     )
     engine.add_request(req("a", 40, 2, seed=1))
-    for _ in range(20):
+    for _ in steps_until_done(engine, limit=20):
         engine.step()
     assert not engine.has_unfinished() and engine.stats().prefix_cached_blocks == 1  # its one whole chunk
     assert engine.stats().disk is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_loop import steps_until_done
 from test_scheduler import budget, llm, req  # noqa: F401
 
 from kvlens.engine.scheduler import Engine, EngineConfig
@@ -17,9 +18,7 @@ def events_of(llm, logprobs: int | None) -> list:  # noqa: F811
     r.logprobs = logprobs
     engine.add_request(r)
     events = []
-    for _ in range(20):
-        if not engine.has_unfinished():
-            break
+    for _ in steps_until_done(engine, limit=20):
         events += engine.step()
     assert len(events) == 3
     return events
@@ -48,6 +47,6 @@ def test_events_carry_no_logits_unless_asked(llm):  # noqa: F811
     engine = Engine(llm, EngineConfig(kv_budget_bytes=budget(llm, 4)))
     engine.add_request(req("r", 12, 3, seed=4))
     events = []
-    for _ in range(20):
+    for _ in steps_until_done(engine, limit=20):
         events += engine.step()
     assert len(events) == 3 and all(ev.logits is None for ev in events)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_loop import steps_until_done
 from tiny_models import write_hf
 
 import kvlens
@@ -44,9 +45,7 @@ def _drive(engine: Engine, reqs: list[Request]) -> dict[str, list]:
     out: dict[str, list] = {r.request_id: [] for r in reqs}
     for r in reqs:
         engine.add_request(r)
-    for _ in range(500):
-        if not engine.has_unfinished():
-            break
+    for _ in steps_until_done(engine, limit=500):
         for ev in engine.step():
             out[ev.request_id].append(ev)
     assert not engine.has_unfinished()

@@ -38,10 +38,9 @@ def prefill_schedule(
     engine.runner.prefill = watched
     for r in requests:
         engine.add_request(r)
-    for _ in steps_until_done(engine):
+    for _ in steps_until_done(engine, limit=500):
         steps.append([])
         engine.step()
-        assert len(steps) < 500
     return [s for s in steps if s]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_loop import steps_until_done
 from test_kv_disk import CHUNK as DISK_CHUNK
 from test_kv_disk import _engine, _run, random_pool
 from test_scheduler import budget, llm  # noqa: F401
@@ -69,9 +70,7 @@ def test_a_prompt_reuses_every_cached_chunk_that_leaves_a_token_to_compute(
     cached = {}
     for r in first:
         engine.add_request(r)
-        for _ in range(100):
-            if not engine.has_unfinished():
-                break
+        for _ in steps_until_done(engine, limit=100):
             for ev in engine.step():
                 cached.setdefault(ev.request_id, ev.cached_tokens)
     assert cached == {"first": 0, "again": reused_chunks * CHUNK}
