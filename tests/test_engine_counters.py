@@ -10,7 +10,8 @@ from engine_loop import steps_until_done
 from test_scheduler import budget, drive, llm, req  # noqa: F401
 
 import kvlens
-from kvlens.engine.scheduler import Engine, EngineConfig
+from kvlens.engine.sampling import SamplingParams
+from kvlens.engine.scheduler import Engine, EngineConfig, Request
 
 TINY_MODEL = ("llama", 5)  # conftest's tiny_dir
 
@@ -121,9 +122,6 @@ def test_a_drawn_seed_fits_a_signed_64_bit_integer(llm):  # noqa: F811
     """A sampled request without a seed gets one drawn for its record (verify re-runs it); records go
     to JSON and SQLite, whose integers are signed 64-bit. 64 draws: a 64-bit draw would exceed 2**63 - 1
     in one of them with probability 1 - 2**-64."""
-    from kvlens.engine.sampling import SamplingParams
-    from kvlens.engine.scheduler import Request
-
     engine = Engine(llm, EngineConfig(kv_budget_bytes=budget(llm, 8), max_waiting=64))
     seeds = []
     for i in range(64):
@@ -135,8 +133,6 @@ def test_a_drawn_seed_fits_a_signed_64_bit_integer(llm):  # noqa: F811
 
 
 def test_a_negative_logprobs_count_is_refused_at_admission(llm):  # noqa: F811
-    from kvlens.engine.scheduler import Request
-
     engine = Engine(llm, EngineConfig(kv_budget_bytes=budget(llm, 8)))
     with pytest.raises(ValueError, match="logprobs"):
         engine.add_request(Request("r", [5, 6, 7], 1, logprobs=-1))
