@@ -23,6 +23,7 @@ from test_serve_async_engine import WAIT_S, new_engine
 from kvlens.engine.scheduler import Engine, EngineConfig
 from kvlens.kv.cache import BLOCK
 from kvlens.serve.app import AppConfig, build_app
+from kvlens.serve.metrics import ServeMetrics
 
 COMPLETION_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
@@ -238,3 +239,19 @@ def test_a_full_queue_is_a_429_with_retry_after(llm):  # noqa: F811
     assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
     assert error["message"].startswith("the server is busy (the waiting queue is full")
     assert first["r"].status_code == 200
+
+
+def test_latency_histograms_resolve_cpu_prefills_and_fast_tokens(llm):  # noqa: F811
+    """A first token tens of seconds after arrival (a long prompt on a CPU) lands in a finite bucket, not
+    only in +Inf as with Prometheus' default buckets (largest 10 s); a 1 ms gap between tokens does too."""
+    metrics = ServeMetrics(new_engine(llm).stats)
+    metrics.ttft.observe(25.0)
+    metrics.itl.observe(0.0008)
+    got = {
+        (s.name, s.labels.get("le")): s.value
+        for f in text_string_to_metric_families(metrics.render().decode())
+        for s in f.samples
+    }
+    assert got[("kvlens_time_to_first_token_seconds_bucket", "10.0")] == 0
+    assert got[("kvlens_time_to_first_token_seconds_bucket", "30.0")] == 1
+    assert got[("kvlens_inter_token_latency_seconds_bucket", "0.001")] == 1
