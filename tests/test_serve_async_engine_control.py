@@ -123,3 +123,23 @@ def test_the_engine_thread_is_a_daemon(llm):  # noqa: F811
 
     (thread,) = asyncio.run(run())
     assert thread.daemon and thread.name == "kvlens-engine"
+
+
+def test_an_abort_after_the_request_finished_does_nothing(llm):  # noqa: F811
+    """A stop string can end a request on one of its tokens while its finished event is already
+    delivered (its stream gone): the abort the runner then sends must be a no-op, as for any unknown id."""
+
+    async def run() -> None:
+        ae = AsyncEngine(new_engine(llm))
+        ae.start()
+        try:
+            events = await ae.add(request("r1", n=2))
+            while not (await asyncio.wait_for(events.get(), WAIT_S)).event.finished:
+                pass
+            ae.abort("r1")
+            ae.abort("never-sent")
+            assert not ae._streams and ae.alive
+        finally:
+            await ae.stop(timeout=WAIT_S)
+
+    asyncio.run(run())
