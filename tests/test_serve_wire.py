@@ -20,6 +20,7 @@ from test_prefix_cache import engine_bytes_per_token
 from test_serve_app import CHAT, KEY, MODEL, TINY_MODEL, app_parts, client, completion, llm, sse_events  # noqa: F401
 from test_serve_async_engine import WAIT_S, new_engine
 
+import kvlens
 from kvlens.engine.scheduler import Engine, EngineConfig
 from kvlens.kv.cache import BLOCK
 from kvlens.serve.app import AppConfig, build_app
@@ -110,9 +111,10 @@ def envelope_of(chunks: list[dict]) -> tuple:
 
 def test_a_completion_stream_is_the_plain_answer_in_chunks(client):  # noqa: F811
     t0 = int(time.time())
-    plain = client.post("/v1/completions", json=completion(logprobs=1)).json()
-    body = completion(logprobs=1, stream_options={"include_usage": True})
+    plain = client.post("/v1/completions", json=completion(max_tokens=8, logprobs=1)).json()
+    body = completion(max_tokens=8, logprobs=1, stream_options={"include_usage": True})
     *chunks, last = stream(client, "/v1/completions", body)
+    assert len(chunks) >= 3  # the premise: text in several pieces (some tokens are part of a character)
     rid, kind, created, model = envelope_of([*chunks, last])
     assert (kind, model) == ("text_completion", MODEL) and rid.startswith("cmpl-") and rid != plain["id"]
     assert t0 <= created <= time.time()
@@ -126,25 +128,39 @@ def test_a_completion_stream_is_the_plain_answer_in_chunks(client):  # noqa: F81
         assert sum((lp[key] for lp in lps), []) == plain["choices"][0]["logprobs"][key]
     assert "kvlens" in chunks[-1] and not any("kvlens" in c for c in chunks[:-1])
     assert last["choices"] == [] and "kvlens" not in last
-    check_usage(last["usage"], prompt=4, completion_tokens=3)
+    check_usage(last["usage"], prompt=4, completion_tokens=8)
 
 
 def test_a_chat_stream_is_the_plain_answer_in_chunks(client, llm):  # noqa: F811
-    plain = client.post("/v1/chat/completions", json=chat_body()).json()
-    chunks = stream(client, "/v1/chat/completions", chat_body(stream_options={"include_usage": True}))
-    *chunks, last = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    plain = client.post("/v1/chat/completions", json=chat_body(max_tokens=8)).json()
+    raw = stream(
+        client, "/v1/chat/completions", chat_body(max_tokens=8, stream_options={"include_usage": True})
+    )
+    assert len(raw) >= 5  # the premise: the opening chunk, several text chunks, the usage chunk
+    *chunks, last = [ChatCompletionChunk.model_validate(c) for c in raw]
     rid, kind, _, model = envelope_of([c.model_dump() for c in [*chunks, last]])
     assert (kind, model) == ("chat.completion.chunk", MODEL) and rid.startswith("chatcmpl-")
     first = chunks[0].choices[0]
     assert (first.delta.role, first.delta.content, first.logprobs) == ("assistant", "", None)
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])  # the role once, at the start
     assert [c.choices[0].index for c in chunks] == [0] * len(chunks)
     assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == plain["choices"][0]["message"]["content"]
     entries = [e.model_dump() for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert entries == plain["choices"][0]["logprobs"]["content"]
-    assert last.choices == [] and last.usage.completion_tokens == 2
-    check_usage(last.usage.model_dump(), prompt=chat_prompt_tokens(llm), completion_tokens=2)
+    assert "kvlens" in raw[-2] and not any("kvlens" in c for c in raw[:-2]) and "kvlens" not in raw[-1]
+    assert last.choices == []
+    check_usage(last.usage.model_dump(), prompt=chat_prompt_tokens(llm), completion_tokens=8)
+
+
+def test_a_fault_in_a_stream_is_told_as_an_error_event(app_parts, client):  # noqa: F811
+    _, fault = app_parts
+    fault.arm()
+    events = stream(client, "/v1/completions", completion())
+    error = events[-1]["error"]
+    assert error["type"] == "server_error"
+    assert error["message"].startswith("the engine failed while running request cmpl-")
 
 
 def errors_by_status(client) -> dict[str, float]:  # noqa: F811
@@ -166,9 +182,14 @@ def test_an_unknown_model_is_openais_404(client):  # noqa: F811
     assert errors_by_status(client)["404"] == before.get("404", 0) + 1
 
 
-def test_a_missing_key_is_openais_401(client):  # noqa: F811
+@pytest.mark.parametrize("sent", [False, True])
+def test_a_missing_key_is_openais_401(client, sent):  # noqa: F811
     before = errors_by_status(client)
-    r = client.get("/v1/models", headers={"Authorization": ""})
+    key = client.headers.pop("Authorization")  # the fixture's client sends the key with every request
+    try:
+        r = client.get("/v1/models", headers={"Authorization": ""} if sent else {})
+    finally:
+        client.headers["Authorization"] = key
     assert r.status_code == 401
     assert r.json()["error"] == {
         "message": "invalid or missing API key",
@@ -177,6 +198,7 @@ def test_a_missing_key_is_openais_401(client):  # noqa: F811
         "code": "invalid_api_key",
     }
     assert errors_by_status(client)["401"] == before.get("401", 0) + 1
+    assert client.get("/v1/models").status_code == 200
 
 
 @pytest.fixture(scope="module")
@@ -255,3 +277,76 @@ def test_latency_histograms_resolve_cpu_prefills_and_fast_tokens(llm):  # noqa: 
     assert got[("kvlens_time_to_first_token_seconds_bucket", "10.0")] == 0
     assert got[("kvlens_time_to_first_token_seconds_bucket", "30.0")] == 1
     assert got[("kvlens_inter_token_latency_seconds_bucket", "0.001")] == 1
+
+
+CHUNK = 2 * BLOCK  # the prefix cache reuses whole prefill chunks of whole blocks
+
+
+@pytest.fixture(scope="module")
+def prefix_client(tiny_dir):
+    """An app whose engine caches whole prefill chunks of CHUNK tokens."""
+    chunked = kvlens.load(tiny_dir, kv="q8", attn_backend="numba", prefill_chunk=CHUNK)
+    budget = 16 * BLOCK * engine_bytes_per_token(chunked)
+    engine = Engine(chunked, EngineConfig(kv_budget_bytes=budget, prefix_cache=True))
+    with TestClient(build_app(chunked, engine, AppConfig(MODEL))) as c:
+        yield c
+
+
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(prefix_client):
+    """A prompt of 2 chunks + 8 tokens, sent again: its 2 whole chunks come from the cache, plain and
+    streamed alike; the first time, none do."""
+    prompt = [(7 * i) % 200 + 3 for i in range(2 * CHUNK + 8)]
+    body = completion(prompt=prompt, max_tokens=2)
+    first = prefix_client.post("/v1/completions", json=body).json()["usage"]
+    again = prefix_client.post("/v1/completions", json=body).json()["usage"]
+    *_, streamed = stream(
+        prefix_client, "/v1/completions", body | {"stream_options": {"include_usage": True}}
+    )
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    for usage in (again, streamed["usage"]):
+        check_usage(usage, prompt=len(prompt), completion_tokens=2)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 2 * CHUNK
+
+
+def test_a_plain_answer_slower_than_the_disconnect_poll_still_comes(llm):  # noqa: F811
+    """A non-streamed request asks every second whether its client is gone; one held in the engine
+    for longer than that (its steps held 1.5 s) is still answered in full."""
+    engine = new_engine(llm)
+    gated = GatedStep(engine)
+    with TestClient(build_app(llm, engine, AppConfig(MODEL))) as c:
+        threading.Timer(1.5, gated.gate.set).start()
+        r = c.post("/v1/completions", json=completion())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_chat_stream_cut_by_a_stop_string_closes_with_an_empty_delta(client):  # noqa: F811
+    """A stop string that begins a token leaves no text to send with the finish: a closing chunk
+    carries it, with an empty delta (the role only ever opens a stream) and no logprobs repeated."""
+    for message in ("a", "the", "in the"):
+        body = chat_body(messages=[{"role": "user", "content": message}], max_tokens=8, top_logprobs=1)
+        reply = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        tokens = [e["token"] for e in reply["logprobs"]["content"]]
+        stops = [
+            t
+            for i, t in enumerate(tokens[1:], 1)
+            # a whole character; none before it held back (a byte of a character the decoder awaits)
+            if t.isascii()
+            and t.isprintable()
+            and t.strip()
+            and t not in (before := "".join(tokens[:i]))
+            and "\ufffd" not in before
+        ]
+        if stops:
+            break
+    else:
+        raise AssertionError(f"premise: no reply with a token that can be a stop string ({tokens})")
+    body |= {"stop": [stops[0]]}
+    plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    raw = stream(client, "/v1/chat/completions", body)
+    chunks = [ChatCompletionChunk.model_validate(c).choices[0] for c in raw]
+    assert plain["finish_reason"] == "stop" and chunks[-1].finish_reason == "stop"
+    assert chunks[-1].delta.content == "" and chunks[-1].delta.role is None  # the closing chunk
+    assert all(c.delta.role is None for c in chunks[1:])
+    assert "".join(c.delta.content or "" for c in chunks) == plain["message"]["content"]
+    entries = [e.model_dump() for c in chunks if c.logprobs for e in c.logprobs.content]
+    assert entries == plain["logprobs"]["content"]
