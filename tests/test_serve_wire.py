@@ -126,7 +126,9 @@ def test_a_completion_stream_is_the_plain_answer_in_chunks(client):  # noqa: F81
     lps = [ch[0]["logprobs"] for ch in choices if ch[0]["logprobs"]]
     for key in COMPLETION_LOGPROB_KEYS:  # each token's entry once, in order: the plain answer's
         assert sum((lp[key] for lp in lps), []) == plain["choices"][0]["logprobs"][key]
-    assert "kvlens" in chunks[-1] and not any("kvlens" in c for c in chunks[:-1])
+    assert not any("kvlens" in c for c in chunks[:-1])
+    record = chunks[-1]["kvlens"]  # the engine's record, on the closing chunk only
+    assert record["prompt_ids"] == body["prompt"] and len(record["output_ids"]) == 8
     assert last["choices"] == [] and "kvlens" not in last
     check_usage(last["usage"], prompt=4, completion_tokens=8)
 
