@@ -1,5 +1,6 @@
 #!/bin/bash
-# kill mutmut's children that have run past 150 s (deadlocked: RLIMIT_CPU never fires for a sleeping child)
+# end mutmut's children that have run past 45 s (deadlocked: RLIMIT_CPU never fires for a sleeping child);
+# SIGXCPU first, which mutmut reads as a timeout. Usage: watch.sh <pid of "mutmut run">
 P=$1
 while kill -0 $P 2>/dev/null; do
   ps -o pid=,etimes=,args= --ppid $P | while read pid et args; do
