@@ -8,7 +8,9 @@ instead of hanging it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 
 import pytest
 from engine_loop import steps_until_done
@@ -30,6 +32,17 @@ def llm(tiny_dir):
 
 def new_engine(llm) -> Engine:
     return Engine(llm, EngineConfig(kv_budget_bytes=16 * BLOCK * engine_bytes_per_token(llm), max_batch=4))
+
+
+@contextlib.asynccontextmanager
+async def running(engine: Engine) -> AsyncIterator[AsyncEngine]:
+    """An ``AsyncEngine`` over ``engine`` with its thread started; stopped (bounded) on the way out."""
+    ae = AsyncEngine(engine)
+    ae.start()
+    try:
+        yield ae
+    finally:
+        await ae.stop(timeout=WAIT_S)
 
 
 def request(rid: str, n: int = 4) -> Request:
@@ -65,9 +78,7 @@ def test_finished_and_aborted_requests_leave_no_stream_behind(llm):
     or was aborted."""
 
     async def run() -> None:
-        ae = AsyncEngine(new_engine(llm))
-        ae.start()
-        try:
+        async with running(new_engine(llm)) as ae:
             # r1 is long, so the abort finds it running (not already finished)
             streams = [await ae.add(request(f"r{i}", n=200 if i == 1 else 4)) for i in range(3)]
             ae.abort("r1")
@@ -75,8 +86,6 @@ def test_finished_and_aborted_requests_leave_no_stream_behind(llm):
                 assert (await drain(streams[i]))[-1].event.finish_reason == "length"
             assert not ae._streams
             assert not ae._live  # updated before the events were handed over
-        finally:
-            await ae.stop(timeout=WAIT_S)
 
     asyncio.run(run())
 
@@ -90,9 +99,7 @@ def test_a_caller_gone_before_admission_leaves_the_loop_clean(llm):
         loop = asyncio.get_running_loop()
         errors: list = []
         loop.set_exception_handler(lambda _, context: errors.append(context))
-        ae = AsyncEngine(new_engine(llm))
-        ae.start()
-        try:
+        async with running(new_engine(llm)) as ae:
             task = asyncio.create_task(ae.add(request("gone")))
             await asyncio.sleep(0)  # ``add`` posts the request and waits; the answer is not in yet
             task.cancel()
@@ -104,8 +111,6 @@ def test_a_caller_gone_before_admission_leaves_the_loop_clean(llm):
                     break
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.05)  # the thread's last callbacks run
-        finally:
-            await ae.stop(timeout=WAIT_S)
         return errors
 
     assert asyncio.run(run()) == []
@@ -129,9 +134,7 @@ def test_a_fault_in_a_step_ends_the_requests_in_flight_and_the_thread_serves_on(
     engine.step = failing_step
 
     async def run() -> tuple[list, list, int]:
-        ae = AsyncEngine(engine)
-        ae.start()
-        try:
+        async with running(engine) as ae:
             # 200 tokens: the first cannot end before the second is in, however slowly it is posted
             streams = [await ae.add(request(f"r{i}", n=200)) for i in range(2)]
             ended = [(await drain(s))[-1].event.finish_reason for s in streams]
@@ -139,8 +142,6 @@ def test_a_fault_in_a_step_ends_the_requests_in_flight_and_the_thread_serves_on(
             assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
             after = [t.event.token_id for t in await drain(await ae.add(request("after")))]
             return ended, after, ae.faults
-        finally:
-            await ae.stop(timeout=WAIT_S)
 
     ended, after, faults = asyncio.run(run())
     assert ended == ["error", "error"] and faults == 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from test_serve_async_engine import TINY_MODEL, WAIT_S, llm, new_engine, request  # noqa: F401
+from test_serve_async_engine import TINY_MODEL, WAIT_S, llm, new_engine, request, running  # noqa: F401
 from test_serve_wire import GatedStep
 
 from kvlens.engine.scheduler import Engine, EngineConfig, QueueFullError
@@ -28,19 +28,14 @@ async def until(condition, what: str) -> None:
 
 def test_an_abort_reaches_the_engine_while_no_step_runs(llm):  # noqa: F811
     engine = new_engine(llm)
-    gated = GatedStep(engine)
+    GatedStep(engine)  # never opened: the thread takes in the abort between empty steps
 
     async def run() -> None:
-        ae = AsyncEngine(engine)
-        ae.start()
-        try:
+        async with running(engine) as ae:
             await ae.add(request("r1", n=200))
             await until(lambda: ae.stats().waiting + ae.stats().running == 1, "r1 admitted")
             ae.abort("r1")
             await until(lambda: ae.stats().waiting + ae.stats().running == 0, "r1 gone from the engine")
-        finally:
-            gated.gate.set()
-            await ae.stop(timeout=WAIT_S)
 
     asyncio.run(run())
 
@@ -51,12 +46,10 @@ def test_a_refused_request_leaves_no_stream_behind(llm):  # noqa: F811
     engine = Engine(
         llm, EngineConfig(kv_budget_bytes=new_engine(llm).config.kv_budget_bytes, max_batch=1, max_waiting=0)
     )
-    gated = GatedStep(engine)
+    GatedStep(engine)  # never opened: r1 holds the only slot
 
     async def run() -> None:
-        ae = AsyncEngine(engine)
-        ae.start()
-        try:
+        async with running(engine) as ae:
             await ae.add(request("r1", n=4))
             try:
                 await ae.add(request("r2", n=4))
@@ -65,9 +58,6 @@ def test_a_refused_request_leaves_no_stream_behind(llm):  # noqa: F811
             else:
                 raise AssertionError("the second request was admitted")
             assert list(ae._streams) == ["r1"]
-        finally:
-            gated.gate.set()
-            await ae.stop(timeout=WAIT_S)
 
     asyncio.run(run())
 
@@ -114,12 +104,8 @@ def test_stopping_an_engine_never_started_does_nothing(llm):  # noqa: F811
 def test_the_engine_thread_is_a_daemon(llm):  # noqa: F811
     async def run() -> list[threading.Thread]:
         before = set(threading.enumerate())
-        ae = AsyncEngine(new_engine(llm))
-        ae.start()
-        try:
+        async with running(new_engine(llm)):
             return [t for t in threading.enumerate() if t not in before]
-        finally:
-            await ae.stop(timeout=WAIT_S)
 
     (thread,) = asyncio.run(run())
     assert thread.daemon and thread.name == "kvlens-engine"
@@ -130,16 +116,12 @@ def test_an_abort_after_the_request_finished_does_nothing(llm):  # noqa: F811
     delivered (its stream gone): the abort the runner then sends must be a no-op, as for any unknown id."""
 
     async def run() -> None:
-        ae = AsyncEngine(new_engine(llm))
-        ae.start()
-        try:
+        async with running(new_engine(llm)) as ae:
             events = await ae.add(request("r1", n=2))
             while not (await asyncio.wait_for(events.get(), WAIT_S)).event.finished:
                 pass
             ae.abort("r1")
             ae.abort("never-sent")
             assert not ae._streams and ae.alive
-        finally:
-            await ae.stop(timeout=WAIT_S)
 
     asyncio.run(run())
