@@ -51,14 +51,18 @@ DISK_SERIES = {
 }
 
 
-def samples(metrics: ServeMetrics) -> dict[tuple[str, tuple], float]:
-    """Every exposed sample as (name, sorted labels) -> value, through Prometheus's own parser."""
-    text = metrics.render().decode()
+def parse_samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a Prometheus text exposition as (name, sorted labels) -> value, through
+    Prometheus's own parser."""
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+def samples(metrics: ServeMetrics) -> dict[tuple[str, tuple], float]:
+    return parse_samples(metrics.render().decode())
 
 
 def test_every_engine_series_reads_its_own_field():

@@ -15,10 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from prometheus_client.parser import text_string_to_metric_families
 from test_prefix_cache import engine_bytes_per_token
 from test_serve_app import CHAT, KEY, MODEL, TINY_MODEL, app_parts, client, completion, llm, sse_events  # noqa: F401
 from test_serve_async_engine import WAIT_S, new_engine
+from test_serve_metrics import parse_samples, samples
 
 import kvlens
 from kvlens.engine.scheduler import Engine, EngineConfig
@@ -166,9 +166,12 @@ def test_a_fault_in_a_stream_is_told_as_an_error_event(app_parts, client):  # no
 
 
 def errors_by_status(client) -> dict[str, float]:  # noqa: F811
-    families = text_string_to_metric_families(client.get("/metrics").text)
-    family = next(f for f in families if f.name == "kvlens_request_errors")
-    return {s.labels["status"]: s.value for s in family.samples if s.name.endswith("_total")}
+    got = parse_samples(client.get("/metrics").text)
+    return {
+        dict(labels)["status"]: v
+        for (name, labels), v in got.items()
+        if name == "kvlens_request_errors_total"
+    }
 
 
 def test_an_unknown_model_is_openais_404(client):  # noqa: F811
@@ -271,14 +274,10 @@ def test_latency_histograms_resolve_cpu_prefills_and_fast_tokens(llm):  # noqa: 
     metrics = ServeMetrics(new_engine(llm).stats)
     metrics.ttft.observe(25.0)
     metrics.itl.observe(0.0008)
-    got = {
-        (s.name, s.labels.get("le")): s.value
-        for f in text_string_to_metric_families(metrics.render().decode())
-        for s in f.samples
-    }
-    assert got[("kvlens_time_to_first_token_seconds_bucket", "10.0")] == 0
-    assert got[("kvlens_time_to_first_token_seconds_bucket", "30.0")] == 1
-    assert got[("kvlens_inter_token_latency_seconds_bucket", "0.001")] == 1
+    got = samples(metrics)
+    assert got["kvlens_time_to_first_token_seconds_bucket", (("le", "10.0"),)] == 0
+    assert got["kvlens_time_to_first_token_seconds_bucket", (("le", "30.0"),)] == 1
+    assert got["kvlens_inter_token_latency_seconds_bucket", (("le", "0.001"),)] == 1
 
 
 CHUNK = 2 * BLOCK  # the prefix cache reuses whole prefill chunks of whole blocks
