@@ -140,7 +140,7 @@ def test_a_chat_stream_is_the_plain_answer_in_chunks(client, llm):  # noqa: F811
     )
     assert len(raw) >= 5  # the premise: the opening chunk, several text chunks, the usage chunk
     *chunks, last = [ChatCompletionChunk.model_validate(c) for c in raw]
-    rid, kind, _, model = envelope_of([c.model_dump() for c in [*chunks, last]])
+    rid, kind, _, model = envelope_of(raw)
     assert (kind, model) == ("chat.completion.chunk", MODEL) and rid.startswith("chatcmpl-")
     first = chunks[0].choices[0]
     assert (first.delta.role, first.delta.content, first.logprobs) == ("assistant", "", None)
