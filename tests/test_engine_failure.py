@@ -159,7 +159,7 @@ def test_the_server_names_the_failure_of_that_request(model_dir):
     from kvlens.serve.runner import EngineFault, Job, Runner
 
     llm = _load(model_dir)
-    metrics = ServeMetrics(lambda: None)
+    metrics = ServeMetrics(lambda: None, lambda: 0)
     runner = Runner(llm, engine=None, metrics=metrics)
     error = NonFiniteKVError(
         "non-finite K value at layer 0, position 3; refusing to store it in the KV cache"

@@ -22,6 +22,7 @@ STATS = dict(
     peak_blocks_used=181,
 )  # fmt: skip
 DISK = dict(spilled=151, restored=157, corrupt=163, failed=167, bytes=173)
+STEP_FAULTS = 191  # the engine thread's count of steps that raised
 
 # metric (as exposed) -> the stats field it reports, from the metric names and help texts
 ENGINE_SERIES = {
@@ -68,15 +69,16 @@ def samples(metrics: ServeMetrics) -> dict[tuple[str, tuple], float]:
 def test_every_engine_series_reads_its_own_field():
     hist = LatencyHistogram()
     disk = DiskStats(**DISK, restore_seconds=hist)
-    got = samples(ServeMetrics(lambda: EngineStats(**STATS, disk=disk)))
+    got = samples(ServeMetrics(lambda: EngineStats(**STATS, disk=disk), lambda: STEP_FAULTS))
     for name, field in ENGINE_SERIES.items():
         assert got[name, ()] == STATS[field], name
     for name, field in DISK_SERIES.items():
         assert got[name, ()] == DISK[field], name
+    assert got["kvlens_engine_step_faults_total", ()] == STEP_FAULTS
 
 
 def test_without_a_disk_tier_its_series_exist_at_zero():
-    got = samples(ServeMetrics(lambda: EngineStats(**STATS)))
+    got = samples(ServeMetrics(lambda: EngineStats(**STATS), lambda: 0))
     assert all(got[name, ()] == 0 for name in DISK_SERIES)
     assert got["kvlens_kv_disk_restore_seconds_count", ()] == 0
 
@@ -88,7 +90,7 @@ def test_restore_histogram_has_cumulative_le_buckets():
     hist = LatencyHistogram()
     for seconds in (0.0001, 0.0003, 0.0003, 2.0):
         hist.observe(seconds)
-    got = samples(ServeMetrics(lambda: EngineStats(**STATS, disk=DiskStats(restore_seconds=hist))))
+    got = samples(ServeMetrics(lambda: EngineStats(**STATS, disk=DiskStats(restore_seconds=hist)), lambda: 0))
     name = "kvlens_kv_disk_restore_seconds"
     buckets = {dict(labels)["le"]: v for (n, labels), v in got.items() if n == f"{name}_bucket"}
     assert buckets["0.0001"] == 1 and buckets["0.00025"] == 1 and buckets["0.0005"] == 3
@@ -100,7 +102,7 @@ def test_restore_histogram_has_cumulative_le_buckets():
 def test_latencies_are_measured_from_arrival_then_from_the_previous_token():
     """Arrival at t = 10; tokens at 10.5, 10.7 and 11.0: time to first token 0.5, then gaps of 0.2
     and 0.3 (the first gap from the first token, not from arrival)."""
-    metrics = ServeMetrics(lambda: EngineStats(**STATS))
+    metrics = ServeMetrics(lambda: EngineStats(**STATS), lambda: 0)
     runner = SimpleNamespace(metrics=metrics)
     job = SimpleNamespace(arrived=10.0, first_at=None, last_at=None)
     for at in (10.5, 10.7, 11.0):

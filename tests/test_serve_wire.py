@@ -271,7 +271,7 @@ def test_a_full_queue_is_a_429_with_retry_after(llm):  # noqa: F811
 def test_latency_histograms_resolve_cpu_prefills_and_fast_tokens(llm):  # noqa: F811
     """A first token tens of seconds after arrival (a long prompt on a CPU) lands in a finite bucket, not
     only in +Inf as with Prometheus' default buckets (largest 10 s); a 1 ms gap between tokens does too."""
-    metrics = ServeMetrics(new_engine(llm).stats)
+    metrics = ServeMetrics(new_engine(llm).stats, lambda: 0)
     metrics.ttft.observe(25.0)
     metrics.itl.observe(0.0008)
     got = samples(metrics)

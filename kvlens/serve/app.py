@@ -220,7 +220,7 @@ def _check_model(name: str, served: str) -> None:
 def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
     """The server around an engine; the engine thread runs for the app's lifespan."""
     aengine = AsyncEngine(engine)
-    metrics = ServeMetrics(aengine.stats)
+    metrics = ServeMetrics(aengine.stats, lambda: aengine.faults)
     runner = Runner(llm, aengine, metrics, config.retry_after_s)
 
     @asynccontextmanager

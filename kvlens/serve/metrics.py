@@ -1,7 +1,8 @@
 """Prometheus metrics of the server (``GET /metrics``), in a registry of its own.
 
 Pool and queue gauges and the token counters are read from the engine's latest stats snapshot at
-scrape time (one source of truth: ``EngineStats``); latencies are observed by the HTTP layer.
+scrape time (one source of truth: ``EngineStats``), the count of engine steps that raised from the
+engine thread's own counter; latencies are observed by the HTTP layer.
 """
 
 from __future__ import annotations
@@ -69,11 +70,16 @@ _DISK_COUNTERS = {
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
-        self._stats = stats
+    def __init__(self, stats: Callable[[], EngineStats], step_faults: Callable[[], int]) -> None:
+        self._stats, self._step_faults = stats, step_faults
 
     def collect(self) -> Iterator:
         s = self._stats()
+        yield CounterMetricFamily(
+            "kvlens_engine_step_faults",
+            "engine steps that raised (the requests in flight ended with finish_reason error)",
+            value=self._step_faults(),
+        )
         for name, (doc, attr) in _GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=getattr(s, attr))
         for name, (doc, attr) in _COUNTERS.items():
@@ -124,9 +130,11 @@ class ServeMetrics:
     requests: Counter
     errors: Counter
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], step_faults: Callable[[], int]) -> None:
+        """``stats``: the engine's latest snapshot; ``step_faults``: how many of its steps raised
+        (``AsyncEngine.faults``), both read at scrape time."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, step_faults))
         for attr, (name, doc, buckets) in _LATENCIES.items():
             setattr(self, attr, Histogram(name, doc, buckets=buckets, registry=self.registry))
         for attr, (name, doc, labels) in _REQUEST_COUNTERS.items():
