@@ -149,7 +149,7 @@ class _Shapes:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(job)
         return {
-            **envelope(self.kind, job.rid, self.model),
+            **envelope(self.kind, job.rid, self.model, int(time.time())),
             "choices": [choice],
             "usage": usage(job.prompt_tokens, job.completion_tokens, job.cached_tokens),
             "kvlens": job.record,

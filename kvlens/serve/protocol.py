@@ -10,7 +10,6 @@ except vLLM's ``ignore_eos`` (load generators use it to get exact output lengths
 from __future__ import annotations
 
 import math
-import time
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -243,6 +242,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def envelope(kind: str, rid: str, model: str, created: int | None = None) -> dict[str, Any]:
-    """The fields every response object starts with."""
-    return {"id": rid, "object": kind, "created": created or int(time.time()), "model": model}
+def envelope(kind: str, rid: str, model: str, created: int) -> dict[str, Any]:
+    """The fields every response object starts with; ``created`` is passed, not filled in, so every
+    chunk of one stream carries the one timestamp its caller took."""
+    return {"id": rid, "object": kind, "created": created, "model": model}
