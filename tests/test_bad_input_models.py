@@ -190,6 +190,9 @@ BAD_GGUF_META = [
     ("llama.attention.layer_norm_rms_epsilon", (0.0, GT.FLOAT32), "layer_norm_rms_epsilon must be > 0"),
     ("llama.attention.layer_norm_rms_epsilon", (math.inf, GT.FLOAT32), "must be a finite number"),
     ("llama.context_length", (0, GT.UINT32), "llama.context_length must be ≥ 1"),
+    # llama.cpp refuses a file without either (no default of its own): kvlens did run one, with 1e-5 / 4096
+    ("llama.context_length", DROP, "lacks llama.context_length"),
+    ("llama.attention.layer_norm_rms_epsilon", DROP, "lacks llama.attention.layer_norm_rms_epsilon"),
     ("llama.rope.scaling.type", ("yarn", GT.STRING), "rope.scaling.type='yarn' is not supported"),
 ]
 
@@ -276,7 +279,6 @@ BAD_HF_CONFIG = [
     ("rms_norm_eps", math.inf, "rms_norm_eps must be a finite number"),
     ("max_position_embeddings", 0, "max_position_embeddings must be ≥ 1"),
     ("tie_word_embeddings", "yes", "tie_word_embeddings must be true or false"),
-    ("use_sliding_window", 1, "use_sliding_window must be true or false"),
     ("rope_scaling", "linear", "rope_scaling must be a JSON object"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "unsupported rope scaling 'yarn'"),
     ("rope_scaling", {"rope_type": "linear"}, "rope_scaling.factor must be a number"),

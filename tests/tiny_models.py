@@ -75,16 +75,18 @@ def hf_config(arch: str, sliding_window: int | None = None, **shape):
         )
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=sliding_window, tie_word_embeddings=False)
+    window = {} if sliding_window is None else {"sliding_window": sliding_window}  # with use_sliding_window
     if arch == "qwen2":
-        return tf.Qwen2Config(**common, tie_word_embeddings=True)
+        return tf.Qwen2Config(**common, **window, tie_word_embeddings=True)
     if arch == "qwen3":
-        return tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+        return tf.Qwen3Config(**common, **window, head_dim=32, tie_word_embeddings=True)
     raise ValueError(arch)
 
 
 def write_hf(arch: str, out: Path, seed: int = 0, sliding_window: int | None = None, **shape):
     """Random-weight HF model saved as safetensors (several shards); returns the HF model.
-    ``sliding_window`` (Mistral only): each query attends its last ``sliding_window`` positions;
+    ``sliding_window`` (Mistral; Qwen2/3 with ``use_sliding_window=True``, from layer
+    ``max_window_layers`` on): each query attends its last ``sliding_window`` positions;
     ``shape``: :func:`hf_config`'s size overrides."""
     import transformers as tf
 

@@ -85,6 +85,7 @@ class ModelConfig:
     # windowed layers rotate with rope_local_theta (None: rope_theta).
     sliding_pattern: int | None = None
     rope_local_theta: float | None = None
+    window_from: int = 0  # layers below this one attend fully (Qwen2/3's max_window_layers)
     hidden_act: str = "silu"
     embed_scale: float = 1.0  # Gemma multiplies the embedding rows by sqrt(hidden)
     sandwich_norms: bool = False  # Gemma: post-attention and post-MLP norms before each residual add
@@ -117,6 +118,7 @@ class ModelConfig:
             count(self.sliding_window, self._label("sliding_window"))
         if self.sliding_pattern is not None:
             count(self.sliding_pattern, self._label("sliding_pattern"))
+        check_int(self.window_from, self._label("window_from"), minimum=0)
         for name in ("rope_local_theta", "query_pre_attn_scalar"):
             if getattr(self, name) is not None:
                 setattr(self, name, positive(getattr(self, name), self._label(name)))
@@ -150,7 +152,7 @@ class ModelConfig:
 
     def is_windowed(self, layer: int) -> bool:
         """Whether ``layer`` attends only its last ``sliding_window`` positions."""
-        if self.sliding_window is None:
+        if self.sliding_window is None or layer < self.window_from:
             return False
         return self.sliding_pattern is None or (layer + 1) % self.sliding_pattern != 0
 
@@ -186,7 +188,19 @@ HF_KEYS = {
     "rms_eps": "rms_norm_eps",
     "max_ctx": "max_position_embeddings",
     "sliding_window": "sliding_window",
+    "window_from": "max_window_layers",
 }
+# What transformers' config class of each architecture reads for a key config.json lacks, where the
+# architectures differ (all four: rms_norm_eps 1e-6, rope_theta 10000, untied embeddings): a config
+# that leaves a key out means here what it means to transformers. tests/test_config_hf_defaults.py
+# checks every entry against transformers itself.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_ctx": 2048},
+    "mistral": {"max_ctx": 131072, "n_kv_heads": 8, "sliding_window": 4096},
+    "qwen2": {"max_ctx": 32768, "n_kv_heads": 32, "sliding_window": 4096, "window_from": 28},
+    "qwen3": {"max_ctx": 32768, "n_kv_heads": 32, "head_dim": 128, "sliding_window": 4096, "window_from": 28},
+}
+HF_RMS_EPS = 1e-6
 
 
 def _of_type(kind: type, what: str) -> Callable[[Any, str], Any]:
@@ -195,6 +209,13 @@ def _of_type(kind: type, what: str) -> Callable[[Any, str], Any]:
 
 
 _flag = _of_type(bool, "true or false")
+
+
+def _layer(value: Any, name: str) -> int:
+    """A :func:`read_key` check of a layer index (0 allowed)."""
+    return check_int(value, name, minimum=0)
+
+
 _mapping = _of_type(dict, "a JSON object")
 
 
@@ -203,6 +224,8 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{where} must hold a JSON object, got {type(cfg).__name__}")
     arch = cfg.get("model_type", "")
+    if not isinstance(arch, str):
+        raise ModelLoadError(f"{where}: model_type must be a string, got {type(arch).__name__}")
     if arch.startswith("gemma"):
         raise ModelLoadError(
             f"{where}: model_type {arch!r} loads from its GGUF file only in kvlens (give the .gguf)"
@@ -215,7 +238,7 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     def get(field_name: str, check: Callable[[Any, str], Any] = count, default: Any = REQUIRED) -> Any:
         return read_key(cfg, HF_KEYS[field_name], where, check, default)
 
-    shape = read_shape(get, HF_KEYS, where)
+    shape = read_shape(get, HF_KEYS, where, {"rms_eps": HF_RMS_EPS, **HF_DEFAULTS[arch]})
     scaling = read_key(cfg, "rope_scaling", where, _mapping, None) or read_key(
         cfg, "rope_parameters", where, _mapping, None
     )
@@ -224,7 +247,6 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     )
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
-    windowed = read_key(cfg, "use_sliding_window", where, _flag, arch == "mistral")
     fields = dict(
         arch=arch,
         **shape,
@@ -234,17 +256,37 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
         qkv_bias=read_key(cfg, "attention_bias", where, _flag, ARCHITECTURES[arch]["qkv_bias"]),
         qk_norm=ARCHITECTURES[arch]["qk_norm"],
         rope_scaling=dict(scaling) if scaling else None,
-        sliding_window=get("sliding_window", count, None) if windowed else None,
+        **_hf_window(cfg, arch, where),
         name=str(cfg.get("_name_or_path", "")),
     )
     return build_config(fields, HF_KEYS, where)
 
 
-def read_shape(get: Callable[..., Any], keys: dict[str, str], where: str) -> dict[str, Any]:
-    """The fields every loader reads alike: layer count and sizes (the head size as given, else
-    hidden / n_heads when that divides), the norm epsilon and the context length."""
+def _hf_window(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """The attention window as transformers reads it: Mistral windows every layer unless
+    ``sliding_window`` is null; Qwen2/3 only with ``use_sliding_window``, and only the layers from
+    ``max_window_layers`` on; Llama never (it ignores both keys)."""
+    defaults = HF_DEFAULTS[arch]
+    if "sliding_window" not in defaults:
+        return {"sliding_window": None}
+    if "window_from" in defaults and not read_key(cfg, "use_sliding_window", where, _flag, False):
+        return {"sliding_window": None}
+    if "sliding_window" in cfg and cfg["sliding_window"] is None:  # null: no window (absent: the default)
+        return {"sliding_window": None}
+    window = {"sliding_window": read_key(cfg, "sliding_window", where, count, defaults["sliding_window"])}
+    if "window_from" in defaults:
+        window["window_from"] = read_key(cfg, "max_window_layers", where, _layer, defaults["window_from"])
+    return window
+
+
+def read_shape(
+    get: Callable[..., Any], keys: dict[str, str], where: str, defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The fields every loader reads alike: layer count and sizes (the head size as given, else the
+    source's default, else hidden / n_heads when that divides), the norm epsilon and the context
+    length. ``defaults``: what the source's reference reads for an absent key (``REQUIRED``: none)."""
     hidden, n_heads = get("hidden"), get("n_heads")
-    head_dim = get("head_dim", count, None)
+    head_dim = get("head_dim", count, defaults.get("head_dim"))
     if head_dim is None:
         if hidden % n_heads:
             raise ModelLoadError(
@@ -255,11 +297,11 @@ def read_shape(get: Callable[..., Any], keys: dict[str, str], where: str) -> dic
         n_layers=get("n_layers"),
         hidden=hidden,
         n_heads=n_heads,
-        n_kv_heads=get("n_kv_heads", count, n_heads),
+        n_kv_heads=get("n_kv_heads", count, defaults.get("n_kv_heads", n_heads)),
         head_dim=head_dim,
         ffn=get("ffn"),
-        rms_eps=get("rms_eps", positive, 1e-5),
-        max_ctx=get("max_ctx", count, 4096),
+        rms_eps=get("rms_eps", positive, defaults["rms_eps"]),
+        max_ctx=get("max_ctx", count, defaults["max_ctx"]),
     )
 
 

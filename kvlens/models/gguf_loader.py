@@ -168,7 +168,7 @@ def _gguf_keys(arch: str) -> dict[str, str]:
 def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> ModelConfig:
     """Build a :class:`ModelConfig` from GGUF metadata; a bad or missing value names its key."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported GGUF architecture {arch!r}; kvlens implements: {', '.join(ARCHITECTURES)}"
         )
@@ -177,7 +177,8 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
     def get(field_name: str, check: Any = count, default: Any = REQUIRED) -> Any:
         return read_key(meta, keys[field_name], where, check, default)
 
-    shape = read_shape(get, keys, where)
+    # llama.cpp refuses a file without the norm epsilon or the training context; so does kvlens
+    shape = read_shape(get, keys, where, {"rms_eps": REQUIRED, "max_ctx": REQUIRED})
     hidden, n_heads, head_dim = shape["hidden"], shape["n_heads"], shape["head_dim"]
     for other in ("attention.value_length", "rope.dimension_count"):  # kvlens needs both = head_dim
         value = read_key(meta, f"{arch}.{other}", where, count, head_dim)
