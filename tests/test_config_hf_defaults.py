@@ -2,10 +2,14 @@
 architecture's config class fills its own defaults (Mistral 131072 positions, 8 KV heads and a
 4096 window; Qwen3 a head size of 128; all an RMS epsilon of 1e-6), Mistral's window is off only when
 ``sliding_window`` is null, and Qwen2/3 window only the layers from ``max_window_layers`` on, and only
-with ``use_sliding_window``. Expected values are read from transformers' own config classes; the
-window's effect on the logits is checked against transformers' forward pass."""
+with ``use_sliding_window``; only Llama's and Qwen3's classes read ``attention_bias``. Expected values
+are read from transformers' own config classes and models; the window's effect on the logits is checked
+against transformers' forward pass. Each refusal names the file it read. The forty-third session's
+mutation run of ``models/config.py`` found these unasserted (docs/testing.md)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -34,6 +38,14 @@ OPTIONAL = [
     {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 0},
     {"sliding_window": 8, "max_window_layers": 1},
     {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 9},
+    {"attention_bias": True},
+    {"attention_bias": False},
+    {"rope_scaling": {"type": "linear", "factor": 2.0}},  # the key's older name
+    {"rope_scaling": {"type": "default"}},
+    {"rope_scaling": {"rope_type": "default"}, "rope_theta": 5e5},
+    {"rope_scaling": {"rope_type": "linear", "factor": 3.0}, "rope_theta": 2e4},
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+    {"_name_or_path": "org/model"},
     dict(
         num_key_value_heads=4, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=512,
         rope_theta=5e5, tie_word_embeddings=True,
@@ -56,7 +68,7 @@ def transformers_windows(hf) -> tuple[int | None, ...]:
 @pytest.mark.parametrize("optional", OPTIONAL, ids=lambda d: ",".join(d) or "none")
 def test_a_config_reads_as_transformers_reads_it(arch, optional):
     body = REQUIRED | optional
-    hf = transformers.AutoConfig.for_model(arch, **body)
+    hf = transformers.AutoConfig.for_model(arch, **copy.deepcopy(body))  # it adds keys to the dicts given
     ours = config_from_hf({"model_type": arch, **body})
     got = (ours.rms_eps, ours.max_ctx, ours.rope_theta, ours.n_kv_heads, ours.head_dim, ours.tied_embeddings)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -66,6 +78,12 @@ def test_a_config_reads_as_transformers_reads_it(arch, optional):
     )  # fmt: skip
     assert got == want
     assert ours.layer_windows == transformers_windows(hf)
+    assert ours.name == hf.name_or_path
+    scaling = ours.rope_scaling or {"rope_type": "default"}
+    assert scaling.get("rope_type", scaling.get("type")) == hf.rope_parameters["rope_type"]
+    assert scaling.get("factor") == hf.rope_parameters.get("factor")
+    attention = transformers.AutoModelForCausalLM.from_config(hf).model.layers[0].self_attn
+    assert ours.qkv_bias == (attention.q_proj.bias is not None)
 
 
 @pytest.mark.parametrize(
@@ -109,3 +127,31 @@ def test_a_gguf_architecture_that_is_not_a_name_is_refused(arch):
     from the dict lookup: a list is unhashable)."""
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture"):
         config_from_gguf({"general.architecture": arch})
+
+
+WHERE = "some/dir/config.json"
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"num_hidden_layers": None}, "lacks num_hidden_layers"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be ≥ 1"),
+        ({"hidden_size": 250}, "hidden_size=250 is not a multiple of num_attention_heads=32"),
+        ({"num_key_value_heads": 5}, "is not a multiple of"),
+        ({"rope_scaling": "linear"}, "rope_scaling must be a JSON object"),
+        ({"rope_parameters": [1]}, "rope_parameters must be a JSON object"),
+        ({"rope_parameters": {"rope_theta": -1.0}}, "rope_theta must be > 0"),
+        ({"use_sliding_window": "yes"}, "use_sliding_window must be true or false"),
+        ({"use_sliding_window": True, "max_window_layers": -1}, "max_window_layers must be ≥ 0"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+        ({"model_type": "qwen3", "attention_bias": "yes"}, "attention_bias must be true or false"),
+    ],
+)
+def test_a_refusal_names_the_file_it_read(change, needle):
+    """Every refusal starts with the file it came from, so a user with several model folders knows
+    which config.json to fix."""
+    body = {"model_type": "qwen2", **REQUIRED} | change
+    with pytest.raises(ModelLoadError) as e:
+        config_from_hf({k: v for k, v in body.items() if v is not None}, where=WHERE)
+    assert str(e.value).startswith(WHERE) and needle in str(e.value)

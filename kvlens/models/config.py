@@ -201,6 +201,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"max_ctx": 32768, "n_kv_heads": 32, "head_dim": 128, "sliding_window": 4096, "window_from": 28},
 }
 HF_RMS_EPS = 1e-6
+HF_ATTENTION_BIAS = ("llama", "qwen3")  # read attention_bias; Mistral's and Qwen2's biases are fixed
 
 
 def _of_type(kind: type, what: str) -> Callable[[Any, str], Any]:
@@ -253,7 +254,9 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
         vocab=get("vocab"),
         rope_theta=theta,
         tied_embeddings=read_key(cfg, "tie_word_embeddings", where, _flag, False),
-        qkv_bias=read_key(cfg, "attention_bias", where, _flag, ARCHITECTURES[arch]["qkv_bias"]),
+        qkv_bias=read_key(cfg, "attention_bias", where, _flag, False)
+        if arch in HF_ATTENTION_BIAS
+        else ARCHITECTURES[arch]["qkv_bias"],
         qk_norm=ARCHITECTURES[arch]["qk_norm"],
         rope_scaling=dict(scaling) if scaling else None,
         **_hf_window(cfg, arch, where),
