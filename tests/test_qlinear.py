@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 
 import gguf
 import pytest
@@ -24,7 +23,6 @@ from kvlens.models.qlinear import (
     embedding,
     linear,
 )
-from kvlens.models.weights import convert_weights
 
 EPS = 2.0**-24  # f32 unit roundoff
 LAYERS = {"bf16": BF16Linear, "int8": Int8Linear, "int4": Int4Linear}
@@ -182,9 +180,11 @@ def test_smollm2_auto_is_the_file_itself(smol_path, smol_loaded, smol_f32):
 
 
 @pytest.mark.slow
-def test_int8_weights_greedy_equals_f32(smol_loaded, smol_f32):
-    int8 = replace(smol_loaded, weights=convert_weights(smol_loaded.weights, "int8"), weights_mode="int8")
-    llm = kvlens.LLM(int8, kv="f32", attn_backend="torch")
+def test_int8_weights_greedy_equals_f32(smol_path, smol_f32):
+    llm = kvlens.load(smol_path, kv="f32", attn_backend="torch", weights="int8")
+    w = llm.model.w
+    kinds = {getattr(L, f).kind for L in w.layers for f in ("wqkv", "wo", "w_gate_up", "w_down")}
+    assert kinds == {"int8"} and w.embed.kind == "int8" and w.lm_head is w.embed  # tied, one copy
     for prompt in PROMPTS:
         ids = smol_f32.tokenizer.encode(prompt)
         ref = list(smol_f32.generate_ids(ids, 12, stop_at_eos=False))

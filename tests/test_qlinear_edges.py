@@ -12,7 +12,7 @@ import torch
 
 from kvlens.models.config import ModelLoadError
 from kvlens.models.gguf_repack import auto_mode, repack
-from kvlens.models.qlinear import Int4Linear, QCodes, convert, make_matrix
+from kvlens.models.qlinear import QCodes, make_matrix
 
 
 def gguf_tensor(type_name: str, shape: tuple[int, ...], blocks: np.ndarray) -> SimpleNamespace:
@@ -85,14 +85,3 @@ def test_a_fused_matrix_takes_the_finest_mode_and_keeps_codes_already_in_it():
     assert torch.equal(deq[12:], codes["v"].dequantize())
     requantized = QCodes.quantize(torch.cat([codes["q"].dequantize(), codes["k"].dequantize()]), "int8")
     assert torch.equal(deq[:12], requantized.dequantize())
-
-
-def test_converting_to_the_mode_a_matrix_is_in_changes_nothing():
-    """Codes that do not span 0..15 (as Q4_1 blocks often do) would move if re-quantized."""
-    codes = torch.randint(2, 10, (64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    c = QCodes("int4", codes, torch.full((64, 2), 0.5), torch.full((64, 2), -1.0))
-    layer = Int4Linear(c)
-    assert convert(layer, "int4") is layer
-    assert not torch.equal(convert(layer.dequantize(), "int4").dequantize(), layer.dequantize())
-    w = torch.randn(4, 4)
-    assert convert(w, "f32") is w

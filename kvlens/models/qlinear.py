@@ -299,21 +299,6 @@ def embedding(w: Matrix, ids: torch.Tensor) -> torch.Tensor:
     return w[ids] if isinstance(w, torch.Tensor) else w.rows(ids)
 
 
-def convert(w: Matrix, mode: str) -> Matrix:
-    """A matrix in another weight mode (from its float values; no-op if already there)."""
-    if mode not in PRECISION:
-        raise ValueError(f"unknown weight mode {mode!r}; expected one of {', '.join(WEIGHT_MODES)}")
-    cur = "f32" if isinstance(w, torch.Tensor) else w.kind
-    if cur == mode:
-        return w
-    f = w.float() if isinstance(w, torch.Tensor) else w.dequantize()
-    return (
-        f
-        if mode == "f32"
-        else {"bf16": BF16Linear, "int8": Int8Linear, "int4": Int4Linear}[mode].from_float(f)
-    )
-
-
 def make_matrix(
     mode_for: Callable[[str], str],
     get_float: Callable[[str], torch.Tensor],

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
 from .config import ModelConfig, ModelLoadError
-from .qlinear import Matrix, QCodes, convert, make_matrix, matrix_bytes
+from .qlinear import Matrix, QCodes, make_matrix, matrix_bytes
 
 
 @dataclass
@@ -228,17 +228,6 @@ def build_weights(
         layers=layers,
         rope_freq_factors=factors,
     )
-
-
-def convert_weights(w: Weights, mode: str) -> Weights:
-    """The same model with every weight matrix in ``mode`` (f32/bf16/int8/int4); a tied head stays tied."""
-    layers = [
-        replace(L, **{f: convert(getattr(L, f), mode) for f in ("wqkv", "wo", "w_gate_up", "w_down")})
-        for L in w.layers
-    ]
-    embed = convert(w.embed, mode)
-    lm_head = embed if w.lm_head is w.embed else convert(w.lm_head, mode)
-    return replace(w, embed=embed, lm_head=lm_head, layers=layers)
 
 
 def step_read_bytes(w: Weights) -> int:
