@@ -67,7 +67,7 @@ def _layer_names(arch: str) -> dict[str, str]:
     return {**_LAYER_NAMES, **_GEMMA3_NAMES} if arch == "gemma3" else _LAYER_NAMES
 
 
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+def hf_name(gguf_name: str, arch: str) -> str | None:
     """The HF name of a GGUF tensor of architecture ``arch``, or None for a tensor kvlens does not know."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -78,7 +78,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def gguf_name(name: str, arch: str = "llama") -> str:
+def gguf_name(name: str, arch: str) -> str:
     """The GGUF spelling of an HF tensor name (inverse of :func:`hf_name`); unknown names unchanged."""
     for g, h in _GLOBAL_NAMES.items():
         if h == name:
