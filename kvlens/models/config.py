@@ -161,10 +161,6 @@ class ModelConfig:
         """Each layer's attention window (None: full causal attention)."""
         return tuple(self.sliding_window if self.is_windowed(i) else None for i in range(self.n_layers))
 
-    def layer_rope_theta(self, layer: int) -> float:
-        local = self.rope_local_theta is not None and self.is_windowed(layer)
-        return self.rope_local_theta if local else self.rope_theta
-
     @property
     def attn_scale(self) -> float:
         """The softmax scale of attention scores (the kernels use 1/sqrt(head_dim); q absorbs the rest)."""
