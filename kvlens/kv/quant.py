@@ -23,7 +23,7 @@ import torch
 
 from ..checks import check_tensor
 from ..kernels.bits import FP16_MAX
-from ..kernels.q4store import GROUP_MAX_EPS, Q4_SEARCH, first_fp16_overflow, hadamard_rows, store_q4_rows
+from ..kernels.q4store import GROUP_MAX_EPS, Q4_SEARCH, hadamard_rows, store_q4_rows
 from ..kernels.q4store import Q4_BLOCK as JIT_Q4_BLOCK
 from ..kernels.q8store import KSUM_BLOCK, NO_KSUM, first_nonfinite_index, store_q8_rows
 from ..models.blockquant import symmetric_blocks
@@ -245,13 +245,6 @@ def dequantize_q4(
     codes = unpack_q4(packed).to(torch.float32)
     blocks = codes.reshape(*codes.shape[:-1], -1, Q4_BLOCK) * scale.to(torch.float32).unsqueeze(-1)
     return blocks.reshape(codes.shape).to(dtype)
-
-
-def check_q4_range(x: np.ndarray, search: bool = False) -> None:
-    """ValueError unless every 32-block of the f32 rows ``x [..., d]`` has an fp16 scale (|max| / 8,
-    or with ``search`` q4h's searched step)."""
-    _check_q4_width(x.shape[-1])
-    _raise_q4_overflow(x, first_fp16_overflow(x.reshape(-1, x.shape[-1]), search), search)
 
 
 def _check_q4_width(d: int) -> None:
