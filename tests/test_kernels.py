@@ -12,7 +12,6 @@ import math
 import sys
 
 import numba
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -88,11 +87,7 @@ def case(kind_k, kind_v, n_heads, n_kv, hd, length, cap=None, seed=0, zero_rows=
 @pytest.mark.parametrize("n_heads,n_kv", GQA)
 def test_q8_matches_reference(n_heads, n_kv, hd, length, n_splits):
     q, ks, vs = case("q8", "q8", n_heads, n_kv, hd, length)
-    out = np.empty((n_heads, hd), np.float32)
-    cpu.decode_attention_q8(
-        q.numpy(), ks.data.numpy(), ks.scale.numpy(), vs.data.numpy(), vs.scale.numpy(), length, out, n_splits
-    )
-    assert_matches(out, reference(q, ks, vs, length))
+    assert_matches(cpu.decode_attention(q, ks, vs, length, n_splits=n_splits), reference(q, ks, vs, length))
 
 
 @pytest.mark.parametrize("n_splits", [None, 2, 5])
@@ -104,16 +99,6 @@ def test_q8_matches_reference(n_heads, n_kv, hd, length, n_splits):
 def test_store_kinds_match_reference(kind_k, kind_v, n_heads, n_kv, length, n_splits):
     q, ks, vs = case(kind_k, kind_v, n_heads, n_kv, 64, length, seed=1)
     assert_matches(cpu.decode_attention(q, ks, vs, length, n_splits=n_splits), reference(q, ks, vs, length))
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("n_splits", [None, 3])
-def test_float_numpy_api(dtype, n_splits):
-    kind = {np.float32: "f32", np.float16: "f16"}[dtype]
-    q, ks, vs = case(kind, kind, 8, 2, 128, 257, seed=2)
-    out = np.empty((8, 128), np.float32)
-    cpu.decode_attention_float(q.numpy(), ks.data.numpy(), vs.data.numpy(), 257, out, n_splits)
-    assert_matches(out, reference(q, ks, vs, 257))
 
 
 def test_f16_bf16_bit_conversion_is_exact():
@@ -168,17 +153,13 @@ def test_running_max_moves_by_more_and_less_than_the_lazy_threshold(direction):
 def test_intdot_matches_reference_with_quantized_query(n_heads, n_kv, length):
     """The seed's variant is exact up to f32 rounding *given its int8 query*, and close to the f32 query."""
     q, ks, vs = case("q8", "q8", n_heads, n_kv, 64, length, seed=4)
-    out = np.empty((n_heads, 64), np.float32)
-    args = (ks.data.numpy(), ks.scale.numpy(), vs.data.numpy(), vs.scale.numpy(), length, out)
-    cpu.decode_attention_q8_intdot(q.numpy(), *args, n_splits=3)
+    out = cpu.decode_attention(q, ks, vs, length, n_splits=3, int_dot=True)
     q8, q_max = cpu.quantize_query_blocks(q.numpy())
     q_used = dequantize_q8(torch.from_numpy(q8).view(n_heads, -1, 32), torch.from_numpy(q_max)).view(
         n_heads, 64
     )
     assert_matches(out, reference(q_used, ks, vs, length))
     assert_matches(out, reference(q, ks, vs, length), rtol=0.05)
-    via_torch = cpu.decode_attention(q, ks, vs, length, n_splits=3, int_dot=True)
-    assert torch.equal(via_torch, torch.from_numpy(out))
 
 
 def test_parallel_path():
@@ -202,14 +183,6 @@ def test_errors():
     fk = RowStore.empty(StoreKind.F32, 2, 32, 64, CPU)
     with pytest.raises(ValueError, match="int_dot"):
         cpu.decode_attention(q, fk, vs, 10, int_dot=True)
-    with pytest.raises(TypeError):
-        cpu.decode_attention_float(
-            q.numpy(),
-            np.zeros((2, 32, 64), np.float64),
-            np.zeros((2, 32, 64)),
-            5,
-            np.empty((4, 64), np.float32),
-        )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -319,24 +319,28 @@ def test_user_thread_env_fixes_the_count():
 def test_busy_step_gives_the_same_attention_bits(monkeypatch):
     """A decode step on fewer threads divides the sequence for the same count (split_threads), so its
     attention output is bit-identical to a quiet step's: results never depend on the machine's load."""
-    import numpy as np
+    import torch
 
-    from kvlens.kernels.cpu import decode_attention_q8
+    from kvlens.kernels.cpu import decode_attention
+    from kvlens.kv.kinds import StoreKind
+    from kvlens.kv.stores import RowStore
 
     rng = np.random.default_rng(0)
     n_heads, n_kv, hd, ctx = 9, 3, 64, 1500  # above the serial size: split over threads
-    q = rng.standard_normal((n_heads, hd), dtype=np.float32)
-    k, v = (rng.integers(-127, 128, (n_kv, ctx, hd), dtype=np.int8) for _ in range(2))
-    ks, vs = (rng.random((n_kv, ctx), dtype=np.float32) for _ in range(2))
+    q = torch.from_numpy(rng.standard_normal((n_heads, hd), dtype=np.float32))
+    k, v = (RowStore.empty(StoreKind.Q8, n_kv, ctx, hd, torch.device("cpu")) for _ in range(2))
+    for store in (k, v):
+        store.data.copy_(torch.from_numpy(rng.integers(-127, 128, (n_kv, ctx, hd), dtype=np.int8)))
+        store.scale.copy_(torch.from_numpy(rng.random((n_kv, ctx), dtype=np.float32)))
     numba.set_num_threads(2)
     try:
-        quiet = decode_attention_q8(q, k, ks, v, vs, ctx, np.zeros_like(q))
+        quiet = decode_attention(q, k, v, ctx)
         monkeypatch.setattr(threads, "_user_count", False)
         busy_machine(monkeypatch)
         with threads.decode_threads() as n:
             assert n == 1 and threads.split_threads() == 2
-            busy = decode_attention_q8(q, k, ks, v, vs, ctx, np.zeros_like(q))
+            busy = decode_attention(q, k, v, ctx)
         assert threads.split_threads() == 2
-        np.testing.assert_array_equal(busy, quiet)
+        assert torch.equal(busy, quiet)
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)

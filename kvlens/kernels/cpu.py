@@ -136,18 +136,6 @@ _NO_SCALE = np.ones((1, 1), np.float32)
 _NO_BLOCK_SCALE = np.ones((1, 1, 1), np.uint16)
 _NO_Q8 = np.zeros((1, 1), np.int8)
 _ROW_BYTES_PER_VALUE = {_KIND_CODE[kind]: kind.row_width(8) * kind.dtype.itemsize / 8 for kind in StoreKind}
-_NP_CODE = {
-    np.dtype(np.int8): _KIND_CODE[StoreKind.Q8],
-    np.dtype(np.float16): _KIND_CODE[StoreKind.F16],
-    np.dtype(np.float32): _KIND_CODE[StoreKind.F32],
-}
-
-
-def _raw(a: np.ndarray) -> tuple[np.ndarray, int]:
-    """A numpy cache array as the uint8 bytes the core reads, and its storage code."""
-    if a.dtype not in _NP_CODE:
-        raise TypeError(f"cache rows must be int8, float16 or float32, got {a.dtype}")
-    return np.ascontiguousarray(a).view(np.uint8), _NP_CODE[a.dtype]
 
 
 def _run(
@@ -186,38 +174,6 @@ def _run(
     )  # fmt: skip
     run_serial_if(serial, _decode_core, *args)  # waking the thread pool would cost more than the work
     return out
-
-
-def decode_attention_q8(q, k_q8, k_max_abs, v_q8, v_max_abs, length: int, out, n_splits=None) -> np.ndarray:
-    """Attention of ``q [n_heads, hd]`` (f32) over the first ``length`` int8 rows ``[n_kv, cap, hd]``
-    with ``max_abs [n_kv, cap]``; f32 math. Writes and returns ``out [n_heads, hd]`` (f32 numpy).
-
-    The default q8 kernel: faster than :func:`decode_attention_q8_intdot` (numba types int8*int8
-    products as int64, so integer dots barely vectorize; docs/kernels.md) and, unlike it, exact up to
-    f32 rounding.
-    """
-    k, v = _raw(k_q8)[0], _raw(v_q8)[0]
-    return _run(q, k, CODE_Q8, k_max_abs, v, CODE_Q8, v_max_abs, length, out, n_splits)
-
-
-def decode_attention_q8_intdot(
-    q, k_q8, k_max_abs, v_q8, v_max_abs, length: int, out, n_splits=None
-) -> np.ndarray:
-    """The seed's variant: query int8 in blocks of 32 (:func:`quantize_query_blocks`), int32 dots.
-
-    Same contract as :func:`decode_attention_q8`, except that the query is quantized first.
-    """
-    k, v = _raw(k_q8)[0], _raw(v_q8)[0]
-    return _run(q, k, CODE_Q8, k_max_abs, v, CODE_Q8, v_max_abs, length, out, n_splits, int_dot=True)
-
-
-def decode_attention_float(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int, out: np.ndarray, n_splits: int | None = None
-) -> np.ndarray:
-    """The same over float32 or float16 K/V ``[n_kv, cap, hd]`` (bf16: :func:`decode_attention`)."""
-    kb, kc = _raw(k)
-    vb, vc = _raw(v)
-    return _run(q, kb, kc, _NO_SCALE, vb, vc, _NO_SCALE, length, out, n_splits)
 
 
 def store_arrays(store) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
