@@ -125,3 +125,43 @@ def test_a_nonfinite_field_is_named_as_its_option():
     assert str(e.value).startswith("--kld-budget must be a finite number")
     with pytest.raises(ValueError, match="--kld-budget must be > 0"):
         check_finite_fields(SimpleNamespace(kld_budget=0.0), "kld_budget", above=0.0)
+
+
+def test_an_ignored_tensor_does_not_end_the_check_of_the_others():
+    """Old HF checkpoints carry ``rotary_emb.inv_freq`` (recomputed here): it is passed over, and every
+    tensor after it is still checked."""
+    found = {"model.layers.0.self_attn.rotary_emb.inv_freq": (2,), **expected_tensors(SMALL)[0]}
+    check_structure(SMALL, found)  # the ignored one alone is fine
+    with pytest.raises(ModelLoadError, match="unexpected tensor 'model.extra.weight' in the checkpoint"):
+        check_structure(SMALL, found | {"model.extra.weight": (8,)})
+    wrong = found | {"model.norm.weight": (9,)}
+    with pytest.raises(
+        ModelLoadError, match=r"'model.norm.weight' has shape \(9,\), the config implies \(8,\)"
+    ):
+        check_structure(SMALL, wrong)
+
+
+@pytest.mark.parametrize("n_missing, tail", [(1, ""), (2, " (and 1 more)"), (4, " (and 3 more)")])
+def test_missing_tensors_are_named_with_how_many_more(n_missing, tail):
+    required = expected_tensors(SMALL)[0]
+    gone = list(required)[-n_missing:]
+    found = {k: v for k, v in required.items() if k not in gone}
+    with pytest.raises(ModelLoadError) as e:
+        check_structure(SMALL, found, label=lambda name: f"<{name}>")
+    assert str(e.value) == f"tensor '<{gone[0]}>' is missing from the checkpoint{tail}"
+
+
+def test_a_rope_scaling_that_is_not_a_mapping_is_named():
+    with pytest.raises(ModelLoadError) as e:
+        ModelConfig(
+            "llama",
+            n_layers=2,
+            hidden=8,
+            n_heads=2,
+            n_kv_heads=1,
+            head_dim=4,
+            ffn=8,
+            vocab=10,
+            rope_scaling=[1],
+        )
+    assert str(e.value) == "inconsistent model config: rope_scaling must be a mapping, got list"
