@@ -206,14 +206,12 @@ def _of_type(kind: type, what: str) -> Callable[[Any, str], Any]:
 
 
 _flag = _of_type(bool, "true or false")
+_mapping = _of_type(dict, "a JSON object")
 
 
 def _layer(value: Any, name: str) -> int:
     """A :func:`read_key` check of a layer index (0 allowed)."""
     return check_int(value, name, minimum=0)
-
-
-_mapping = _of_type(dict, "a JSON object")
 
 
 def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
