@@ -6,6 +6,7 @@ scale, an HF checkpoint that ties its head without saying so, and the exact mess
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -153,15 +154,5 @@ def test_missing_tensors_are_named_with_how_many_more(n_missing, tail):
 
 def test_a_rope_scaling_that_is_not_a_mapping_is_named():
     with pytest.raises(ModelLoadError) as e:
-        ModelConfig(
-            "llama",
-            n_layers=2,
-            hidden=8,
-            n_heads=2,
-            n_kv_heads=1,
-            head_dim=4,
-            ffn=8,
-            vocab=10,
-            rope_scaling=[1],
-        )
+        dataclasses.replace(SMALL, rope_scaling=[1])
     assert str(e.value) == "inconsistent model config: rope_scaling must be a mapping, got list"
