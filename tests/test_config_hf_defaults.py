@@ -12,9 +12,9 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 import transformers
 from bounds import f32_forward_tol
+from test_gemma3 import step_logits
 from test_models import IDS, float64_logits
 from tiny_models import write_hf
 
@@ -111,9 +111,7 @@ def test_qwen2_windows_only_the_layers_from_max_window_layers_on(tmp_path, backe
     llm = kvlens.load(tmp_path / "hf", kv="f32", attn_backend=backend)
     assert llm.config.layer_windows == (None, 4)
     tol = f32_forward_tol(llm.config, ref)
-    cache = llm.new_cache(len(IDS))
-    steps = [llm.model.logits(llm.forward([t], cache, i, prefill=i == 0)) for i, t in enumerate(IDS)]
-    for out in (llm.logits(IDS, prefill_chunk=5), torch.cat(steps)):
+    for out in (llm.logits(IDS, prefill_chunk=5), step_logits(llm, IDS)):
         assert (out.double() - ref).abs().max().item() <= tol
     for other in (0, 2):  # both layers windowed; neither
         variant = write_hf("qwen2", tmp_path / f"hf{other}", use_sliding_window=True, sliding_window=4,

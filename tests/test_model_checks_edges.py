@@ -10,9 +10,11 @@ import dataclasses
 import json
 import math
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from test_bad_input_special_files import refusal
 from tiny_models import write_gemma3, write_hf
 
 import kvlens
@@ -81,25 +83,23 @@ def test_an_untied_config_without_a_head_ties_it(tmp_path):
 
 
 def test_read_json_names_the_file_and_what_it_should_be(tmp_path):
+    def read_recipe(path):
+        return read_json(path, ValueError, "KV recipe")
+
+    def read_plain(path):
+        return read_json(path, ValueError)
+
+    assert str(refusal(read_recipe, tmp_path)) == f"cannot read KV recipe {tmp_path}: Is a directory"
+    assert str(refusal(read_plain, tmp_path)) == f"cannot read {tmp_path}: Is a directory"
     assert (
-        str(refusal(read_json, tmp_path, "KV recipe")) == f"cannot read KV recipe {tmp_path}: Is a directory"
-    )
-    assert str(refusal(read_json, tmp_path)) == f"cannot read {tmp_path}: Is a directory"
-    assert (
-        str(refusal(read_json, "/dev/zero", "KV recipe"))
-        == "KV recipe /dev/zero is a device, not a regular file"
+        str(refusal(read_recipe, Path("/dev/zero"))) == "KV recipe /dev/zero is a device, not a regular file"
     )
     bad = tmp_path / "bad.json"
     bad.write_text('{"a" 1}')
     assert (
-        str(refusal(read_json, bad)) == f"{bad} is not valid JSON: Expecting ':' delimiter (line 1, column 6)"
+        str(refusal(read_plain, bad))
+        == f"{bad} is not valid JSON: Expecting ':' delimiter (line 1, column 6)"
     )
-
-
-def refusal(read, path, *what) -> ValueError:
-    with pytest.raises(ValueError) as e:
-        read(path, ValueError, *what)
-    return e.value
 
 
 def test_a_url_is_http_or_https_with_a_host():
