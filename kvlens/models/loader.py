@@ -182,11 +182,28 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype, weights: 
 
     if not cfg.tied_embeddings and "lm_head.weight" not in where:
         cfg.tied_embeddings = True
+    elif cfg.tied_embeddings and "lm_head.weight" in where:
+        _check_tied_head(get, config_path)
     check_structure(cfg, found)
     tokenizer = check_vocab(Tokenizer.from_hf_dir(path), cfg, path)
     mode_for = None if weights == "f32" else (lambda _name: weights)
     built = build_weights(cfg, get, dtype, device, mode_for)
     return LoadedModel(cfg, built, tokenizer, path, weights)
+
+
+def _check_tied_head(get, config_path: Path) -> None:
+    """A tied config whose file also holds an LM head: one that equals the embedding changes nothing;
+    one that differs is refused, as the two readings disagree (transformers 5 runs the stored head with
+    a warning, 4.x overwrote it with the embedding)."""
+    head, embed = get("lm_head.weight"), get("model.embed_tokens.weight")
+    if embed is None or head.shape != embed.shape:
+        return  # the structure check names the missing or misshapen tensor
+    if not torch.equal(head.to(torch.float32), embed.to(torch.float32)):
+        raise ModelLoadError(
+            f"{config_path}: tie_word_embeddings is true, but the checkpoint holds an lm_head.weight that "
+            "differs from model.embed_tokens.weight; set tie_word_embeddings to false to run the stored "
+            "head, or remove it to run the embedding as the head"
+        )
 
 
 def _checked_slice(handle, name: str, file: Path) -> tuple[int, ...]:
