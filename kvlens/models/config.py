@@ -85,7 +85,7 @@ class ModelConfig:
     # windowed layers rotate with rope_local_theta (None: rope_theta).
     sliding_pattern: int | None = None
     rope_local_theta: float | None = None
-    window_from: int = 0  # layers below this one attend fully (Qwen2/3's max_window_layers)
+    window_layers: tuple[int, ...] | None = None  # the windowed layers (Qwen2/3); None: by the above
     hidden_act: str = "silu"
     embed_scale: float = 1.0  # Gemma multiplies the embedding rows by sqrt(hidden)
     sandwich_norms: bool = False  # Gemma: post-attention and post-MLP norms before each residual add
@@ -118,7 +118,9 @@ class ModelConfig:
             count(self.sliding_window, self._label("sliding_window"))
         if self.sliding_pattern is not None:
             count(self.sliding_pattern, self._label("sliding_pattern"))
-        check_int(self.window_from, self._label("window_from"), minimum=0)
+        if self.window_layers is not None:
+            for i in self.window_layers:
+                check_int(i, "window_layers[]", minimum=0, maximum=self.n_layers - 1)
         for name in ("rope_local_theta", "query_pre_attn_scalar"):
             if getattr(self, name) is not None:
                 setattr(self, name, positive(getattr(self, name), self._label(name)))
@@ -152,8 +154,10 @@ class ModelConfig:
 
     def is_windowed(self, layer: int) -> bool:
         """Whether ``layer`` attends only its last ``sliding_window`` positions."""
-        if self.sliding_window is None or layer < self.window_from:
+        if self.sliding_window is None:
             return False
+        if self.window_layers is not None:
+            return layer in self.window_layers
         return self.sliding_pattern is None or (layer + 1) % self.sliding_pattern != 0
 
     @property
@@ -184,7 +188,6 @@ HF_KEYS = {
     "rms_eps": "rms_norm_eps",
     "max_ctx": "max_position_embeddings",
     "sliding_window": "sliding_window",
-    "window_from": "max_window_layers",
 }
 # What transformers' config class of each architecture reads for a key config.json lacks, where the
 # architectures differ (all four: rms_norm_eps 1e-6, rope_theta 10000, untied embeddings): a config
@@ -193,11 +196,26 @@ HF_KEYS = {
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_ctx": 2048},
     "mistral": {"max_ctx": 131072, "n_kv_heads": 8, "sliding_window": 4096},
-    "qwen2": {"max_ctx": 32768, "n_kv_heads": 32, "sliding_window": 4096, "window_from": 28},
-    "qwen3": {"max_ctx": 32768, "n_kv_heads": 32, "head_dim": 128, "sliding_window": 4096, "window_from": 28},
+    "qwen2": {"max_ctx": 32768, "n_kv_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {
+        "max_ctx": 32768,
+        "n_kv_heads": 32,
+        "head_dim": 128,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
 }
 HF_RMS_EPS = 1e-6
 HF_ATTENTION_BIAS = ("llama", "qwen3")  # read attention_bias; Mistral's and Qwen2's biases are fixed
+# hidden_act names transformers maps to the activations kvlens implements (the same function each)
+HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Qwen2/3's layer_types entries
 
 
 def _of_type(kind: type, what: str) -> Callable[[Any, str], Any]:
@@ -248,32 +266,78 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
         vocab=get("vocab"),
         rope_theta=theta,
         tied_embeddings=read_key(cfg, "tie_word_embeddings", where, _flag, False),
-        qkv_bias=read_key(cfg, "attention_bias", where, _flag, False)
-        if arch in HF_ATTENTION_BIAS
-        else ARCHITECTURES[arch]["qkv_bias"],
+        qkv_bias=_hf_biases(cfg, arch, where),
         qk_norm=ARCHITECTURES[arch]["qk_norm"],
         rope_scaling=dict(scaling) if scaling else None,
-        **_hf_window(cfg, arch, where),
+        **_hf_window(cfg, arch, where, shape["n_layers"]),
+        hidden_act=_hf_activation(cfg, where),
         name=str(cfg.get("_name_or_path", "")),
     )
     return build_config(fields, HF_KEYS, where)
 
 
-def _hf_window(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+def _hf_biases(cfg: dict[str, Any], arch: str, where: str) -> bool:
+    """Whether q/k/v carry biases, as transformers builds the architecture; the biases transformers
+    adds that kvlens does not implement are refused by their key, before any tensor is read."""
+    if arch in HF_ATTENTION_BIAS and read_key(cfg, "attention_bias", where, _flag, False):
+        raise ModelLoadError(
+            f"{where}: attention_bias is true, which gives {arch}'s o_proj a bias as well as q/k/v; "
+            "kvlens does not implement an o_proj bias"
+        )
+    if arch == "llama" and read_key(cfg, "mlp_bias", where, _flag, False):
+        raise ModelLoadError(f"{where}: mlp_bias is true; kvlens does not implement MLP biases")
+    return ARCHITECTURES[arch]["qkv_bias"]
+
+
+def _hf_activation(cfg: dict[str, Any], where: str) -> str:
+    """The MLP gate's activation (``hidden_act``; absent: silu, as in all four config classes)."""
+    name = cfg.get("hidden_act", "silu")
+    if not isinstance(name, str) or name not in HF_ACTIVATIONS:
+        raise ModelLoadError(
+            f"{where}: hidden_act={name!r} is not supported; kvlens implements {', '.join(HF_ACTIVATIONS)}"
+        )
+    return HF_ACTIVATIONS[name]
+
+
+def _hf_window(cfg: dict[str, Any], arch: str, where: str, n_layers: int) -> dict[str, Any]:
     """The attention window as transformers reads it: Mistral windows every layer unless
-    ``sliding_window`` is null; Qwen2/3 only with ``use_sliding_window``, and only the layers from
-    ``max_window_layers`` on; Llama never (it ignores both keys)."""
+    ``sliding_window`` is null (it ignores ``layer_types``); Qwen2/3: see :func:`_qwen_window`; Llama
+    never (it ignores all these keys)."""
     defaults = HF_DEFAULTS[arch]
     if "sliding_window" not in defaults:
         return {"sliding_window": None}
-    if "window_from" in defaults and not read_key(cfg, "use_sliding_window", where, _flag, False):
-        return {"sliding_window": None}
+    if "max_window_layers" in defaults:
+        return _qwen_window(cfg, where, n_layers, defaults)
     if "sliding_window" in cfg and cfg["sliding_window"] is None:  # null: no window (absent: the default)
         return {"sliding_window": None}
-    window = {"sliding_window": read_key(cfg, "sliding_window", where, count, defaults["sliding_window"])}
-    if "window_from" in defaults:
-        window["window_from"] = read_key(cfg, "max_window_layers", where, _layer, defaults["window_from"])
-    return window
+    return {"sliding_window": read_key(cfg, "sliding_window", where, count, defaults["sliding_window"])}
+
+
+def _qwen_window(cfg: dict[str, Any], where: str, n_layers: int, defaults: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2/3: a window only with ``use_sliding_window`` and a ``sliding_window`` that is not null, on
+    the layers ``layer_types`` marks ``sliding_attention``; without ``layer_types``, on the layers from
+    ``max_window_layers`` on. A sliding layer without a window is refused (transformers fails on it)."""
+    window = None
+    if read_key(cfg, "use_sliding_window", where, _flag, False) and cfg.get("sliding_window", 0) is not None:
+        window = read_key(cfg, "sliding_window", where, count, defaults["sliding_window"])
+    types = cfg.get("layer_types")
+    if types is None:
+        if window is None:
+            return {"sliding_window": None}
+        first = read_key(cfg, "max_window_layers", where, _layer, defaults["max_window_layers"])
+        return {"sliding_window": window, "window_layers": tuple(range(first, n_layers))}
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
+        raise ModelLoadError(
+            f"{where}: layer_types must list {' or '.join(LAYER_TYPES)} for each of the {n_layers} layers, "
+            f"got {types!r}"
+        )
+    windowed = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if windowed and window is None:
+        raise ModelLoadError(
+            f"{where}: layer_types marks layers {list(windowed)} sliding_attention, but there is no window "
+            "(use_sliding_window is false or sliding_window is null)"
+        )
+    return {"sliding_window": window if windowed else None, "window_layers": windowed}
 
 
 def read_shape(
