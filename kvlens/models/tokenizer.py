@@ -217,11 +217,14 @@ class Tokenizer:
         backend.add_tokens(
             [AddedToken(t, special=False, normalized=False) for t, y in typed if y == _USER_DEFINED]
         )
-        bos, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        # Where the file does not say, llama.cpp's defaults: a sentencepiece vocabulary has BOS 1 and
+        # EOS 2 and adds BOS; a byte-level one adds BOS only in the Llama-3 family.
+        spm = model == "llama"
+        bos = meta.get("tokenizer.ggml.bos_token_id", 1 if spm else None)
+        eos_id = meta.get("tokenizer.ggml.eos_token_id", 2 if spm else None)
         eos = {i for k in ("eot", "eom") for i in _as_ids(meta.get(f"tokenizer.ggml.{k}_token_id"))}
         eos |= {i for i, (t, y) in enumerate(typed) if y == _CONTROL and t in _EOG_TEXTS}
-        # llama.cpp turns BOS on for Llama-3 style vocabularies when the file does not say.
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", llama3)) and bos is not None
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", llama3 or spm)) and bos is not None
         bos, eos_id = (
             None if v is None else _as_ids(v, "tokenizer.ggml.*_token_id")[0] for v in (bos, eos_id)
         )
