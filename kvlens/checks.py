@@ -174,8 +174,11 @@ def check_list_fields(
         setattr(config, field, items)
 
 
-def check_token_ids(ids: Any, vocab: int, name: str = "token ids", allow_empty: bool = False) -> list[int]:
-    """Token ids as a list of ints in ``[0, vocab)``: a sequence of ints or a 1-D integer tensor."""
+def check_token_ids(
+    ids: Any, vocab: int | None, name: str = "token ids", allow_empty: bool = False
+) -> list[int]:
+    """Token ids as a list of ints in ``[0, vocab)`` (``None``: ≥ 0): a sequence of ints or a 1-D
+    integer tensor."""
     if isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got dtype {ids.dtype}")
@@ -189,7 +192,9 @@ def check_token_ids(ids: Any, vocab: int, name: str = "token ids", allow_empty: 
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise TypeError(f"{name}[{i}] must be an int, got {_kind(t)} {t!r}")
-        if not 0 <= t < vocab:
+        if vocab is None and t < 0:
+            raise ValueError(f"{name}[{i}] = {t} is negative")
+        if vocab is not None and not 0 <= t < vocab:
             raise ValueError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab})")
     return [int(t) for t in ids]
 

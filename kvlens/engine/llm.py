@@ -343,6 +343,8 @@ class LLM:
 
     def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         check_text(prompt)
+        if system is not None:
+            check_text(system, "system")
         if check_bool(chat, "chat"):
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}

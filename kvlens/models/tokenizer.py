@@ -19,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from ..checks import check_int, read_json
+from ..checks import check_bool, check_int, check_token_ids, read_json
 from .token_bytes import token_bytes_reader
 
 
@@ -291,7 +291,10 @@ class Tokenizer:
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+        """The text of ``ids``. An id past the tokenizer's tokens (a model's padding rows) decodes to
+        nothing, as in HF tokenizers; a negative or non-integer id is refused."""
+        ids = check_token_ids(ids, None, "ids", allow_empty=True)
+        return self._tok.decode(ids, skip_special_tokens=check_bool(skip_special, "skip_special"))
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
@@ -333,7 +336,7 @@ class StreamDecoder:
         self._read = 0
 
     def push(self, token_id: int) -> str:
-        self._ids.append(int(token_id))
+        self._ids.append(check_int(token_id, "token id", minimum=0))
         done = self._tok.decode(self._ids[: self._read], self._skip)
         text = self._tok.decode(self._ids, self._skip)
         if len(text) <= len(done) or text.endswith("\ufffd"):
