@@ -160,3 +160,24 @@ def test_attention_bias_and_mlp_bias_mean_nothing_where_transformers_ignores_the
     Llama's for mlp_bias."""
     body = {"model_type": arch, **REQUIRED, "attention_bias": True, "mlp_bias": True}
     assert config_from_hf(body).qkv_bias == (arch == "qwen2")
+
+
+@pytest.mark.parametrize(
+    "quantization, method",
+    [
+        ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
+        ({"quant_method": "fp8"}, "'fp8'"),
+        ({}, "None"),
+        ("x", "None"),
+    ],
+)
+def test_a_quantized_checkpoint_is_refused_by_its_config(quantization, method):
+    """GPTQ/AWQ/FP8 checkpoints hold integer or fp8 tensors and scales that transformers' quantizers
+    read; kvlens named only the first tensor's dtype. Now the config says what the file is."""
+    body = {"model_type": "llama", **REQUIRED, "quantization_config": quantization}
+    with pytest.raises(ModelLoadError) as refused:
+        config_from_hf(body, WHERE)
+    assert str(refused.value) == (
+        f"{WHERE}: a quantized checkpoint (quantization_config, quant_method {method}); kvlens reads "
+        "F32/F16/BF16 safetensors or a GGUF file, and quantizes its weights itself (--weights int8, int4)"
+    )

@@ -247,6 +247,13 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
         raise ModelLoadError(
             f"unsupported model_type {arch!r} in {where}; kvlens implements: {', '.join(ARCHITECTURES)}"
         )
+    quantized = cfg.get("quantization_config")
+    if quantized is not None:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+        raise ModelLoadError(
+            f"{where}: a quantized checkpoint (quantization_config, quant_method {method!r}); kvlens reads "
+            "F32/F16/BF16 safetensors or a GGUF file, and quantizes its weights itself (--weights int8, int4)"
+        )
 
     def get(field_name: str, check: Callable[[Any, str], Any] = count, default: Any = REQUIRED) -> Any:
         return read_key(cfg, HF_KEYS[field_name], where, check, default)
