@@ -206,7 +206,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 HF_RMS_EPS = 1e-6
-HF_ATTENTION_BIAS = ("llama", "qwen3")  # read attention_bias; Mistral's and Qwen2's biases are fixed
+HF_ATTENTION_BIAS = ("llama", "qwen3")  # read attention_bias (true: refused); Mistral and Qwen2 fix theirs
 # hidden_act names transformers maps to the activations kvlens implements (the same function each)
 HF_ACTIVATIONS = {
     "silu": "silu",
