@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 from test_tokenizer import _tiny_meta
-from test_tokenizer_rules import sentencepiece_meta
+from test_tokenizer_rules import sentencepiece_meta, write_hf_dir
 
-from kvlens.models.tokenizer import Tokenizer
+from kvlens.models.tokenizer import Tokenizer, TokenizerError
 
 UNSAID = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token")
 
@@ -44,3 +44,17 @@ def test_what_a_sentencepiece_file_says_wins(said, bos_prefix):
 def test_a_byte_level_file_adds_bos_by_default_only_in_the_llama3_family(pre, adds):
     tok = Tokenizer.from_gguf_metadata(without(_tiny_meta(pre), "tokenizer.ggml.add_bos_token"))
     assert (tok.bos_id, tok.add_bos) == (0, adds)
+
+
+@pytest.mark.parametrize("value", ["false", "true", 1, 0])
+def test_an_hf_add_bos_token_that_is_not_a_bool_is_refused(tmp_path, value):
+    """``bool("false")`` is true: a string there turned BOS on without a word."""
+    path = write_hf_dir(tmp_path, {"add_bos_token": value}, {"bos_token_id": 1})
+    with pytest.raises(TokenizerError, match=f"add_bos_token must be true or false, got {value!r}"):
+        Tokenizer.from_hf_dir(path)
+
+
+def test_an_hf_add_bos_token_of_null_reads_as_absent(tmp_path):
+    """Absent or null: BOS on exactly when tokenizer.json's post-processor adds it (here: none)."""
+    tok = Tokenizer.from_hf_dir(write_hf_dir(tmp_path, {"add_bos_token": None, "bos_token": "<s>"}, {}))
+    assert (tok.bos_id, tok.add_bos) == (1, False)

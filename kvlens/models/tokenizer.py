@@ -256,8 +256,12 @@ class Tokenizer:
         eos |= {
             i for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content in _EOG_TEXTS
         }
-        if "add_bos_token" in cfg:
-            add_bos = bool(cfg["add_bos_token"])
+        if cfg.get("add_bos_token") is not None:  # null: as absent
+            add_bos = cfg["add_bos_token"]
+            if not isinstance(add_bos, bool):  # "false" would read as true
+                raise TokenizerError(
+                    f"{path / 'tokenizer_config.json'}: add_bos_token must be true or false, got {add_bos!r}"
+                )
         else:  # Llama-3 style: BOS comes from tokenizer.json's post-processor, so probe it.
             probe = backend.encode("a", add_special_tokens=True).ids
             add_bos = bos is not None and probe[:1] == [bos]
