@@ -58,3 +58,11 @@ def test_an_hf_add_bos_token_of_null_reads_as_absent(tmp_path):
     """Absent or null: BOS on exactly when tokenizer.json's post-processor adds it (here: none)."""
     tok = Tokenizer.from_hf_dir(write_hf_dir(tmp_path, {"add_bos_token": None, "bos_token": "<s>"}, {}))
     assert (tok.bos_id, tok.add_bos) == (1, False)
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix"])
+@pytest.mark.parametrize("value", ["false", 0, 1])
+def test_a_gguf_flag_that_is_not_a_bool_is_refused(key, value):
+    """llama.cpp's ``get_key`` throws on a key of the wrong type; ``bool("false")`` read as true."""
+    with pytest.raises(TokenizerError, match=f"{key} must be a bool, got {type(value).__name__} {value!r}"):
+        Tokenizer.from_gguf_metadata(sentencepiece_meta(**{key: value}))

@@ -73,6 +73,15 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 _SPACE = "\u2581"  # sentencepiece's visible space
 
 
+def _gguf_flag(meta: dict, key: str, default: bool) -> bool:
+    """A GGUF bool, ``default`` where absent; another type is refused, as llama.cpp refuses it (a
+    string "false" would read as true)."""
+    value = meta.get(key, default)
+    if not isinstance(value, bool):
+        raise TokenizerError(f"{key} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def _sentencepiece_backend(meta: dict, tokens: list[str]) -> tuple[_HFTokenizer, list[str]]:
     """A sentencepiece-BPE vocabulary (``tokenizer.ggml.model = llama``) as a `tokenizers` BPE with byte
     fallback, and the tokens as it spells them.
@@ -97,7 +106,7 @@ def _sentencepiece_backend(meta: dict, tokens: list[str]) -> tuple[_HFTokenizer,
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     unk_text = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
     backend = _HFTokenizer(models.BPE(vocab, merges, unk_token=unk_text, fuse_unk=True, byte_fallback=True))
-    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    prefix = _gguf_flag(meta, "tokenizer.ggml.add_space_prefix", True)
     steps = [normalizers.Prepend(_SPACE)] if prefix else []
     backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
     strip = [decoders.Strip(" ", 1, 0)] if prefix else []
@@ -224,7 +233,7 @@ class Tokenizer:
         eos_id = meta.get("tokenizer.ggml.eos_token_id", 2 if spm else None)
         eos = {i for k in ("eot", "eom") for i in _as_ids(meta.get(f"tokenizer.ggml.{k}_token_id"))}
         eos |= {i for i, (t, y) in enumerate(typed) if y == _CONTROL and t in _EOG_TEXTS}
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", llama3 or spm)) and bos is not None
+        add_bos = _gguf_flag(meta, "tokenizer.ggml.add_bos_token", llama3 or spm) and bos is not None
         bos, eos_id = (
             None if v is None else _as_ids(v, "tokenizer.ggml.*_token_id")[0] for v in (bos, eos_id)
         )
