@@ -149,6 +149,11 @@ def load_model(
 
 
 def _safetensors_files(path: Path) -> list[Path]:
+    """The files transformers reads, in its order: ``model.safetensors`` alone where it is there, else
+    the shards the index names; without either, every ``*.safetensors`` (a name in two is refused)."""
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -171,14 +176,16 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype, weights: 
 
     config_path = check_readable(path / "config.json")
     cfg = config_from_hf(read_json(config_path, ModelLoadError), str(config_path))
-    where, found = {}, {}
+    where, found, files = {}, {}, {}
     for f in _safetensors_files(path):
         try:
             h = safe_open(str(check_readable(f)), framework="pt")  # memory-mapped: read on access
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read {f} (truncated or corrupt?): {e}") from e
         for k in h.keys():
-            where[k] = h
+            if k in found:
+                raise ModelLoadError(f"tensor {k!r} is in two files of {path}, {files[k].name} and {f.name}")
+            where[k], files[k] = h, f
             found[k] = _checked_slice(h, k, f)
 
     def get(name: str) -> torch.Tensor | None:  # dtypes checked above, by _checked_slice
