@@ -53,7 +53,7 @@ def test_only_the_indexed_shards_are_read_beside_a_consolidated_file(tiny_dir, t
         kvlens.load(path, kv="f32")
 
 
-def _copy(tiny_dir, tmp_path):  # noqa: D103
+def _copy(tiny_dir, tmp_path):
     import shutil
 
     path = tmp_path / "m"
