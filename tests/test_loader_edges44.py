@@ -116,3 +116,24 @@ def test_gguf_metadata_refusals_name_the_source_and_the_architectures():
         config_from_gguf({"general.architecture": "gpt2"})
     with pytest.raises(ModelLoadError, match="^GGUF metadata lacks llama.embedding_length"):
         config_from_gguf({"general.architecture": "llama"})
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_with_the_directory(tiny_dir, tmp_path):
+    """A tokenizer id past the embedding's rows would index out of it; the refusal names the directory."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFBackend
+
+    path = _copy(tiny_dir, tmp_path)
+    backend = HFBackend.from_file(str(path / "tokenizer.json"))
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    i = 0
+    while backend.get_vocab_size() < vocab + 3:
+        backend.add_tokens([AddedToken(f"<extra_{i}>")])
+        i += 1
+    backend.save(str(path / "tokenizer.json"))
+    with pytest.raises(ModelLoadError) as refused:
+        kvlens.load(path, kv="f32")
+    assert str(refused.value) == (
+        f"{path}: the tokenizer has {vocab + 3} tokens but the model's vocabulary (vocab_size, embedding rows) "
+        f"is {vocab}"
+    )
