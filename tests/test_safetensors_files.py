@@ -13,6 +13,7 @@ import torch
 from bounds import f32_forward_tol
 from safetensors.torch import load_file, save_file
 from test_models import IDS, float64_logits
+from test_tied_head_conflict import hf_logits
 from tiny_models import write_hf
 
 import kvlens
@@ -36,14 +37,6 @@ def perturbed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def hf_reads(path) -> torch.Tensor:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    with torch.no_grad():
-        return model(torch.tensor([IDS])).logits[0]
-
-
 def close(path, ref) -> bool:
     llm = kvlens.load(path, kv="f32", attn_backend="torch")
     return (llm.logits(IDS).double() - ref).abs().max().item() <= f32_forward_tol(llm.config, ref)
@@ -56,7 +49,7 @@ def test_model_safetensors_alone_is_read_beside_a_stray_copy(tmp_path):
         f.unlink()
     save_file(tensors, tmp_path / "model.safetensors", metadata=META)
     save_file(perturbed(tensors), tmp_path / "model_backup.safetensors", metadata=META)  # sorts last
-    ref = hf_reads(tmp_path)
+    ref = hf_logits(tmp_path)
     assert torch.allclose(ref, float64_logits(hf, IDS), rtol=0, atol=1e-12)  # transformers: the model's own
     assert close(tmp_path, ref)
 
@@ -65,7 +58,7 @@ def test_model_safetensors_wins_over_an_index(tmp_path):
     """transformers looks for model.safetensors first; the shards beside it are another export."""
     write_hf("llama", tmp_path)
     save_file(perturbed(tensors_of(tmp_path)), tmp_path / "model.safetensors", metadata=META)
-    ref = hf_reads(tmp_path)
+    ref = hf_logits(tmp_path)
     assert close(tmp_path, ref)
 
 
