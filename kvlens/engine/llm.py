@@ -36,16 +36,18 @@ class ContextOverflowError(ValueError):
 
 def check_settings(
     attn_backend: str, cache_options: object, prefill_chunk: int, sparse: object, device: torch.device
-) -> None:
+) -> str:
     """An :class:`LLM`'s own settings, checked where they are given: ``kvlens.load`` checks them before
     it reads the model (a typo cost a whole load before), ``LLM`` when it is built or varied. The
-    settings of kvlens' own types failed at the first forward when given a string."""
-    resolve_backend(attn_backend, device)
+    settings of kvlens' own types failed at the first forward when given a string. Returns the
+    backend that runs (``auto`` resolved for ``device``)."""
+    backend = resolve_backend(attn_backend, device)
     check_int(prefill_chunk, "prefill_chunk", minimum=1)
     if not isinstance(cache_options, CacheOptions):
         raise TypeError(f"cache_options must be a CacheOptions, got {type(cache_options).__name__}")
     if sparse is not None and not isinstance(sparse, SparseConfig):
         raise TypeError(f"sparse must be a SparseConfig or None, got {type(sparse).__name__}")
+    return backend
 
 
 class LLM:
@@ -66,7 +68,9 @@ class LLM:
         self.kv = KVMode.parse(kv)
         self.cache_options = cache_options or CacheOptions()
         self.sparse = sparse  # sparse decode policy (None: dense); caches then track block bounds
-        check_settings(attn_backend, self.cache_options, prefill_chunk, sparse, loaded.weights.embed.device)
+        backend = check_settings(
+            attn_backend, self.cache_options, prefill_chunk, sparse, loaded.weights.embed.device
+        )
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
         self.loaded = loaded  # the model file's digest (verifiable records) is cached on it
         self.weights_mode = loaded.weights_mode
@@ -75,7 +79,7 @@ class LLM:
         self.model = Transformer(loaded.config, loaded.weights)
         self.device = self.model.device
         self.prefill_chunk = prefill_chunk
-        self.attn_backend = resolve_backend(attn_backend, self.device)
+        self.attn_backend = backend
         self.fused = fused_decoder(self.model)  # one compiled call per layer (None: the model has none)
         self.fused_step = True  # one-token steps as one compiled call per layer where they can (False: never)
         # else a layer's attention (its KV write included) as one compiled call, on the CPU
@@ -200,12 +204,11 @@ class LLM:
                 )
             setattr(other, name, value)
         check_bool(other.fused_step, "fused_step")
-        check_settings(
+        other.attn_backend = check_settings(
             other.attn_backend, other.cache_options, other.prefill_chunk, other.sparse, other.device
         )
         other.kv = KVMode.parse(other.kv)
         other.kv.check_layout(other.config.n_layers, other.config.head_dim, other.config.n_kv_heads)
-        other.attn_backend = resolve_backend(other.attn_backend, other.device)
         return other
 
     def prefill(

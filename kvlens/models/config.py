@@ -315,9 +315,14 @@ def _hf_window(cfg: dict[str, Any], arch: str, where: str, n_layers: int) -> dic
         return {"sliding_window": None}
     if "max_window_layers" in defaults:
         return _qwen_window(cfg, where, n_layers, defaults)
-    if "sliding_window" in cfg and cfg["sliding_window"] is None:  # null: no window (absent: the default)
-        return {"sliding_window": None}
-    return {"sliding_window": read_key(cfg, "sliding_window", where, count, defaults["sliding_window"])}
+    return {"sliding_window": _stated_window(cfg, where, defaults["sliding_window"])}
+
+
+def _stated_window(cfg: dict[str, Any], where: str, default: int) -> int | None:
+    """``sliding_window`` as transformers reads it: null, no window; absent, the class's default."""
+    if "sliding_window" in cfg and cfg["sliding_window"] is None:
+        return None
+    return read_key(cfg, "sliding_window", where, count, default)
 
 
 def _qwen_window(cfg: dict[str, Any], where: str, n_layers: int, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -325,8 +330,8 @@ def _qwen_window(cfg: dict[str, Any], where: str, n_layers: int, defaults: dict[
     the layers ``layer_types`` marks ``sliding_attention``; without ``layer_types``, on the layers from
     ``max_window_layers`` on. A sliding layer without a window is refused (transformers fails on it)."""
     window = None
-    if read_key(cfg, "use_sliding_window", where, _flag, False) and cfg.get("sliding_window", 0) is not None:
-        window = read_key(cfg, "sliding_window", where, count, defaults["sliding_window"])
+    if read_key(cfg, "use_sliding_window", where, _flag, False):
+        window = _stated_window(cfg, where, defaults["sliding_window"])
     types = cfg.get("layer_types")
     if types is None:
         if window is None:

@@ -307,7 +307,11 @@ class Tokenizer:
         """The text of ``ids``. An id past the tokenizer's tokens (a model's padding rows) decodes to
         nothing, as in HF tokenizers; a negative or non-integer id is refused."""
         ids = check_token_ids(ids, None, "ids", allow_empty=True)
-        return self._tok.decode(ids, skip_special_tokens=check_bool(skip_special, "skip_special"))
+        return self._decode(ids, check_bool(skip_special, "skip_special"))
+
+    def _decode(self, ids: list[int], skip_special: bool) -> str:
+        """:meth:`decode` of ids already checked (the stream decoder checks each id once, as it comes)."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
@@ -344,14 +348,14 @@ class StreamDecoder:
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
         self._tok = tokenizer
-        self._skip = skip_special
+        self._skip = check_bool(skip_special, "skip_special")
         self._ids: list[int] = []  # window: ids[:_read] already emitted, the rest pending
         self._read = 0
 
     def push(self, token_id: int) -> str:
         self._ids.append(check_int(token_id, "token id", minimum=0))
-        done = self._tok.decode(self._ids[: self._read], self._skip)
-        text = self._tok.decode(self._ids, self._skip)
+        done = self._tok._decode(self._ids[: self._read], self._skip)
+        text = self._tok._decode(self._ids, self._skip)
         if len(text) <= len(done) or text.endswith("\ufffd"):
             return ""
         # Slide the window: keep the last emitted chunk as context for the next decode.
@@ -361,7 +365,7 @@ class StreamDecoder:
 
     def flush(self) -> str:
         """Whatever is still held back (possibly with U+FFFD); resets the decoder."""
-        done = self._tok.decode(self._ids[: self._read], self._skip)
-        text = self._tok.decode(self._ids, self._skip)
+        done = self._tok._decode(self._ids[: self._read], self._skip)
+        text = self._tok._decode(self._ids, self._skip)
         self._ids, self._read = [], 0
         return text[len(done) :]
