@@ -95,7 +95,7 @@ def check_gguf_structure(reader: Any, cfg: ModelConfig) -> None:
     found: dict[str, tuple[int, ...]] = {}
     for t in reader.tensors:
         found[hf_name(t.name, cfg.arch) or t.name] = tuple(int(n) for n in reversed(t.shape.tolist()))
-    check_structure(cfg, found, lambda name: gguf_name(name, cfg.arch))
+    check_structure(cfg, found, lambda name: gguf_name(name, cfg.arch), from_gguf=True)
 
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -268,9 +268,9 @@ def load_gguf_tensors(reader: Any, cfg: ModelConfig, skip: Collection[str] = ())
         if name is None or name in skip:
             continue
         w = dequantize_tensor(t)  # checked finite where build_weights reads it
-        if cfg.arch in PERMUTED_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if cfg.arch in PERMUTED_ARCHS and name.endswith("q_proj.weight"):  # these archs have no q/k bias
             w = unpermute(w, cfg.n_heads)
-        elif cfg.arch in PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif cfg.arch in PERMUTED_ARCHS and name.endswith("k_proj.weight"):
             w = unpermute(w, cfg.n_kv_heads)
         out[name] = w
     cfg.tied_embeddings = "lm_head.weight" not in names

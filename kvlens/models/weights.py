@@ -44,6 +44,9 @@ class Weights:
 
 
 Shapes = dict[str, tuple[int, ...]]
+# GGUF's Llama-3 RoPE scaling tensor `rope_freqs`: llama.cpp's llama graph reads it; its qwen2, qwen3
+# and gemma3 graphs do not, and refuse a file that holds it.
+ROPE_FREQS_ARCHS = ("llama", "mistral")
 # HF names of the norm before the MLP and of the sandwich norms (Gemma), per layer
 POST_ATTN_NORM, POST_FFN_NORM = "post_attention_layernorm.weight", "post_feedforward_layernorm.weight"
 
@@ -54,7 +57,7 @@ def ffn_norm_name(cfg: ModelConfig) -> str:
     return "pre_feedforward_layernorm.weight" if cfg.sandwich_norms else POST_ATTN_NORM
 
 
-def expected_tensors(cfg: ModelConfig) -> tuple[Shapes, Shapes]:
+def expected_tensors(cfg: ModelConfig, from_gguf: bool = False) -> tuple[Shapes, Shapes]:
     """``(required, optional)``: HF name → shape of every tensor the config implies."""
     h, d = cfg.hidden, cfg.head_dim
     q_rows, kv_rows = cfg.n_heads * d, cfg.n_kv_heads * d
@@ -80,8 +83,9 @@ def expected_tensors(cfg: ModelConfig) -> tuple[Shapes, Shapes]:
         if cfg.sandwich_norms:
             layer.update({POST_ATTN_NORM: (h,), POST_FFN_NORM: (h,)})
         required.update({p + k: v for k, v in layer.items()})
-    # lm_head: absent when tied (and unread when the config ties it); rope_freqs: GGUF's Llama-3 scaling
-    optional: Shapes = {"lm_head.weight": (cfg.vocab, h), "rope_freqs": (d // 2,)}
+    optional: Shapes = {"lm_head.weight": (cfg.vocab, h)}  # absent when tied (unread when the config ties it)
+    if from_gguf and cfg.arch in ROPE_FREQS_ARCHS:
+        optional["rope_freqs"] = (d // 2,)
     return required, optional
 
 
@@ -95,17 +99,22 @@ def _span(ids: list[int]) -> str:
     return f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else str(ids)
 
 
-# Tensors a checkpoint may carry that kvlens deliberately does not read.
+# Tensors an HF checkpoint may carry that kvlens deliberately does not read. A GGUF file gets no such
+# leave: llama.cpp refuses a tensor that its graph does not create, and so does kvlens.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # old HF checkpoints: recomputed from the config
 
 
-def check_structure(cfg: ModelConfig, found: Shapes, label: Callable[[str], str] = str) -> None:
+def check_structure(
+    cfg: ModelConfig, found: Shapes, label: Callable[[str], str] = str, from_gguf: bool = False
+) -> None:
     """Refuse a checkpoint that does not match its config, both ways: every tensor the config implies
-    is present with its shape, and every tensor present is used or named in :data:`IGNORED_SUFFIXES`.
+    is present with its shape, and every tensor present is used or (HF only) named in
+    :data:`IGNORED_SUFFIXES`.
 
     ``found``: name (HF's where known) → shape; ``label(name)`` is the name as the file spells it.
     """
-    required, optional = expected_tensors(cfg)
+    required, optional = expected_tensors(cfg, from_gguf)
+    ignored = () if from_gguf else IGNORED_SUFFIXES
     layers_key = cfg.keys.get("n_layers", "n_layers")
     extra_layers = sorted(
         {int(m.group(1)) for n in found if (m := _LAYER.match(n))} - set(range(cfg.n_layers))
@@ -122,7 +131,7 @@ def check_structure(cfg: ModelConfig, found: Shapes, label: Callable[[str], str]
     for name, shape in found.items():
         want = required.get(name) or optional.get(name)
         if want is None:
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(ignored):
                 continue
             raise ModelLoadError(
                 f"unexpected tensor {label(name)!r} in the checkpoint ({cfg.arch} does not use it)"
