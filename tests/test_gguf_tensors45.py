@@ -23,7 +23,8 @@ from kvlens.models.config import ModelLoadError
 from kvlens.models.gguf_loader import config_from_gguf, load_gguf_tensors, open_gguf
 from kvlens.models.loader import load_model
 
-FREQS = np.linspace(1.0, 4.0, 8, dtype=np.float32)  # head_dim 16 → 8 frequencies, none of them 1
+FREQS = np.linspace(1.0, 4.0, 8, dtype=np.float32)  # Mistral's head_dim 16 → 8 frequencies, none of them 1
+FREQS_QWEN3 = np.linspace(1.0, 4.0, 16, dtype=np.float32)  # head_dim 32: a shape the check would take
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_an_hf_leftover_tensor_in_a_gguf_is_refused(files, tmp_path, name):
 
 
 def test_rope_freqs_in_a_qwen3_gguf_is_refused(files, tmp_path):
-    bad = rewrite_gguf(files["qwen3"][2], tmp_path / "b.gguf", tensors={"rope_freqs.weight": FREQS})
+    bad = rewrite_gguf(files["qwen3"][2], tmp_path / "b.gguf", tensors={"rope_freqs.weight": FREQS_QWEN3})
     with pytest.raises(ModelLoadError) as e:
         load_model(bad)
     assert str(e.value) == "unexpected tensor 'rope_freqs.weight' in the checkpoint (qwen3 does not use it)"
