@@ -190,17 +190,6 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
     vocab = get("vocab", count, len(tokens) if isinstance(tokens, list) and tokens else None)
     if vocab is None:
         raise ModelLoadError(f"{where} lacks {keys['vocab']} and tokenizer.ggml.tokens")
-    scaling = None
-    scaling_type = meta.get(f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none", "linear"):
-        raise ModelLoadError(
-            f"{where}: {arch}.rope.scaling.type={scaling_type!r} is not supported (none, linear)"
-        )
-    if scaling_type == "linear":
-        scaling = {
-            "rope_type": "linear",
-            "factor": read_key(meta, f"{arch}.rope.scaling.factor", where, positive),
-        }
     fields = dict(
         arch=arch,
         **(_gemma3_fields(meta, where, hidden, n_heads, shape["n_layers"]) if arch == "gemma3" else {}),
@@ -210,11 +199,25 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
         tied_embeddings=False,  # decided from the tensors (no output.weight → tied)
         qkv_bias=ARCHITECTURES[arch]["qkv_bias"],
         qk_norm=ARCHITECTURES[arch]["qk_norm"],
-        rope_scaling=scaling,
+        rope_scaling=_rope_scaling(meta, arch, where),
         sliding_window=get("sliding_window", count, None),
         name=str(meta.get("general.name", "")),
     )
     return build_config(fields, keys, where)
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, where: str) -> dict[str, Any] | None:
+    """RoPE scaling as llama.cpp's loader reads it: the type defaults to linear; the factor is
+    ``rope.scaling.factor``, else the older ``rope.scale_linear``; no factor, a factor of 1 or the type
+    none is no scaling."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "linear")
+    if kind not in ("none", "linear"):
+        raise ModelLoadError(f"{where}: {arch}.rope.scaling.type={kind!r} is not supported (none, linear)")
+    key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in meta), None)
+    if kind == "none" or key is None:
+        return None
+    factor = read_key(meta, key, where, positive)
+    return None if factor == 1.0 else {"rope_type": "linear", "factor": factor}
 
 
 def _gemma3_fields(
