@@ -111,3 +111,22 @@ def test_a_bad_gemma3_local_rope_base_names_the_file(gemma_meta):  # noqa: F811
     with pytest.raises(ModelLoadError) as e:
         config_from_gguf(gemma_meta | {"gemma3.rope.freq_base_swa": -1.0}, "g.gguf")
     assert str(e.value).startswith("g.gguf: gemma3.rope.freq_base_swa must be > 0")
+
+
+@pytest.mark.parametrize("experts", [1, 8])  # llama.cpp: any count above 0 builds the experts' graph
+def test_a_llama_gguf_with_experts_is_refused_by_its_key(files, experts):
+    meta = open_gguf(files["mistral"][2])[1]
+    with pytest.raises(ModelLoadError) as e:
+        config_from_gguf(meta | {"llama.expert_count": experts}, "m.gguf")
+    assert str(e.value) == (
+        f"m.gguf: llama.expert_count = {experts}: a mixture-of-experts model; kvlens implements dense models only"
+    )
+    with pytest.raises(ModelLoadError, match="^m.gguf: llama.expert_count must be an integer"):
+        config_from_gguf(meta | {"llama.expert_count": "8"}, "m.gguf")
+    assert config_from_gguf(meta | {"llama.expert_count": 0}).n_layers == 2
+
+
+def test_an_expert_count_in_a_qwen3_gguf_is_ignored_as_llama_cpp_does(files):
+    """llama.cpp's qwen3 graph has no experts (Qwen3-MoE is the separate qwen3moe architecture)."""
+    meta = open_gguf(files["qwen3"][2])[1]
+    assert config_from_gguf(meta | {"qwen3.expert_count": 8}) == config_from_gguf(meta)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checks import check_int
 from .config import (
     ARCHITECTURES,
     REQUIRED,
@@ -173,6 +174,13 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
             f"unsupported GGUF architecture {arch!r}; kvlens implements: {', '.join(ARCHITECTURES)}"
         )
     keys = _gguf_keys(arch)
+    if arch in PERMUTED_ARCHS:  # llama.cpp's llama graph, whose MoE form (Mixtral) kvlens lacks
+        experts = read_key(meta, f"{arch}.expert_count", where, _non_negative, 0)
+        if experts:
+            raise ModelLoadError(
+                f"{where}: {arch}.expert_count = {experts}: a mixture-of-experts model; "
+                "kvlens implements dense models only"
+            )
 
     def get(field_name: str, check: Any = count, default: Any = REQUIRED) -> Any:
         return read_key(meta, keys[field_name], where, check, default)
@@ -204,6 +212,10 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
         name=str(meta.get("general.name", "")),
     )
     return build_config(fields, keys, where)
+
+
+def _non_negative(value: Any, name: str) -> int:
+    return check_int(value, name, minimum=0)
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, where: str) -> dict[str, Any] | None:
