@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_bad_input_models import rewrite_gguf
+from test_bad_input_models import DROP, rewrite_gguf
 from test_model_checks_edges import gemma_meta  # noqa: F401
 from tiny_models import write_gguf, write_hf
 
@@ -130,3 +130,13 @@ def test_an_expert_count_in_a_qwen3_gguf_is_ignored_as_llama_cpp_does(files):
     """llama.cpp's qwen3 graph has no experts (Qwen3-MoE is the separate qwen3moe architecture)."""
     meta = open_gguf(files["qwen3"][2])[1]
     assert config_from_gguf(meta | {"qwen3.expert_count": 8}) == config_from_gguf(meta)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])  # the first stores output.weight, the second not
+def test_a_gguf_is_tied_exactly_when_it_has_no_output_weight(files, arch, tmp_path):
+    _, model, path = files[arch]
+    stored = not model.config.tie_word_embeddings
+    assert load_model(path).config.tied_embeddings is (not stored)
+    head = model.state_dict()["model.embed_tokens.weight"].numpy()
+    flipped = rewrite_gguf(path, tmp_path / "f.gguf", tensors={"output.weight": DROP if stored else head})
+    assert load_model(flipped).config.tied_embeddings is stored
