@@ -208,7 +208,7 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
         qkv_bias=ARCHITECTURES[arch]["qkv_bias"],
         qk_norm=ARCHITECTURES[arch]["qk_norm"],
         rope_scaling=_rope_scaling(meta, arch, where),
-        sliding_window=get("sliding_window", count, None),
+        sliding_window=get("sliding_window", _non_negative, None) or None,  # llama.cpp: 0 is no window
         name=str(meta.get("general.name", "")),
     )
     return build_config(fields, keys, where)
