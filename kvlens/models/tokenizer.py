@@ -218,8 +218,10 @@ class Tokenizer:
             backend.decoder = decoders.ByteLevel()
         # Both kinds are matched whole in the input (so a templated "<|im_start|>" is one id). As in
         # transformers' GGUF loader, control tokens are special (dropped by skip_special) and
-        # user-defined ones are not; llama.cpp also always prints user-defined tokens.
-        typed = list(zip(tokens, types, strict=True))
+        # user-defined ones are not; llama.cpp also always prints user-defined tokens. An end-of-turn
+        # marker is a control token whatever its stated type, as llama.cpp overrides it
+        # ("control-looking token ... its type will be overridden").
+        typed = [(t, _CONTROL if t in _EOG_TEXTS else y) for t, y in zip(tokens, types, strict=True)]
         backend.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t, y in typed if y == _CONTROL]
         )
