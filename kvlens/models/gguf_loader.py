@@ -145,9 +145,26 @@ def open_gguf(path: str | Path) -> tuple[Any, dict[str, Any]]:
         raise ModelLoadError(f"{path} is empty (0 bytes); not a GGUF file")
     try:
         reader = gguf_reader_class()(path)
-        return reader, read_metadata(reader)
+        meta = read_metadata(reader)
     except Exception as e:  # the gguf package raises ValueError/IndexError/struct errors on damage
         raise ModelLoadError(f"cannot read GGUF file {path} (truncated or corrupt?): {e}") from e
+    _check_layout(reader, path)
+    return reader, meta
+
+
+def _check_layout(reader: Any, path: Path) -> None:
+    """ggml's rule (``gguf_init_from_file``): each tensor's data starts where the one before it ends,
+    padded to the file's alignment. The gguf package reads any offset, so two tensors could share
+    bytes without a word."""
+    expected, alignment = 0, int(reader.alignment)  # a stated alignment is read as numpy's uint32
+    for t in reader.tensors:
+        offset = t.data_offset - reader.data_offset
+        if offset != expected:
+            raise ModelLoadError(
+                f"cannot read GGUF file {path}: tensor {t.name!r} has its data at offset {offset}, "
+                f"where the tensors before it end at {expected} (overlapping or misplaced tensor data)"
+            )
+        expected += -(-int(t.n_bytes) // alignment) * alignment
 
 
 def _gguf_keys(arch: str) -> dict[str, str]:
