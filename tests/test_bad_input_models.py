@@ -168,7 +168,21 @@ def test_gguf_unknown_or_unused_tensors_are_refused(tiny, tmp_path):
 
 def test_gguf_vocab_must_match_the_embedding(tiny, tmp_path):
     bad = rewrite_gguf(tiny[2], tmp_path / "b.gguf", meta={"llama.vocab_size": (300, GT.UINT32)})
-    refused(bad, "token_embd.weight", "(320, 64)", "(300, 64)")
+    refused(bad, "llama.vocab_size = 300 but tokenizer.ggml.tokens lists 320 tokens")
+    # without the key the token list sizes the vocabulary, and the embedding's 320 rows are refused
+    fields = gguf.GGUFReader(tiny[2]).fields
+    short = {
+        "llama.vocab_size": DROP,
+        "tokenizer.ggml.tokens": (fields["tokenizer.ggml.tokens"].contents()[:300], GT.ARRAY, GT.STRING),
+        "tokenizer.ggml.token_type": (
+            fields["tokenizer.ggml.token_type"].contents()[:300],
+            GT.ARRAY,
+            GT.INT32,
+        ),
+    }
+    refused(
+        rewrite_gguf(tiny[2], tmp_path / "s.gguf", meta=short), "token_embd.weight", "(320, 64)", "(300, 64)"
+    )
 
 
 BAD_GGUF_META = [

@@ -10,6 +10,7 @@ directly, and the file name in Gemma-3's local RoPE base refusal. Expected words
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -140,3 +141,29 @@ def test_a_gguf_is_tied_exactly_when_it_has_no_output_weight(files, arch, tmp_pa
     head = model.state_dict()["model.embed_tokens.weight"].numpy()
     flipped = rewrite_gguf(path, tmp_path / "f.gguf", tensors={"output.weight": DROP if stored else head})
     assert load_model(flipped).config.tied_embeddings is stored
+
+
+def test_a_token_list_shorter_than_the_embedding_is_refused(files, tmp_path):
+    """llama.cpp shapes the embedding and the head by the token count; kvlens loaded such a file, and
+    the rows past the list could be sampled as ids with no token."""
+    ok = files["mistral"][2]
+    fields = gguf.GGUFReader(ok).fields
+    cut = {
+        "tokenizer.ggml.tokens": (
+            fields["tokenizer.ggml.tokens"].contents()[:300],
+            gguf.GGUFValueType.ARRAY,
+            gguf.GGUFValueType.STRING,
+        ),
+        "tokenizer.ggml.token_type": (
+            fields["tokenizer.ggml.token_type"].contents()[:300],
+            gguf.GGUFValueType.ARRAY,
+            gguf.GGUFValueType.INT32,
+        ),
+    }
+    bad = rewrite_gguf(ok, tmp_path / "short.gguf", meta=cut)
+    with pytest.raises(ModelLoadError) as e:
+        load_model(bad)
+    assert str(e.value) == (
+        f"{bad}: llama.vocab_size = 320 but tokenizer.ggml.tokens lists 300 tokens; "
+        "a GGUF's embedding has one row per token"
+    )

@@ -215,6 +215,11 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
     vocab = get("vocab", count, len(tokens) if isinstance(tokens, list) and tokens else None)
     if vocab is None:
         raise ModelLoadError(f"{where} lacks {keys['vocab']} and tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and tokens and vocab != len(tokens):  # llama.cpp: rows = the token count
+        raise ModelLoadError(
+            f"{where}: {keys['vocab']} = {vocab} but tokenizer.ggml.tokens lists {len(tokens)} tokens; "
+            "a GGUF's embedding has one row per token"
+        )
     fields = dict(
         arch=arch,
         **(_gemma3_fields(meta, where, hidden, n_heads, shape["n_layers"]) if arch == "gemma3" else {}),
