@@ -152,11 +152,23 @@ def _tojson(
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' ``{% generation %}…{% endgeneration %}``, which marks an assistant turn for
+    training (TRL's assistant-only loss puts it in fine-tuned models' templates); rendered as its body,
+    as transformers and vLLM render it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 @lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
     # The same environment transformers uses, so templates render byte-identically.
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
