@@ -222,7 +222,9 @@ def _tiny_meta(pre: str | None, **extra) -> dict:
 @pytest.mark.parametrize(
     ("pre", "pieces"),
     [
-        (None, ["12", "34", "5"]),  # GPT-2 regex keeps the number whole, so "3 4" can merge
+        (None, ["12", "3", "4", "5"]),  # llama.cpp's default: digits in threes, "123" | "45"
+        ("default", ["12", "3", "4", "5"]),
+        ("gpt-2", ["12", "34", "5"]),  # GPT-2's regex keeps the number whole, so "3 4" can merge
         ("gpt2", ["12", "34", "5"]),
         ("llama-bpe", ["12", "3", "4", "5"]),  # \p{N}{1,3}: "123" | "45"
         ("llama3", ["12", "3", "4", "5"]),

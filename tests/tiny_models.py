@@ -162,7 +162,7 @@ def write_gguf(
     w.add_vocab_size(cfg.vocab_size)
     tokens, merges = _byte_tokens()
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre("gpt-2")
     w.add_token_list(tokens)
     w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
     w.add_token_merges(merges)

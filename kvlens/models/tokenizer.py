@@ -32,12 +32,20 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
-# tokenizer.ggml.pre value -> pre-tokenizer family (llama.cpp's names, including its aliases).
+_GPT2_SPLIT = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"  # as llama.cpp spells it
+)
+# llama.cpp's "default" pre-tokenizer (also a file that names none): these splits in turn, each within
+# the pieces of the one before (runs of punctuation, GPT-2's, runs of digits, then groups of three).
+_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
+# tokenizer.ggml.pre value -> pre-tokenizer family (llama.cpp's names, including its aliases; "gpt2"
+# is kvlens' older spelling of llama.cpp's "gpt-2").
 _PRE_FAMILY = {
-    None: "gpt2", "default": "gpt2", "gpt2": "gpt2", "smollm": "smollm",
+    None: "default", "default": "default", "gpt-2": "gpt2", "gpt2": "gpt2", "smollm": "smollm",
     "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3",
     "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2",
 }  # fmt: skip
+_SPLITS = {"default": _DEFAULT_SPLITS, "llama3": (_LLAMA3_SPLIT,), "qwen2": (_QWEN2_SPLIT,)}
 # Control tokens llama.cpp treats as end-of-generation by their text, besides the declared ids.
 _EOG_TEXTS = {
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -61,10 +69,9 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
             ]
         )
-    split = _LLAMA3_SPLIT if family == "llama3" else _QWEN2_SPLIT
     return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in _SPLITS[family]),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
