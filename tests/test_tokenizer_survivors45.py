@@ -1,0 +1,151 @@
+"""The tokenizer's behaviours that the forty-fifth session's mutation run of ``models/tokenizer.py``
+found unasserted (docs/testing.md): explicit BOS on request, an HF directory's EOS from each of its
+three files with distinct ids, the chat template's three sources, sentencepiece merges ranked by
+score and its space prefix removed once, the checks of a GGUF token list, and the words of the
+refusals. Expected ids are read off the tiny vocabularies by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_tokenizer import _tiny_meta
+from test_tokenizer_rules import SPACE, pieces, sentencepiece_meta, write_hf_dir
+
+from kvlens.models.tokenizer import Tokenizer, TokenizerError
+
+# write_hf_dir's vocabulary: <unk> 0, <s> 1, </s> 2, <eot> 3, a 4, b 5
+
+
+def test_bos_on_request(tmp_path):
+    with_bos = Tokenizer.from_hf_dir(write_hf_dir(tmp_path, {"bos_token": "<s>", "add_bos_token": False}, {}))
+    assert with_bos.encode("a b") == [4, 5]
+    assert with_bos.encode("a b", add_bos=True) == [1, 4, 5]
+    assert with_bos.encode("a b", add_bos=False) == [4, 5]
+    other = tmp_path / "none"
+    other.mkdir()
+    without = Tokenizer.from_hf_dir(write_hf_dir(other, {}, {}))
+    assert without.bos_id is None and without.encode("a b", add_bos=True) == [4, 5]
+
+
+@pytest.mark.parametrize(
+    "tokenizer_config, config, generation, declared, stops",
+    [
+        ({"eos_token": "</s>"}, {"eos_token_id": 4}, {"eos_token_id": [3]}, 2, {2, 3, 4}),
+        ({"eos_token": {"content": "</s>", "special": True}}, {}, None, 2, {2}),  # an AddedToken dict
+        ({}, {"eos_token_id": 2}, {"eos_token_id": [3, 4]}, 3, {2, 3, 4}),  # generation_config's first
+        ({}, {"eos_token_id": [4, 3]}, None, 4, {3, 4}),  # without it, config.json's first
+        ({}, {}, {"eos_token_id": 5}, 5, {5}),
+    ],
+)
+def test_an_hf_directorys_eos_from_each_file(tmp_path, tokenizer_config, config, generation, declared, stops):
+    tok = Tokenizer.from_hf_dir(write_hf_dir(tmp_path, tokenizer_config, config, generation))
+    assert tok.eos_ids == stops
+    tok.chat_template = "[{{ eos_token }}]"
+    assert tok.apply_chat_template([]) == f"[{['<unk>', '<s>', '</s>', '<eot>', 'a', 'b'][declared]}]"
+
+
+def test_the_special_tokens_a_template_reads_are_empty_where_there_are_none(tmp_path):
+    tok = Tokenizer.from_hf_dir(write_hf_dir(tmp_path, {}, {}))
+    tok.chat_template = "[{{ bos_token }}][{{ eos_token }}]"
+    assert tok.apply_chat_template([]) == "[][]"
+
+
+def test_the_chat_template_from_each_source(tmp_path):
+    unnamed = [{"name": "tool_use", "template": "tools"}, {"name": "rag", "template": "rag"}]
+    assert (
+        Tokenizer.from_hf_dir(write_hf_dir(tmp_path, {"chat_template": unnamed}, {})).chat_template == "tools"
+    )
+    other = tmp_path / "json"
+    other.mkdir()
+    write_hf_dir(other, {}, {})
+    (other / "chat_template.json").write_text(json.dumps({"chat_template": "from json"}))
+    assert Tokenizer.from_hf_dir(other).chat_template == "from json"
+    (other / "chat_template.jinja").write_text("from jinja", encoding="utf-8")  # the .jinja file wins
+    assert Tokenizer.from_hf_dir(other).chat_template == "from jinja"
+
+
+def test_the_refusals_words(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text("{}")
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_hf_dir(bad)
+    assert str(e.value).startswith(f"{bad / 'tokenizer.json'} is not a valid tokenizer file: ")
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    write_hf_dir(listed, {}, {})
+    (listed / "tokenizer_config.json").write_text("[1]")
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_hf_dir(listed)
+    assert str(e.value) == f"{listed / 'tokenizer_config.json'} must hold a JSON object, got list"
+    (listed / "tokenizer_config.json").write_text("{")
+    with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+        Tokenizer.from_hf_dir(listed)
+    (listed / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": "no"}))
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_hf_dir(listed)
+    assert (
+        str(e.value) == f"{listed / 'tokenizer_config.json'}: add_bos_token must be true or false, got 'no'"
+    )
+    tok = Tokenizer.from_gguf_metadata(_tiny_meta("gpt-2"))
+    with pytest.raises(TokenizerError) as e:
+        tok.apply_chat_template([])
+    assert str(e.value) == "this tokenizer has no chat template; format the prompt yourself"
+    with pytest.raises(TypeError) as e:
+        tok.stream_decoder(skip_special="yes")
+    assert str(e.value) == "skip_special must be True or False, got str 'yes'"
+    with pytest.raises(ValueError) as e:
+        tok.decode([1, -2])
+    assert str(e.value) == "ids[1] = -2 is negative"
+
+
+@pytest.mark.parametrize("tokens", ["abc", [], ["a", 1]])
+def test_a_gguf_token_list_must_be_strings(tokens):
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_gguf_metadata(_tiny_meta("gpt-2") | {"tokenizer.ggml.tokens": tokens})
+    assert str(e.value) == "GGUF metadata lacks tokenizer.ggml.tokens (a non-empty list of strings)"
+
+
+def test_a_sentencepiece_file_ignores_the_pre_tokenizer_name():
+    """llama.cpp reads ``tokenizer.ggml.pre`` for byte-level vocabularies only."""
+    tok = Tokenizer.from_gguf_metadata(sentencepiece_meta(**{"tokenizer.ggml.pre": "no-such-name"}))
+    assert pieces(tok, "ab") == [f"{SPACE}ab"]
+
+
+@pytest.mark.parametrize("first, want", [("ab", ["ab", "c"]), ("bc", ["a", "bc"])])
+def test_sentencepiece_merges_follow_the_scores(first, want):
+    """ "abc" can become "ab"+"c" or "a"+"bc": the better-scored token is made first."""
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "c", "ab", "bc"]
+    scores = [0.0, 0.0, 0.0, -1.0, -1.0, -1.0, -2.0, -2.0]
+    scores[tokens.index(first)] = -1.5
+    meta = sentencepiece_meta() | {
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": [2, 3, 3] + [1] * 5,
+        "tokenizer.ggml.add_space_prefix": False,
+    }
+    assert pieces(Tokenizer.from_gguf_metadata(meta), "abc") == want
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_gguf_metadata(meta | {"tokenizer.ggml.scores": scores[:-1]})
+    assert str(e.value) == "8 tokens but 7 token scores"
+
+
+def test_sentencepiece_without_scores_merges_in_file_order():
+    """Every score 0: merges rank by the merged token's place in the file (▁a, ▁b, ab, ▁ab), so "▁ab▁b"
+    becomes ▁a, ▁b, then ▁a+b."""
+    meta = sentencepiece_meta()
+    del meta["tokenizer.ggml.scores"]
+    assert pieces(Tokenizer.from_gguf_metadata(meta), "ab b") == [f"{SPACE}ab", f"{SPACE}b"]
+
+
+def test_sentencepiece_removes_one_leading_space_on_decode():
+    tok = Tokenizer.from_gguf_metadata(sentencepiece_meta())
+    for text in ("ab", " ab", "  ab b"):
+        assert tok.decode(tok.encode(text, add_bos=False)) == text
+
+
+def test_an_unknown_sentencepiece_character_is_the_unknown_token():
+    """A vocabulary without byte tokens: a character outside it encodes as <unk> (id 0)."""
+    tok = Tokenizer.from_gguf_metadata(sentencepiece_meta())
+    assert tok.encode("az", add_bos=False) == [6, 0]
