@@ -149,3 +149,72 @@ def test_an_unknown_sentencepiece_character_is_the_unknown_token():
     """A vocabulary without byte tokens: a character outside it encodes as <unk> (id 0)."""
     tok = Tokenizer.from_gguf_metadata(sentencepiece_meta())
     assert tok.encode("az", add_bos=False) == [6, 0]
+
+
+def test_a_byte_level_gguf_without_merges_is_refused():
+    """llama.cpp: "cannot find tokenizer merges in model file"; kvlens ran it with no merges at all."""
+    meta = _tiny_meta("gpt-2")
+    del meta["tokenizer.ggml.merges"]
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_gguf_metadata(meta)
+    assert str(e.value) == "GGUF metadata lacks tokenizer.ggml.merges, which a byte-level vocabulary needs"
+
+
+def test_eot_and_eom_ids_end_generation_and_other_control_tokens_do_not():
+    meta = _tiny_meta("gpt-2")  # 0 <|endoftext|> (control, EOS), 1 <|im_end|>, 2 <think>
+    meta["tokenizer.ggml.token_type"] = [3, 3, 3] + [1] * (len(meta["tokenizer.ggml.tokens"]) - 3)
+    assert Tokenizer.from_gguf_metadata(meta).eos_ids == {0, 1}  # <think> is control but no marker
+    extra = {"tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 9}
+    assert Tokenizer.from_gguf_metadata(meta | extra).eos_ids == {0, 1, 7, 9}
+
+
+def test_a_byte_level_gguf_has_no_bos_or_eos_unless_it_says_so():
+    """The sentencepiece defaults (BOS 1, EOS 2) are llama.cpp's for that kind only."""
+    meta = {k: v for k, v in _tiny_meta("gpt-2").items() if not k.endswith(("bos_token_id", "eos_token_id"))}
+    meta["tokenizer.ggml.token_type"] = [1] * len(meta["tokenizer.ggml.tokens"])  # no marker by type
+    tok = Tokenizer.from_gguf_metadata(meta)
+    assert (tok.bos_id, tok.eos_ids) == (None, {0, 1})  # the markers by their text only
+    tok.chat_template = "[{{ bos_token }}][{{ eos_token }}]"
+    assert tok.apply_chat_template([]) == "[][]"
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"])
+def test_a_negative_special_id_is_refused_by_name(key):
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_gguf_metadata(_tiny_meta("gpt-2") | {key: -1})
+    assert str(e.value) == "tokenizer.ggml.*_token_id must be ≥ 0, got -1"
+
+
+@pytest.mark.parametrize(
+    "key, what", [("tokenizer.ggml.bos_token_id", "BOS"), ("tokenizer.ggml.eot_token_id", "EOS")]
+)
+def test_a_special_id_past_the_vocabulary_is_refused_by_what_it_is(key, what):
+    n = len(_tiny_meta("gpt-2")["tokenizer.ggml.tokens"])
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_gguf_metadata(_tiny_meta("gpt-2") | {key: n})
+    assert str(e.value) == f"the {what} token id {n} is outside the tokenizer's {n} tokens"
+
+
+def test_a_user_defined_token_is_matched_in_the_raw_text():
+    """Gemma's runs of spaces are user-defined tokens spelled with real spaces: llama.cpp matches them
+    in the text before sentencepiece's space handling (which would turn them into ▁▁)."""
+    meta = sentencepiece_meta(**{"tokenizer.ggml.add_space_prefix": False})  # as Gemma's
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "  "]
+    meta["tokenizer.ggml.scores"] = [*meta["tokenizer.ggml.scores"], 0.0]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 4]
+    tok = Tokenizer.from_gguf_metadata(meta)
+    assert tok.encode("a  b", add_bos=False) == [4, 10, 5]  # a, "  ", b
+    assert tok.decode([4, 10, 5]) == "a  b"
+
+
+def test_an_added_special_token_past_the_base_vocabulary_can_be_the_eos(tmp_path):
+    """Llama-3 keeps its special tokens in tokenizer.json's added tokens only, past the model's vocab."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFBackend
+
+    path = write_hf_dir(tmp_path, {"eos_token": "<|eot_id|>"}, {})
+    backend = HFBackend.from_file(str(path / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken("<|eot_id|>", special=True)])  # id 6
+    backend.save(str(path / "tokenizer.json"))
+    tok = Tokenizer.from_hf_dir(path)
+    assert tok.eos_ids == {6} and tok.encode("a <|eot_id|>") == [4, 6]

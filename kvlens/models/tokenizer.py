@@ -224,7 +224,11 @@ class Tokenizer:
         if model == "llama":
             backend, tokens = _sentencepiece_backend(meta, tokens)
         else:
-            merges = meta.get("tokenizer.ggml.merges", [])
+            merges = meta.get("tokenizer.ggml.merges")
+            if merges is None:  # llama.cpp: "cannot find tokenizer merges in model file"
+                raise TokenizerError(
+                    "GGUF metadata lacks tokenizer.ggml.merges, which a byte-level vocabulary needs"
+                )
             if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
                 raise TokenizerError("tokenizer.ggml.merges must be a list of 'left right' strings")
             merges = [tuple(m.split(" ", 1)) for m in merges]
@@ -253,7 +257,7 @@ class Tokenizer:
         bos = meta.get("tokenizer.ggml.bos_token_id", 1 if spm else None)
         eos_id = meta.get("tokenizer.ggml.eos_token_id", 2 if spm else None)
         eos = {i for k in ("eot", "eom") for i in _as_ids(meta.get(f"tokenizer.ggml.{k}_token_id"))}
-        eos |= {i for i, (t, y) in enumerate(typed) if y == _CONTROL and t in _EOG_TEXTS}
+        eos |= {i for i, t in enumerate(tokens) if t in _EOG_TEXTS}
         add_bos = _gguf_flag(meta, "tokenizer.ggml.add_bos_token", llama3 or spm) and bos is not None
         bos, eos_id = (
             None if v is None else _as_ids(v, "tokenizer.ggml.*_token_id")[0] for v in (bos, eos_id)
