@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from tiny_models import write_gguf, write_hf
+from tiny_models import write_gguf, write_hf, write_out
 
 from kvlens.models.config import ModelLoadError
 from kvlens.models.gguf_loader import open_gguf
@@ -81,9 +81,6 @@ def test_each_tensor_is_padded_to_the_alignment(tmp_path):
             w.add_custom_alignment(alignment)
         for name, n in (("a", 3), ("b", 10), ("c", 4)):
             w.add_tensor(name, np.zeros(n, np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        write_out(w)
         reader, _ = open_gguf(path)
         assert [t.data_offset - reader.data_offset for t in reader.tensors] == want

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_gguf_tensors45 import files  # noqa: F401
 from test_model_checks_edges import gemma_meta  # noqa: F401
+from tiny_models import write_out
 
 from kvlens.models.config import ModelLoadError
 from kvlens.models.gguf_loader import config_from_gguf, dequantize_tensor, open_gguf
@@ -66,10 +67,7 @@ def test_a_dequantized_tensor_is_float32_in_its_own_memory(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "h.gguf"), "llama")
     w.add_tensor("a", half)  # stored F16, shape [3, 4]
     w.add_tensor("b", np.ones((2, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     reader, _ = open_gguf(tmp_path / "h.gguf")
     for t, want in zip(reader.tensors, (half.astype(np.float32), np.ones((2, 4), np.float32)), strict=True):
         got = dequantize_tensor(t)

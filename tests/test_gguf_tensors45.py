@@ -64,15 +64,20 @@ def test_rope_freqs_in_a_llama_gguf_divides_the_frequencies(files, tmp_path):
     assert plain.weights.rope_freq_factors is None
 
 
-def test_rope_freqs_in_an_hf_directory_is_refused(files, tmp_path):
-    src = files["mistral"][0]
-    dst = tmp_path / "hf"
+def _hf_dir_with(src, dst, tensors: dict):
+    """A copy of the HF directory ``src`` with ``tensors`` added to its first shard (the index left out,
+    so every shard is read)."""
     dst.mkdir()
     for f in src.iterdir():
         if f.name != "model.safetensors.index.json":
             (dst / f.name).write_bytes(f.read_bytes())
     shard = sorted(dst.glob("*.safetensors"))[0]
-    save_file(load_file(shard) | {"rope_freqs": torch.from_numpy(FREQS)}, shard)
+    save_file(load_file(shard) | tensors, shard)
+    return dst
+
+
+def test_rope_freqs_in_an_hf_directory_is_refused(files, tmp_path):
+    dst = _hf_dir_with(files["mistral"][0], tmp_path / "hf", {"rope_freqs": torch.from_numpy(FREQS)})
     with pytest.raises(ModelLoadError) as e:
         kvlens.load(str(dst))
     assert str(e.value) == "unexpected tensor 'rope_freqs' in the checkpoint (mistral does not use it)"
@@ -80,14 +85,8 @@ def test_rope_freqs_in_an_hf_directory_is_refused(files, tmp_path):
 
 def test_an_hf_leftover_tensor_in_an_hf_directory_is_still_ignored(files, tmp_path):
     src = files["mistral"][0]
-    dst = tmp_path / "hf"
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.name != "model.safetensors.index.json":
-            (dst / f.name).write_bytes(f.read_bytes())
-    shard = sorted(dst.glob("*.safetensors"))[0]
     leftover = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.from_numpy(FREQS)}
-    save_file(load_file(shard) | leftover, shard)
+    dst = _hf_dir_with(src, tmp_path / "hf", leftover)
     got = load_model(dst).weights
     want = load_model(src).weights
     assert got.rope_freq_factors is None
