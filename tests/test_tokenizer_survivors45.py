@@ -218,3 +218,60 @@ def test_an_added_special_token_past_the_base_vocabulary_can_be_the_eos(tmp_path
     backend.save(str(path / "tokenizer.json"))
     tok = Tokenizer.from_hf_dir(path)
     assert tok.eos_ids == {6} and tok.encode("a <|eot_id|>") == [4, 6]
+
+
+# ---- round 2 of the mutation run: what the tests above still left open ----
+
+
+def test_a_post_processors_bos_is_not_added_twice(tmp_path):
+    from tokenizers import Tokenizer as HFBackend
+    from tokenizers import processors
+
+    path = write_hf_dir(tmp_path, {"bos_token": "<s>"}, {})
+    backend = HFBackend.from_file(str(path / "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.save(str(path / "tokenizer.json"))
+    tok = Tokenizer.from_hf_dir(path)
+    assert tok.encode("a b") == [1, 4, 5] and tok.encode("a b", add_bos=False) == [4, 5]
+
+
+@pytest.mark.parametrize("unk", [None, 10, "0"])  # absent, past the list, not an id: no unknown token
+def test_a_sentencepiece_unknown_id_that_names_no_token_is_left_out(unk):
+    meta = sentencepiece_meta()
+    meta.pop("tokenizer.ggml.unknown_token_id")
+    if unk is not None:
+        meta["tokenizer.ggml.unknown_token_id"] = unk
+    tok = Tokenizer.from_gguf_metadata(meta)
+    assert tok.encode("az", add_bos=False) == [6]  # "z" has no token and no byte token: dropped
+
+
+def test_a_run_of_unknown_sentencepiece_characters_is_one_unknown_token():
+    """As transformers' sentencepiece-BPE converter builds it (``fuse_unk=True``)."""
+    tok = Tokenizer.from_gguf_metadata(sentencepiece_meta())
+    assert tok.encode("azzz", add_bos=False) == [6, 0]
+
+
+def test_a_declared_eos_past_the_vocabulary_is_named_as_the_eos():
+    n = len(_tiny_meta("gpt-2")["tokenizer.ggml.tokens"])
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_gguf_metadata(_tiny_meta("gpt-2") | {"tokenizer.ggml.eos_token_id": n})
+    assert str(e.value) == f"the EOS token id {n} is outside the tokenizer's {n} tokens"
+
+
+def test_a_gguf_without_token_types_reads_every_token_as_normal():
+    meta = _tiny_meta("gpt-2")
+    del meta["tokenizer.ggml.token_type"]
+    tok = Tokenizer.from_gguf_metadata(meta)
+    assert tok.encode("<think>", add_bos=False) != [2]  # not user-defined: spelled out
+    assert tok.eos_ids == {0, 1}  # the declared EOS, and <|im_end|> by its text
+
+
+@pytest.mark.parametrize("merges", [["ab"], "1 2", [1]])
+def test_merges_must_be_a_list_of_pairs(merges):
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_gguf_metadata(_tiny_meta("gpt-2") | {"tokenizer.ggml.merges": merges})
+    assert str(e.value) == "tokenizer.ggml.merges must be a list of 'left right' strings"
+
+
+def test_an_empty_template_list_is_no_template(tmp_path):
+    assert Tokenizer.from_hf_dir(write_hf_dir(tmp_path, {"chat_template": []}, {})).chat_template is None
