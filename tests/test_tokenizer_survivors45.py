@@ -178,11 +178,19 @@ def test_a_byte_level_gguf_has_no_bos_or_eos_unless_it_says_so():
     assert tok.apply_chat_template([]) == "[][]"
 
 
-@pytest.mark.parametrize("key", ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ],
+)
 def test_a_negative_special_id_is_refused_by_name(key):
     with pytest.raises(TokenizerError) as e:
         Tokenizer.from_gguf_metadata(_tiny_meta("gpt-2") | {key: -1})
-    assert str(e.value) == "tokenizer.ggml.*_token_id must be ≥ 0, got -1"
+    assert str(e.value) == f"{key} must be ≥ 0, got -1"
 
 
 @pytest.mark.parametrize(
@@ -275,3 +283,26 @@ def test_merges_must_be_a_list_of_pairs(merges):
 
 def test_an_empty_template_list_is_no_template(tmp_path):
     assert Tokenizer.from_hf_dir(write_hf_dir(tmp_path, {"chat_template": []}, {})).chat_template is None
+
+
+@pytest.mark.parametrize(
+    "config, generation, named",
+    [
+        ({"eos_token_id": -1}, None, "config.json: eos_token_id"),
+        ({"bos_token_id": "1"}, None, "config.json: bos_token_id"),
+        ({}, {"eos_token_id": [3, -2]}, "generation_config.json: eos_token_id"),
+    ],
+)
+def test_a_bad_id_in_an_hf_config_names_its_file_and_key(tmp_path, config, generation, named):
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_hf_dir(write_hf_dir(tmp_path, {}, config, generation))
+    assert str(e.value).startswith(f"{tmp_path / named} must be")
+
+
+def test_a_stream_decoder_keeps_special_tokens_unless_told():
+    from kvlens.models.tokenizer import StreamDecoder
+
+    tok = Tokenizer.from_gguf_metadata(_tiny_meta("gpt-2"))
+    ids = tok.encode("x<|im_end|>", add_bos=False)
+    for decoder, want in ((StreamDecoder(tok), "x<|im_end|>"), (StreamDecoder(tok, skip_special=True), "x")):
+        assert "".join(decoder.push(i) for i in ids) + decoder.flush() == want

@@ -52,6 +52,7 @@ _EOG_TEXTS = {
     "<|end_of_text|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
 }  # fmt: skip
 _CONTROL, _USER_DEFINED = 3, 4
+_EOT_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")  # also end generation
 
 
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -123,7 +124,7 @@ def _sentencepiece_backend(meta: dict, tokens: list[str]) -> tuple[_HFTokenizer,
     return backend, tokens
 
 
-def _as_ids(value: Any, name: str = "token id") -> list[int]:
+def _as_ids(value: Any, name: str) -> list[int]:
     if value is None:
         return []
     try:
@@ -256,11 +257,12 @@ class Tokenizer:
         spm = model == "llama"
         bos = meta.get("tokenizer.ggml.bos_token_id", 1 if spm else None)
         eos_id = meta.get("tokenizer.ggml.eos_token_id", 2 if spm else None)
-        eos = {i for k in ("eot", "eom") for i in _as_ids(meta.get(f"tokenizer.ggml.{k}_token_id"))}
+        eos = {i for key in _EOT_KEYS for i in _as_ids(meta.get(key), key)}
         eos |= {i for i, t in enumerate(tokens) if t in _EOG_TEXTS}
         add_bos = _gguf_flag(meta, "tokenizer.ggml.add_bos_token", llama3 or spm) and bos is not None
         bos, eos_id = (
-            None if v is None else _as_ids(v, "tokenizer.ggml.*_token_id")[0] for v in (bos, eos_id)
+            None if v is None else _as_ids(v, f"tokenizer.ggml.{k}_token_id")[0]
+            for k, v in (("bos", bos), ("eos", eos_id))
         )
         return cls(backend, bos, eos_id, eos, add_bos, meta.get("tokenizer.chat_template"))
 
@@ -282,11 +284,13 @@ class Tokenizer:
 
         bos = tid(_token_text(cfg.get("bos_token")))
         if bos is None and model_cfg.get("bos_token_id") is not None:
-            bos = _as_ids(model_cfg["bos_token_id"])[0]
+            bos = _as_ids(model_cfg["bos_token_id"], f"{path / 'config.json'}: bos_token_id")[0]
         eos_id = tid(_token_text(cfg.get("eos_token")))
-        gen_eos = _as_ids(gen_cfg.get("eos_token_id")) or _as_ids(model_cfg.get("eos_token_id"))
-        eos_id = gen_eos[0] if eos_id is None and gen_eos else eos_id
-        eos = set(_as_ids(gen_cfg.get("eos_token_id"))) | set(_as_ids(model_cfg.get("eos_token_id")))
+        gen_eos = _as_ids(gen_cfg.get("eos_token_id"), f"{path / 'generation_config.json'}: eos_token_id")
+        model_eos = _as_ids(model_cfg.get("eos_token_id"), f"{path / 'config.json'}: eos_token_id")
+        first = (gen_eos or model_eos)[:1]
+        eos_id = first[0] if eos_id is None and first else eos_id
+        eos = set(gen_eos) | set(model_eos)
         eos |= {
             i for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content in _EOG_TEXTS
         }
