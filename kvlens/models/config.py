@@ -61,6 +61,11 @@ def positive(value: Any, name: str) -> float:
     return check_float(value, name, above=0.0)
 
 
+def non_negative(value: Any, name: str) -> int:
+    """A :func:`read_key` check of a count or index that may be 0 (a layer index, a window of 0)."""
+    return check_int(value, name, minimum=0)
+
+
 @dataclass
 class ModelConfig:
     arch: str
@@ -227,11 +232,6 @@ _flag = _of_type(bool, "true or false")
 _mapping = _of_type(dict, "a JSON object")
 
 
-def _layer(value: Any, name: str) -> int:
-    """A :func:`read_key` check of a layer index (0 allowed)."""
-    return check_int(value, name, minimum=0)
-
-
 def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """Build a :class:`ModelConfig` from an HF ``config.json`` dict; a bad value names its key."""
     if not isinstance(cfg, dict):
@@ -336,7 +336,7 @@ def _qwen_window(cfg: dict[str, Any], where: str, n_layers: int, defaults: dict[
     if types is None:
         if window is None:
             return {"sliding_window": None}
-        first = read_key(cfg, "max_window_layers", where, _layer, defaults["max_window_layers"])
+        first = read_key(cfg, "max_window_layers", where, non_negative, defaults["max_window_layers"])
         return {"sliding_window": window, "window_layers": tuple(range(first, n_layers))}
     if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
         raise ModelLoadError(

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checks import check_int
 from .config import (
     ARCHITECTURES,
     REQUIRED,
@@ -25,6 +24,7 @@ from .config import (
     build_config,
     check_readable,
     count,
+    non_negative,
     positive,
     read_key,
     read_shape,
@@ -192,7 +192,7 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
         )
     keys = _gguf_keys(arch)
     if arch in PERMUTED_ARCHS:  # llama.cpp's llama graph, whose MoE form (Mixtral) kvlens lacks
-        experts = read_key(meta, f"{arch}.expert_count", where, _non_negative, 0)
+        experts = read_key(meta, f"{arch}.expert_count", where, non_negative, 0)
         if experts:
             raise ModelLoadError(
                 f"{where}: {arch}.expert_count = {experts}: a mixture-of-experts model; "
@@ -230,14 +230,10 @@ def config_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Mode
         qkv_bias=ARCHITECTURES[arch]["qkv_bias"],
         qk_norm=ARCHITECTURES[arch]["qk_norm"],
         rope_scaling=_rope_scaling(meta, arch, where),
-        sliding_window=get("sliding_window", _non_negative, None) or None,  # llama.cpp: 0 is no window
+        sliding_window=get("sliding_window", non_negative, None) or None,  # llama.cpp: 0 is no window
         name=str(meta.get("general.name", "")),
     )
     return build_config(fields, keys, where)
-
-
-def _non_negative(value: Any, name: str) -> int:
-    return check_int(value, name, minimum=0)
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, where: str) -> dict[str, Any] | None:

@@ -288,8 +288,8 @@ class Tokenizer:
         eos_id = tid(_token_text(cfg.get("eos_token")))
         gen_eos = _as_ids(gen_cfg.get("eos_token_id"), f"{path / 'generation_config.json'}: eos_token_id")
         model_eos = _as_ids(model_cfg.get("eos_token_id"), f"{path / 'config.json'}: eos_token_id")
-        first = (gen_eos or model_eos)[:1]
-        eos_id = first[0] if eos_id is None and first else eos_id
+        if eos_id is None:  # the first that generation_config.json, else config.json, lists
+            eos_id = next(iter(gen_eos or model_eos), None)
         eos = set(gen_eos) | set(model_eos)
         eos |= {
             i for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content in _EOG_TEXTS
