@@ -4,6 +4,7 @@ The lab's run functions and the loader are spies here: what is checked is what r
 
 from __future__ import annotations
 
+import hashlib
 from types import SimpleNamespace
 
 import pytest
@@ -122,13 +123,15 @@ def test_a_cell_stores_its_modes_bytes_per_token_or_its_failure(runs, monkeypatc
     from kvlens import corpus
 
     engine = SimpleNamespace(
-        new_cache=lambda n, kv: SimpleNamespace(bytes_per_token=lambda: {"q8-k": 123}[kv])
+        new_cache=lambda n, kv: SimpleNamespace(bytes_per_token=lambda: {"q8-k": 123}[kv]),
+        loaded=SimpleNamespace(file_sha256="ab" * 32),
     )
     monkeypatch.setattr(sweep_cell, "_models", lambda model, weights: (engine, None, 0.5))
     monkeypatch.setattr(corpus, "load_corpus", lambda name: ("text", "label"))
     out = sweep_cell.run_cell("key", json.dumps(cell("layers", model="m.gguf", corpus="c")), "local")
     assert (out.status, out.error, out.load_seconds) == ("done", None, 0.5)
-    assert out.result == {"ran": "layers", "kv_bytes_per_token": 123} and out.metrics == {}
+    inputs = {"model_sha256": "ab" * 32, "corpus_sha256": hashlib.sha256(b"text").hexdigest()}
+    assert out.result == {"ran": "layers", "kv_bytes_per_token": 123, "inputs": inputs} and out.metrics == {}
     out = sweep_cell.run_cell("key", json.dumps(cell("perplexity", model="m.gguf", corpus="c")), "local")
     assert out.status == "failed" and out.result is None
     assert out.error.startswith("ValueError: unknown measurement 'perplexity' (at sweep_cell.py:")

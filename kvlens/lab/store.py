@@ -13,7 +13,8 @@ Schema (``SCHEMA_VERSION`` 1)::
         status TEXT NOT NULL,                      -- 'done' or 'failed'
         error TEXT,                                -- failed: the exception type and message
         result_json TEXT,                          -- done: the lab run's complete JSON (``to_json()``);
-                                                   --   ppl: every llama-perplexity statistic
+                                                   --   ppl: every llama-perplexity statistic; "inputs":
+                                                   --   the sha256 of the model and text it measured
         ppl_ratio, ppl_ratio_err, kld_mean, kld_mean_err, same_top_p REAL,  -- ppl cells, from result_json
         bytes_per_token INTEGER,                   -- KV bytes per token of the cell's mode
         kvlens_version, git_commit TEXT,           -- of the process that ran the cell (git: HEAD, '+dirty')
@@ -42,6 +43,7 @@ from typing import Any
 SCHEMA_VERSION = "1"
 METRIC_COLUMNS = ("ppl_ratio", "ppl_ratio_err", "kld_mean", "kld_mean_err", "same_top_p", "bytes_per_token")
 CONFIG_COLUMNS = ("measurement", "model", "weights", "kv", "corpus", "ctx")
+INPUTS = "inputs"  # result_json's key for {"model_sha256", "corpus_sha256"} (lab/sweep_inputs.py)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
@@ -167,6 +169,11 @@ class Store:
 
     def done_keys(self) -> set[str]:
         return {r[0] for r in self.conn.execute("SELECT cell_key FROM cells WHERE status = 'done'")}
+
+    def done_with(self, json_path: str) -> list[tuple[str, str, str, str | None]]:
+        """(cell key, model, corpus, ``json_extract(result_json, json_path)``) of every done cell."""
+        sql = "SELECT cell_key, model, corpus, json_extract(result_json, ?) FROM cells WHERE status = 'done'"
+        return [tuple(r) for r in self.conn.execute(sql, (json_path,))]
 
     def record(self, o: CellOutcome, run_id: int | None) -> None:
         """Insert or replace the cell's row, in one transaction."""

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..kv.modes import KVMode
-from .store import CellOutcome
+from .store import INPUTS, CellOutcome
+from .sweep_inputs import inputs_of, model_stamp
 
 _ISA_FLAGS = (
     "avx2",
@@ -34,7 +35,8 @@ _ISA_FLAGS = (
     "avx_vnni",
     "amx_tile",
 )
-# process-wide: the model now in use, {weights: LLM} for it (a new model evicts the old one)
+# process-wide: the model now in use (its name and its files' stamp: a file replaced at the same path
+# is loaded anew), {weights: LLM} for it (a new model evicts the old one)
 _LOADED: dict[str, Any] = {"model": None, "llms": {}}
 
 
@@ -115,8 +117,9 @@ def _models(model: str, weights: str) -> tuple[Any, Any, float]:
 
     from .common import load_reference
 
-    if _LOADED["model"] != model:
-        _LOADED["model"], _LOADED["llms"] = model, {}
+    stamp = (model, model_stamp(model))
+    if _LOADED["model"] != stamp:
+        _LOADED["model"], _LOADED["llms"] = stamp, {}
     llms = _LOADED["llms"]
     t0 = time.perf_counter()
     if weights not in llms:
@@ -198,6 +201,7 @@ def run_cell(key: str, config_json: str, worker: str) -> CellOutcome:
         t0 = time.perf_counter()
         result = _measure(c, llm, ref, text, label)
         result["kv_bytes_per_token"] = llm.new_cache(1, c["kv"]).bytes_per_token()
+        result[INPUTS] = inputs_of(llm.loaded.file_sha256, text)
         out.result, out.metrics, out.status = result, metrics_of(c, result), "done"
     except Exception as e:  # noqa: BLE001 - a failed cell is recorded, never fatal to the sweep
         last = traceback.extract_tb(e.__traceback__)[-1]

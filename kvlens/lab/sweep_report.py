@@ -10,7 +10,7 @@ Greedy, layers and needle cells get a table each. Tables and figure plumbing are
 from __future__ import annotations
 
 import shlex
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import numpy as np
 from ..checks import option_name
 from ..kv.modes import KVMode, StoreKind
 from ..report import figure, label_axes, md_table, save_figure, write_markdown
-from .store import Store
+from .store import INPUTS, Store
 from .sweep_spec import cell_label
 
 KLD_LABEL = "KLD(base ‖ mode), mean per token"
@@ -232,13 +232,27 @@ def _provenance(store: Store, rows: list[dict[str, Any]], failed: list[dict[str,
     lines = [
         f"- {len(rows)} cells done, {len(failed)} failed; cells' run time {secs[0]:.0f} s, model loads {secs[1]:.0f} s"
     ]
-    lines += [f"- machine: {m}" for m in machines] + [f"- code: {b}" for b in builds]
+    lines += [f"- machine: {m}" for m in machines] + [f"- code: {b}" for b in builds] + _inputs(rows)
     lines += [
         f"- sweep run {r['run_id']} ({r['started_at']}, {r['executor']}): `{r['command']}`"
         for r in store.runs()
     ]
     if failed:
         lines += ["", "Failed cells:", ""] + [f"- {cell_label(r['config'])}: {r['error']}" for r in failed]
+    return lines
+
+
+def _inputs(rows: list[dict[str, Any]]) -> list[str]:
+    """``- model NAME: sha256 … (N cells)`` per model and corpus: the files the cells measured."""
+    lines = []
+    for kind in ("model", "corpus"):
+        for name in sorted({r[kind] for r in rows}):
+            digests = Counter(
+                (r["result"].get(INPUTS) or {}).get(f"{kind}_sha256") for r in rows if r[kind] == name
+            )
+            said = [f"sha256 {d[:12]}… ({n} cells)" if d else f"sha256 not recorded ({n} cells, stored by an "
+                    "older kvlens)" for d, n in sorted(digests.items(), key=lambda x: x[0] or "")]  # fmt: skip
+            lines.append(f"- {kind} {name}: {', '.join(said)}")
     return lines
 
 

@@ -1,0 +1,84 @@
+"""What a sweep cell measured: the sha256 of its model's files and of the text it read, and the check
+that a resumed sweep still measures the same files.
+
+A cell's key is its configuration (model and corpus by name or path, :mod:`.sweep_spec`), not the
+files' contents, so a GGUF or a text replaced at the same path keeps its cells' keys. Each done cell
+therefore records the digests of what it measured (``result[store.INPUTS]``), and before the driver skips
+a done cell or adds a new one beside it, it compares them with the files as they are now
+(:func:`check_unchanged`): results of two different files never stand in one store under one name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from ..corpus import load_corpus
+from ..models.loader import PACKAGED_MODELS, file_digest, resolve_model
+from .sweep_spec import Cell
+
+
+class InputChangedError(ValueError):
+    """A model or corpus file differs from the one the store's done cells measured."""
+
+
+def model_digest(model: str) -> str:
+    """sha256 of the model file (an HF directory: of its files' names and digests)."""
+    return file_digest(resolve_model(model))
+
+
+def text_digest(text: str) -> str:
+    """sha256 of the text a cell measured, as UTF-8 (a corpus file: its bytes, as read)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def model_stamp(model: str) -> tuple:
+    """Each model file's path, size, mtime and inode: what a replaced file changes, without reading it
+    (a packaged name: the name; a path that cannot be read: the path, and loading it names the error)."""
+    if model in PACKAGED_MODELS:
+        return (model,)
+    path = Path(model)
+    try:
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        return tuple((str(p), s.st_size, s.st_mtime_ns, s.st_ino) for p in files for s in [p.stat()])
+    except OSError:
+        return (model,)
+
+
+def inputs_of(model_sha256: str, text: str) -> dict[str, str]:
+    return {"model_sha256": model_sha256, "corpus_sha256": text_digest(text)}
+
+
+def check_unchanged(
+    stored: Iterable[tuple[str, str, str, str | None]], cells: Sequence[Cell], force: bool, db: Path
+) -> None:
+    """Refuse to run ``cells`` into a store whose done cells measured other files under the same model
+    or corpus name. ``stored``: (cell key, model, corpus, inputs JSON or None: recorded before kvlens
+    kept digests, not checked) of the store's done cells; ``force``: the spec's own cells are redone."""
+    redone = {c.key for c in cells} if force else set()
+    names = {"model": {c.model for c in cells}, "corpus": {c.corpus for c in cells}}
+    seen: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    for key, model, corpus, inputs in stored:
+        if key in redone or not inputs:
+            continue
+        digests = json.loads(inputs)
+        for kind, name in (("model", model), ("corpus", corpus)):
+            if name in names[kind]:
+                seen[kind, name][digests[f"{kind}_sha256"]] += 1
+    for (kind, name), counts in sorted(seen.items()):
+        now = model_digest(name) if kind == "model" else text_digest(load_corpus(name)[0])
+        stale = {d: n for d, n in counts.items() if d != now}
+        if stale:
+            then = next(iter(stale))
+            said = (
+                f"{kind} {name} has changed since {sum(stale.values())} done cell(s) in {db} measured it "
+                f"(sha256 {then[:12]}… then, {now[:12]}… now)"
+            )
+            if force:
+                raise InputChangedError(f"{said}; --force redoes this spec's cells only, and those cells are "
+                                        "outside it: give another store (--db)")  # fmt: skip
+            raise InputChangedError(f"{said}: their results and the new file's would stand under one name; "
+                                    "rerun with --force to replace them, or give another store (--db)")  # fmt: skip

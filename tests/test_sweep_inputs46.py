@@ -1,0 +1,171 @@
+"""A sweep's cells record the sha256 of the model file and the text they measured, and a sweep whose
+model or corpus file was replaced at the same path is refused rather than resumed: before, it skipped
+the done cells and reported the old file's results under the new file's name (docs/sweep/README.md).
+Digests are checked against hashlib over the files' bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_sweep import EXCERPT, PPL, stored, write_spec
+from tiny_models import write_gguf, write_hf
+
+from kvlens.lab.sweep import LocalExecutor, run_sweep
+from kvlens.lab.sweep_inputs import InputChangedError
+from kvlens.lab.sweep_report import write_report
+from kvlens.lab.sweep_spec import load_spec
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tiny(root: Path, seed: int) -> Path:
+    """A tiny random Qwen2 GGUF at ``root/tiny.gguf`` (the same path for every seed)."""
+    return write_gguf(write_hf("qwen2", root / f"hf{seed}", seed=seed), "qwen2", root / "tiny.gguf")
+
+
+def sweep(spec: Path, db: Path, force: bool = False):
+    return run_sweep(load_spec(spec), db, LocalExecutor(0, 1), force=force, show_progress=False)
+
+
+@pytest.fixture
+def swept(tmp_path):
+    """A done q8 ppl cell of the seed-0 model: (spec, store, model)."""
+    model = tiny(tmp_path, 0)
+    spec = write_spec(tmp_path, model, PPL, kv=["q8"])
+    db = tmp_path / "s.sqlite"
+    sweep(spec, db)
+    return spec, db, model
+
+
+def test_a_cell_records_the_digests_of_its_model_and_text(swept):
+    spec, db, model = swept
+    (row,) = stored(db)
+    assert row["result"]["inputs"] == {"model_sha256": sha(model), "corpus_sha256": sha(EXCERPT)}
+
+
+def test_a_replaced_model_is_refused_and_the_store_is_untouched(swept):
+    spec, db, model = swept
+    old = sha(model)
+    before, runs = stored(db), sqlite3.connect(db).execute("SELECT COUNT(*) FROM runs").fetchone()
+    tiny(model.parent, 1)
+    with pytest.raises(InputChangedError) as e:
+        sweep(spec, db)
+    assert str(e.value) == (
+        f"model {model} has changed since 1 done cell(s) in {db} measured it (sha256 {old[:12]}… then, "
+        f"{sha(model)[:12]}… now): their results and the new file's would stand under one name; rerun "
+        "with --force to replace them, or give another store (--db)"
+    )
+    assert stored(db) == before
+    assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM runs").fetchone() == runs  # no run begun
+
+
+def test_a_replaced_corpus_is_refused(swept):
+    spec, db, _ = swept
+    text = spec.parent / "excerpt.txt"
+    old = sha(text)
+    text.write_text(text.read_text(encoding="utf-8") + "One more line.\n", encoding="utf-8")
+    with pytest.raises(InputChangedError, match=rf"^corpus {text} has changed since 1 done cell\(s\)") as e:
+        sweep(spec, db)
+    assert f"(sha256 {old[:12]}… then, {sha(text)[:12]}… now)" in str(e.value)
+
+
+def test_force_redoes_the_cell_on_the_new_file(swept):
+    spec, db, model = swept
+    (first,) = stored(db)
+    tiny(model.parent, 1)
+    s = sweep(spec, db, force=True)
+    (row,) = stored(db)
+    assert (s.skipped, s.done) == (0, 1) and row["run_id"] == 2
+    assert row["result"]["inputs"]["model_sha256"] == sha(model) != first["result"]["inputs"]["model_sha256"]
+    assert row["kld_mean"] != first["kld_mean"]
+    assert sweep(spec, db).skipped == 1  # the store now agrees with the file: resumed as before
+
+
+def test_force_does_not_cover_cells_outside_the_spec(swept):
+    spec, db, model = swept
+    tiny(model.parent, 1)
+    other = write_spec(spec.parent, model, PPL, kv=["q8-k"])  # a new cell beside the old q8 one
+    for force in (False, True):
+        with pytest.raises(InputChangedError) as e:
+            sweep(other, db, force=force)
+        said = "give another store (--db)"
+        assert str(e.value).endswith(said) and ("outside it" in str(e.value)) == force
+
+
+def test_the_same_process_loads_a_replaced_model_anew(swept):
+    """The in-process executor keeps a model loaded between cells; a file replaced at the same path
+    is loaded again (before, a second sweep measured the first file's weights)."""
+    import kvlens
+    from kvlens.lab.ppl import PplConfig, run_ppl
+
+    spec, db, model = swept
+    tiny(model.parent, 1)
+    sweep(spec, spec.parent / "new.sqlite")
+    (row,) = stored(spec.parent / "new.sqlite")
+    llm = kvlens.load(str(model), kv="f32", attn_backend="torch", weights="f32")
+    direct = run_ppl(llm, EXCERPT.read_text(), PplConfig(ctx=64, kv=["q8"], chunks=2, prefill_chunk=32))
+    assert row["kld_mean"] == direct.modes[0].stats["kld_mean"] != stored(db)[0]["kld_mean"]
+
+
+def test_an_hf_directory_rewritten_in_place_is_loaded_anew(tmp_path):
+    hf = tmp_path / "hf"
+    write_hf("qwen2", hf, seed=0)
+    spec = write_spec(tmp_path, hf, PPL, kv=["q8"])
+    sweep(spec, tmp_path / "a.sqlite")
+    write_hf("qwen2", hf, seed=1)
+    sweep(spec, tmp_path / "b.sqlite")
+    (a,), (b,) = stored(tmp_path / "a.sqlite"), stored(tmp_path / "b.sqlite")
+    assert a["result"]["inputs"]["model_sha256"] != b["result"]["inputs"]["model_sha256"]
+    assert a["kld_mean"] != b["kld_mean"]
+    with pytest.raises(InputChangedError, match=f"^model {hf} has changed"):
+        sweep(spec, tmp_path / "a.sqlite")
+
+
+def test_cells_stored_without_digests_are_resumed_and_reported_so(swept, tmp_path):
+    spec, db, model = swept
+    with sqlite3.connect(db) as conn:  # as an older kvlens stored them
+        conn.execute("UPDATE cells SET result_json = json_remove(result_json, '$.inputs')")
+    tiny(model.parent, 1)
+    assert sweep(spec, db).skipped == 1  # nothing to compare with
+    md = write_report(db, tmp_path / "rep", "kvlens lab sweep-report").read_text()
+    assert f"- model {model}: sha256 not recorded (1 cells, stored by an older kvlens)" in md
+
+
+def test_the_report_names_each_input_digest(swept, tmp_path):
+    spec, db, model = swept
+    md = write_report(db, tmp_path / "rep", "kvlens lab sweep-report").read_text()
+    assert f"- model {model}: sha256 {sha(model)[:12]}… (1 cells)\n" in md
+    assert f"- corpus {spec.parent / 'excerpt.txt'}: sha256 {sha(EXCERPT)[:12]}… (1 cells)\n" in md
+
+
+def test_cli_names_the_changed_file_in_one_line(swept):
+    spec, db, model = swept
+    tiny(model.parent, 1)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvlens.cli", "lab", "sweep", str(spec), "--db", str(db), "--quiet"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode != 0 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"error: model {model} has changed since 1 done cell(s)")
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert json.loads(json.dumps(stored(db)[0]["result"]["inputs"]))["model_sha256"] != sha(model)
+
+
+def test_only_the_specs_own_files_are_read(swept, tmp_path):
+    """The check reads the files of the spec's own models and corpora, not every file the store's
+    other cells name: one that is gone now does not stop another spec's resume."""
+    spec, db, model = swept
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other = write_spec(other_dir, tiny(other_dir, 2), PPL, kv=["q8"])
+    sweep(other, db)
+    model.unlink()
+    assert sweep(other, db).skipped == 1
