@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -169,3 +170,22 @@ def test_only_the_specs_own_files_are_read(swept, tmp_path):
     sweep(other, db)
     model.unlink()
     assert sweep(other, db).skipped == 1
+
+
+def test_a_model_replaced_during_the_sweep_fails_the_cells_that_measured_it(tmp_path):
+    """The driver takes the digests before the first cell; a cell that measured another file (here
+    the file replaced after the first cell was stored; on a cluster, a node's own copy) is stored as
+    failed with both digests, never as a result under the name."""
+    model = tiny(tmp_path, 0)
+    spec = write_spec(tmp_path, model, PPL, kv=["q8", "q8-k"])
+    old, db = sha(model), tmp_path / "s.sqlite"
+    s = run_sweep(load_spec(spec), db, LocalExecutor(0, 1), show_progress=False,
+                  on_stored=lambda o: o.status == "done" and tiny(tmp_path, 1))  # fmt: skip
+    first, second = stored(db)
+    assert (s.done, len(s.failed)) == (1, 1)
+    assert first["status"] == "done" and first["result"]["inputs"]["model_sha256"] == old
+    assert second["status"] == "failed" and second["result"] is None and second["kld_mean"] is None
+    assert second["error"] == (
+        f"InputChangedError: the model file {model} that local:{os.getpid()} measured is not the one this "
+        f"sweep began with (sha256 {sha(model)[:12]}… there, {old[:12]}… at the start)"
+    )

@@ -29,7 +29,7 @@ from pathlib import Path
 from ..kernels.threads import set_threads
 from .store import INPUTS, CellOutcome, Store
 from .sweep_cell import run_cell
-from .sweep_inputs import check_unchanged
+from .sweep_inputs import check_outcome, check_unchanged, spec_digests
 from .sweep_spec import Cell, Spec, cell_label, load_spec
 
 CORES_PER_WORKER = 8  # a lab run uses every thread it gets; more workers only on larger machines
@@ -143,13 +143,14 @@ def run_sweep(
     is called after each cell's transaction has committed."""
     with Store(db) as store:
         done = store.done_keys()
-        check_unchanged(store.done_with(f"$.{INPUTS}"), spec.cells, force, Path(db))
+        digests = spec_digests(spec.cells)
+        check_unchanged(store.done_with(f"$.{INPUTS}"), spec.cells, digests, force, Path(db))
         todo = [c for c in spec.cells if force or c.key not in done]
         summary = SweepSummary(Path(db), len(spec.cells), len(spec.cells) - len(todo))
         run_id = store.begin_run(command, executor.name, str(spec.path), spec.text)
         with _progress(len(todo), executor, show_progress) as tick:
             for outcome in executor.run(todo):
-                store.record(outcome, run_id)
+                store.record(check_outcome(outcome, digests), run_id)
                 if outcome.status == "done":
                     summary.done += 1
                 else:

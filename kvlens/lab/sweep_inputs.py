@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..corpus import load_corpus
 from ..models.loader import PACKAGED_MODELS, file_digest, resolve_model
+from .store import INPUTS, CellOutcome
 from .sweep_spec import Cell
 
 
@@ -52,24 +53,36 @@ def inputs_of(model_sha256: str, text: str) -> dict[str, str]:
     return {"model_sha256": model_sha256, "corpus_sha256": text_digest(text)}
 
 
+def spec_digests(cells: Sequence[Cell]) -> dict[tuple[str, str], str]:
+    """The driver's digests of the spec's models and corpora, ``{(kind, name): sha256}``, taken once
+    before any cell runs: the files the whole sweep is to measure."""
+    digests = {("model", m): model_digest(m) for m in sorted({c.model for c in cells})}
+    corpora = sorted({c.corpus for c in cells})
+    return digests | {("corpus", c): text_digest(load_corpus(c)[0]) for c in corpora}
+
+
 def check_unchanged(
-    stored: Iterable[tuple[str, str, str, str | None]], cells: Sequence[Cell], force: bool, db: Path
+    stored: Iterable[tuple[str, str, str, str | None]],
+    cells: Sequence[Cell],
+    digests: dict[tuple[str, str], str],
+    force: bool,
+    db: Path,
 ) -> None:
     """Refuse to run ``cells`` into a store whose done cells measured other files under the same model
     or corpus name. ``stored``: (cell key, model, corpus, inputs JSON or None: recorded before kvlens
-    kept digests, not checked) of the store's done cells; ``force``: the spec's own cells are redone."""
+    kept digests, not checked) of the store's done cells; ``digests``: :func:`spec_digests`;
+    ``force``: the spec's own cells are redone."""
     redone = {c.key for c in cells} if force else set()
-    names = {"model": {c.model for c in cells}, "corpus": {c.corpus for c in cells}}
     seen: dict[tuple[str, str], Counter] = defaultdict(Counter)
     for key, model, corpus, inputs in stored:
         if key in redone or not inputs:
             continue
-        digests = json.loads(inputs)
+        recorded = json.loads(inputs)
         for kind, name in (("model", model), ("corpus", corpus)):
-            if name in names[kind]:
-                seen[kind, name][digests[f"{kind}_sha256"]] += 1
+            if (kind, name) in digests:
+                seen[kind, name][recorded[f"{kind}_sha256"]] += 1
     for (kind, name), counts in sorted(seen.items()):
-        now = model_digest(name) if kind == "model" else text_digest(load_corpus(name)[0])
+        now = digests[kind, name]
         stale = {d: n for d, n in counts.items() if d != now}
         if stale:
             then = next(iter(stale))
@@ -82,3 +95,21 @@ def check_unchanged(
                                         "outside it: give another store (--db)")  # fmt: skip
             raise InputChangedError(f"{said}: their results and the new file's would stand under one name; "
                                     "rerun with --force to replace them, or give another store (--db)")  # fmt: skip
+
+
+def check_outcome(outcome: CellOutcome, digests: dict[tuple[str, str], str]) -> CellOutcome:
+    """A done cell that measured other files than the driver's (a file replaced during the sweep, or
+    a cluster node holding another file at the same path) is stored as failed, with both digests."""
+    if outcome.status != "done":
+        return outcome
+    config, recorded = json.loads(outcome.config_json), outcome.result[INPUTS]
+    for kind in ("model", "corpus"):
+        expected, got = digests[kind, config[kind]], recorded[f"{kind}_sha256"]
+        if got != expected:
+            outcome.status, outcome.result, outcome.metrics = "failed", None, {}
+            outcome.error = (
+                f"InputChangedError: the {kind} file {config[kind]} that {outcome.worker} measured is not "
+                f"the one this sweep began with (sha256 {got[:12]}… there, {expected[:12]}… at the start)"
+            )
+            break
+    return outcome
