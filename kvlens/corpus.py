@@ -171,30 +171,40 @@ def strip_scan_markup(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip("\n") + "\n"
 
 
-def _read_utf8(path: Path) -> str:
+def _decode_utf8(path: Path) -> str:
     check_not_special(path, CorpusError, "the corpus")
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CorpusError(
             f"{path} is not valid UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start} ({e.reason}); "
             "re-encode it, e.g. `iconv -f latin1 -t utf-8`"
         ) from e
-    # Several sdist files use CRLF; a BOM is not text either.
-    return text.removeprefix("\ufeff").replace("\r\n", "\n")
+
+
+def _read_utf8(path: Path) -> str:
+    """A built-in corpus file: several sdist files use CRLF, and a BOM is not text either."""
+    return _decode_utf8(path).removeprefix("\ufeff").replace("\r\n", "\n")
+
+
+def read_like_llama_cpp(path: Path) -> str:
+    """A user's text file as ``llama-perplexity -f`` reads it: every byte as it is (a BOM and CRLF line
+    ends too), less one final ``\\n``, so both tokenize the same text. It must be UTF-8."""
+    text = _decode_utf8(path)
+    return text[:-1] if text.endswith("\n") else text
 
 
 def load_corpus(
     name_or_path: str | os.PathLike[str] | None, cache_dir: Path | None = None
 ) -> tuple[str, str]:
-    """Return ``(text, label)``. ``None``/``"default"`` -> britannica; an existing file -> read verbatim
-    as UTF-8 (label: the path); otherwise a built-in name (Gutenberg/scan markup stripped, label: the name).
-    """
+    """Return ``(text, label)``. ``None``/``"default"`` -> britannica; an existing file -> read as
+    llama-perplexity reads it (:func:`read_like_llama_cpp`; label: the path); otherwise a built-in
+    name (Gutenberg/scan markup stripped, label: the name)."""
     key = DEFAULT_CORPUS if name_or_path in (None, "", "default") else os.fspath(name_or_path)
     path = Path(key).expanduser()
     if path.is_file():
-        text, label = _read_utf8(path), str(path)
+        text, label = read_like_llama_cpp(path), str(path)
     elif path.exists():
         raise CorpusError(f"corpus {key!r} is not a regular file")
     elif os.sep in key or "/" in key or path.suffix:

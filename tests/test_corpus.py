@@ -98,12 +98,18 @@ def test_strip_scan_markup() -> None:
 
 
 def test_load_corpus_reads_a_file(tmp_path: Path) -> None:
+    """As llama-perplexity's `-f` reads it (llama.cpp common/arg.cpp: the bytes as they are, then one
+    final '\\n' popped): a BOM and CRLF line ends stay, so both tokenize the same text."""
     f = tmp_path / "my corpus.txt"
     f.write_bytes("\ufeffLine one\r\nLíne two — ok\r\n".encode())
     text, label = load_corpus(str(f))
-    assert text == "Line one\nLíne two — ok\n"
+    assert text == "\ufeffLine one\r\nLíne two — ok\r"
     assert label == str(f)
     assert load_corpus(f)[0] == text  # PathLike works too
+    f.write_bytes(b"two final newlines\n\n")
+    assert load_corpus(f)[0] == "two final newlines\n"  # one popped, as llama.cpp pops one
+    f.write_bytes(b"no final newline")
+    assert load_corpus(f)[0] == "no final newline"
 
 
 @pytest.mark.parametrize("content", [b"", b"  \n\t\r\n "])

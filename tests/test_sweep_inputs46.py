@@ -27,6 +27,11 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def text_sha(path: Path) -> str:
+    """sha256 of a corpus file's text as llama-perplexity reads it: its bytes, less one final newline."""
+    return hashlib.sha256(path.read_bytes().removesuffix(b"\n")).hexdigest()
+
+
 def tiny(root: Path, seed: int) -> Path:
     """A tiny random Qwen2 GGUF at ``root/tiny.gguf`` (the same path for every seed)."""
     return write_gguf(write_hf("qwen2", root / f"hf{seed}", seed=seed), "qwen2", root / "tiny.gguf")
@@ -49,7 +54,7 @@ def swept(tmp_path):
 def test_a_cell_records_the_digests_of_its_model_and_text(swept):
     spec, db, model = swept
     (row,) = stored(db)
-    assert row["result"]["inputs"] == {"model_sha256": sha(model), "corpus_sha256": sha(EXCERPT)}
+    assert row["result"]["inputs"] == {"model_sha256": sha(model), "corpus_sha256": text_sha(EXCERPT)}
 
 
 def test_a_replaced_model_is_refused_and_the_store_is_untouched(swept):
@@ -71,11 +76,11 @@ def test_a_replaced_model_is_refused_and_the_store_is_untouched(swept):
 def test_a_replaced_corpus_is_refused(swept):
     spec, db, _ = swept
     text = spec.parent / "excerpt.txt"
-    old = sha(text)
+    old = text_sha(text)
     text.write_text(text.read_text(encoding="utf-8") + "One more line.\n", encoding="utf-8")
     with pytest.raises(InputChangedError, match=rf"^corpus {text} has changed since 1 done cell\(s\)") as e:
         sweep(spec, db)
-    assert f"(sha256 {old[:12]}… then, {sha(text)[:12]}… now)" in str(e.value)
+    assert f"(sha256 {old[:12]}… then, {text_sha(text)[:12]}… now)" in str(e.value)
 
 
 def test_force_redoes_the_cell_on_the_new_file(swept):
@@ -144,7 +149,7 @@ def test_the_report_names_each_input_digest(swept, tmp_path):
     spec, db, model = swept
     md = write_report(db, tmp_path / "rep", "kvlens lab sweep-report").read_text()
     assert f"- model {model}: sha256 {sha(model)[:12]}… (1 cells)\n" in md
-    assert f"- corpus {spec.parent / 'excerpt.txt'}: sha256 {sha(EXCERPT)[:12]}… (1 cells)\n" in md
+    assert f"- corpus {spec.parent / 'excerpt.txt'}: sha256 {text_sha(EXCERPT)[:12]}… (1 cells)\n" in md
 
 
 def test_cli_names_the_changed_file_in_one_line(swept):
