@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from ..kv.modes import KVMode
+from ..models.loader import model_stamp
 from .store import INPUTS, CellOutcome
-from .sweep_inputs import inputs_of, model_stamp
+from .sweep_inputs import inputs_of
 
 _ISA_FLAGS = (
     "avx2",

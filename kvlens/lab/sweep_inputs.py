@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ..corpus import load_corpus
-from ..models.loader import PACKAGED_MODELS, file_digest, resolve_model
+from ..models.loader import file_digest, resolve_model
 from .store import INPUTS, CellOutcome
 from .sweep_spec import Cell
 
@@ -34,19 +34,6 @@ def model_digest(model: str) -> str:
 def text_digest(text: str) -> str:
     """sha256 of the text a cell measured, as UTF-8 (a corpus file: its bytes, as read)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def model_stamp(model: str) -> tuple:
-    """Each model file's path, size, mtime and inode: what a replaced file changes, without reading it
-    (a packaged name: the name; a path that cannot be read: the path, and loading it names the error)."""
-    if model in PACKAGED_MODELS:
-        return (model,)
-    path = Path(model)
-    try:
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        return tuple((str(p), s.st_size, s.st_mtime_ns, s.st_ino) for p in files for s in [p.stat()])
-    except OSError:
-        return (model,)
 
 
 def inputs_of(model_sha256: str, text: str) -> dict[str, str]:

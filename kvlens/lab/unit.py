@@ -28,13 +28,14 @@ import torch
 from ..checks import check_counts, check_field_types, check_int, check_list_fields, option_name
 from ..kernels.reference import reference_attention
 from ..kv.schemes import get_scheme
+from ..models.loader import model_stamp
 from .metrics import amplitude_verdicts, compare, pooled_t
 from .unit_kernel import check_backend, kernel_attention
 from .unit_output import render, to_json, write_plot
 
 SYNTH_DEFAULTS = {"head_dim": 128, "heads": 1, "kv_heads": 1}
 DISTS = ("normal", "uniform", "student-t:NU", "outlier-channels[:F]", "real")
-_LLMS: dict[str, Any] = {}
+_LLMS: dict[str, tuple[tuple, Any]] = {}  # model name -> (its files' stamp, the loaded model)
 
 
 MAX_AMPLITUDE = 1e30  # times a unit-variance draw: K and V stay far inside float32
@@ -163,11 +164,12 @@ class RealSource:
         from ..corpus import load_corpus
 
         if llm is None:
-            if cfg.model not in _LLMS:
+            stamp = model_stamp(cfg.model)  # a file replaced at the same path is loaded anew
+            if _LLMS.get(cfg.model, (None,))[0] != stamp:
                 import kvlens
 
-                _LLMS[cfg.model] = kvlens.load(cfg.model, kv="f32", attn_backend="torch")
-            llm = _LLMS[cfg.model]
+                _LLMS[cfg.model] = (stamp, kvlens.load(cfg.model, kv="f32", attn_backend="torch"))
+            llm = _LLMS[cfg.model][1]
         self.llm, c = llm, llm.config
         self.layer = c.n_layers // 2 if cfg.layer is None else cfg.layer
         if not 0 <= self.layer < c.n_layers:

