@@ -194,3 +194,17 @@ def test_a_model_replaced_during_the_sweep_fails_the_cells_that_measured_it(tmp_
         f"InputChangedError: the model file {model} that local:{os.getpid()} measured is not the one this "
         f"sweep began with (sha256 {sha(model)[:12]}… there, {old[:12]}… at the start)"
     )
+
+
+def test_a_needle_cells_command_gives_back_its_exact_depths_and_budgets():
+    """`:g` kept six digits: a depth of 0.1234567 or a budget of 1234567 tokens came back as another
+    number in the report's command."""
+    from test_sweep_report import config, parse_cli
+
+    from kvlens.lab.sweep_report import cell_command
+
+    c = config("needle", ctx=256, depths=[0.1234567, 0.5], budgets=[0.5, 1234567.0])
+    _, p = parse_cli(cell_command(c))
+    floats = [[float(x) for x in p[k].split(",")] for k in ("depth", "sparse_budget")]
+    assert floats == [[0.1234567, 0.5], [0.5, 1234567.0]]
+    assert "--depth 0.1234567,0.5 --sparse quest --sparse-budget 0.5,1234567.0 " in cell_command(c)

@@ -52,6 +52,12 @@ def command_weights(measurement: str) -> str:
     return next(f.default for f in fields(config[measurement]) if f.name == "weights")
 
 
+def _number(x: float) -> str:
+    """``x`` short (``0.5``, ``64``) where that reads back as ``x``, else exactly (``:g`` keeps 6 digits)."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(x)
+
+
 def cell_command(c: dict[str, Any]) -> str:
     """The single lab command that measures this cell with the same code and settings."""
     m = c["measurement"]
@@ -79,13 +85,13 @@ def cell_command(c: dict[str, Any]) -> str:
             "--ctx",
             c["ctx"],
             "--depth",
-            ",".join(f"{d:g}" for d in c["depths"]),
+            ",".join(map(_number, c["depths"])),
             "--sparse",
             c["method"],
         ]
         args += [
             "--sparse-budget",
-            ",".join(f"{b:g}" for b in c["budgets"]),
+            ",".join(map(_number, c["budgets"])),
             "--dense-layers",
             c["dense_layers"],
         ]
