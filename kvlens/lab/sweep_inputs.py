@@ -3,9 +3,10 @@ that a resumed sweep still measures the same files.
 
 A cell's key is its configuration (model and corpus by name or path, :mod:`.sweep_spec`), not the
 files' contents, so a GGUF or a text replaced at the same path keeps its cells' keys. Each done cell
-therefore records the digests of what it measured (``result[store.INPUTS]``), and before the driver skips
-a done cell or adds a new one beside it, it compares them with the files as they are now
-(:func:`check_unchanged`): results of two different files never stand in one store under one name.
+therefore records the digests of what it measured (``result[store.INPUTS]``). The driver takes the
+spec's digests before the first cell (:func:`spec_digests`), refuses a store whose done cells measured
+other files under the same names (:func:`check_unchanged`), and stores a cell that measured another file
+as failed (:func:`check_outcome`): results of two files never stand in one store under one name.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def model_digest(model: str) -> str:
 
 
 def text_digest(text: str) -> str:
-    """sha256 of the text a cell measured, as UTF-8 (a corpus file: its bytes, as read)."""
+    """sha256 of the text a cell measured, as UTF-8 (a user's file: its bytes less one final newline,
+    as :func:`kvlens.corpus.read_like_llama_cpp` reads it)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
