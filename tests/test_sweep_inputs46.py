@@ -208,3 +208,31 @@ def test_a_needle_cells_command_gives_back_its_exact_depths_and_budgets():
     floats = [[float(x) for x in p[k].split(",")] for k in ("depth", "sparse_budget")]
     assert floats == [[0.1234567, 0.5], [0.5, 1234567.0]]
     assert "--depth 0.1234567,0.5 --sparse quest --sparse-budget 0.5,1234567.0 " in cell_command(c)
+
+
+def test_every_stale_cell_is_counted_past_one_without_digests(tmp_path):
+    """Two done cells of one model; the first stored as an older kvlens stored it (no digests): the
+    second still refuses the replaced file, and the count is of the cells with digests."""
+    model = tiny(tmp_path, 0)
+    spec = write_spec(tmp_path, model, PPL, kv=["q8", "q8-k", "q8-v"])
+    db = tmp_path / "s.sqlite"
+    s = sweep(spec, db)
+    assert s.db == db and s.failed == []
+    with sqlite3.connect(db) as conn:
+        (run,) = conn.execute("SELECT command, executor, spec_path, spec_text FROM runs").fetchall()
+        first = conn.execute("SELECT cell_key FROM cells ORDER BY rowid").fetchone()[0]
+        conn.execute("UPDATE cells SET result_json = json_remove(result_json, '$.inputs') WHERE cell_key = ?",
+                     (first,))  # fmt: skip
+    assert run == ("", "local", str(spec), spec.read_text())
+    tiny(tmp_path, 1)
+    with pytest.raises(InputChangedError, match=rf"^model {model} has changed since 2 done cell\(s\) in "):
+        sweep(spec, db)
+
+
+def test_the_summary_names_the_failed_cells(tmp_path):
+    model = tiny(tmp_path, 0)
+    spec = write_spec(tmp_path, model, PPL, kv=["q8", "q8-k"])
+    s = run_sweep(load_spec(spec), tmp_path / "s.sqlite", LocalExecutor(0, 1), show_progress=False,
+                  on_stored=lambda o: o.status == "done" and tiny(tmp_path, 1))  # fmt: skip
+    (failed,) = s.failed
+    assert failed.cell_key == load_spec(spec).cells[1].key and failed.error.startswith("InputChangedError: ")
