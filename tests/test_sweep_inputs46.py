@@ -236,3 +236,13 @@ def test_the_summary_names_the_failed_cells(tmp_path):
                   on_stored=lambda o: o.status == "done" and tiny(tmp_path, 1))  # fmt: skip
     (failed,) = s.failed
     assert failed.cell_key == load_spec(spec).cells[1].key and failed.error.startswith("InputChangedError: ")
+
+
+def test_the_progress_counts_done_running_and_failed_cells(tmp_path, capsys):
+    """The progress (stderr, on by default) ends at every cell done or failed, none running."""
+    model = tiny(tmp_path, 0)
+    spec = write_spec(tmp_path, model, PPL, kv=["q8", "q8-k"])
+    run_sweep(load_spec(spec), tmp_path / "s.sqlite", LocalExecutor(0, 1),
+              on_stored=lambda o: o.status == "done" and tiny(tmp_path, 1))  # fmt: skip
+    err = capsys.readouterr().err
+    assert "sweep: 1 done · 0 running · 1 failed" in err and "2/2" in err
