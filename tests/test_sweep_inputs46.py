@@ -274,3 +274,44 @@ def test_the_report_lists_recorded_and_unrecorded_digests_of_one_model(swept, tm
         f"- model {model}: sha256 not recorded (1 cell, stored by an older kvlens), "
         f"sha256 {sha(model)[:12]}… (2 cells)\n"
     ) in md
+
+
+def test_an_unreadable_model_or_text_fails_its_own_cells_only(tmp_path):
+    """A file the driver cannot digest (a directory without config.json, a text that is not UTF-8)
+    does not stop the sweep: its cells fail, each with the loader's own words, and the rest run."""
+    model = tiny(tmp_path, 0)
+    (tmp_path / "not-a-model").mkdir()
+    spec = write_spec(tmp_path, model, PPL, kv=["q8"], models=[str(model), str(tmp_path / "not-a-model")])
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    spec.write_text(spec.read_text().replace('["excerpt.txt"]', '["excerpt.txt", "latin1.txt"]'))
+    db = tmp_path / "s.sqlite"
+    s = sweep(spec, db)
+    rows = {(Path(r["model"]).name, Path(r["corpus"]).name): r for r in stored(db)}
+    assert (s.done, len(s.failed)) == (1, 3) and rows["tiny.gguf", "excerpt.txt"]["status"] == "done"
+    assert "is a directory without config.json" in rows["not-a-model", "excerpt.txt"]["error"]
+    assert "is not valid UTF-8" in rows["tiny.gguf", "latin1.txt"]["error"]
+    assert sweep(spec, db).skipped == 1  # resumed: the unreadable files are not compared
+
+
+def test_a_done_models_directory_that_became_unreadable_resumes(tmp_path):
+    hf = tmp_path / "hf"
+    write_hf("qwen2", hf, seed=0)
+    spec = write_spec(tmp_path, hf, PPL, kv=["q8"])
+    sweep(spec, tmp_path / "s.sqlite")
+    (hf / "config.json").unlink()  # not a model kvlens reads any more: nothing to compare with
+    assert sweep(spec, tmp_path / "s.sqlite").skipped == 1
+
+
+def test_a_model_unreadable_when_the_sweep_began_fails_a_cell_that_read_it_later(tmp_path):
+    hf = tmp_path / "hf"
+    write_hf("qwen2", hf, seed=0)
+    config = (hf / "config.json").read_bytes()
+    (hf / "config.json").unlink()
+    spec = write_spec(tmp_path, hf, PPL, kv=["q8", "q8-k"])
+    s = run_sweep(load_spec(spec), tmp_path / "s.sqlite", LocalExecutor(0, 1), show_progress=False,
+                  on_stored=lambda o: (hf / "config.json").write_bytes(config))  # fmt: skip
+    first, second = (o.error for o in s.failed)
+    assert "is a directory without config.json" in first
+    assert second.startswith(f"InputChangedError: the model file {hf} that local:") and second.endswith(
+        "there, unreadable at the start)"
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ..corpus import load_corpus
@@ -42,18 +42,25 @@ def inputs_of(model_sha256: str, text: str) -> dict[str, str]:
     return {"model_sha256": model_sha256, "corpus_sha256": text_digest(text)}
 
 
-def spec_digests(cells: Sequence[Cell]) -> dict[tuple[str, str], str]:
+def _or_none(digest: Callable[[], str]) -> str | None:
+    try:
+        return digest()
+    except (ValueError, OSError):  # not a model or text kvlens reads: its cells fail, each with the error
+        return None
+
+
+def spec_digests(cells: Sequence[Cell]) -> dict[tuple[str, str], str | None]:
     """The driver's digests of the spec's models and corpora, ``{(kind, name): sha256}``, taken once
-    before any cell runs: the files the whole sweep is to measure."""
-    digests = {("model", m): model_digest(m) for m in sorted({c.model for c in cells})}
+    before any cell runs: the files the whole sweep is to measure (None: unreadable then)."""
+    models = {("model", m): _or_none(lambda m=m: model_digest(m)) for m in sorted({c.model for c in cells})}
     corpora = sorted({c.corpus for c in cells})
-    return digests | {("corpus", c): text_digest(load_corpus(c)[0]) for c in corpora}
+    return models | {("corpus", c): _or_none(lambda c=c: text_digest(load_corpus(c)[0])) for c in corpora}
 
 
 def check_unchanged(
     stored: Iterable[tuple[str, str, str, str | None]],
     cells: Sequence[Cell],
-    digests: dict[tuple[str, str], str],
+    digests: dict[tuple[str, str], str | None],
     force: bool,
     db: Path,
 ) -> None:
@@ -72,7 +79,7 @@ def check_unchanged(
                 seen[kind, name][recorded[f"{kind}_sha256"]] += 1
     for (kind, name), counts in sorted(seen.items()):
         now = digests[kind, name]
-        stale = {d: n for d, n in counts.items() if d != now}
+        stale = {d: n for d, n in counts.items() if d != now} if now else {}  # unreadable: cells fail
         if stale:
             then = next(iter(stale))
             said = (
@@ -86,7 +93,7 @@ def check_unchanged(
                                     "rerun with --force to replace them, or give another store (--db)")  # fmt: skip
 
 
-def check_outcome(outcome: CellOutcome, digests: dict[tuple[str, str], str]) -> CellOutcome:
+def check_outcome(outcome: CellOutcome, digests: dict[tuple[str, str], str | None]) -> CellOutcome:
     """A done cell that measured other files than the driver's (a file replaced during the sweep, or
     a cluster node holding another file at the same path) is stored as failed, with both digests."""
     if outcome.status != "done":
@@ -95,10 +102,11 @@ def check_outcome(outcome: CellOutcome, digests: dict[tuple[str, str], str]) -> 
     for kind in ("model", "corpus"):
         expected, got = digests[kind, config[kind]], recorded[f"{kind}_sha256"]
         if got != expected:
+            then = f"{expected[:12]}… at the start" if expected else "unreadable at the start"
             outcome.status, outcome.result, outcome.metrics = "failed", None, {}
             outcome.error = (
                 f"InputChangedError: the {kind} file {config[kind]} that {outcome.worker} measured is not "
-                f"the one this sweep began with (sha256 {got[:12]}… there, {expected[:12]}… at the start)"
+                f"the one this sweep began with (sha256 {got[:12]}… there, {then})"
             )
             break
     return outcome
