@@ -104,7 +104,8 @@ def test_the_store_filters_by_status_and_refuses_another_schema(tmp_path):
         store.record(outcome("a", "done"), None)
         store.record(outcome("b", "failed"), None)
         assert [r["cell_key"] for r in store.rows("failed")] == ["b"]
-        assert [r["cell_key"] for r in store.rows("done")] == ["a"] and store.done_keys() == {"a"}
+        assert [r["cell_key"] for r in store.rows("done")] == ["a"]
+        assert [r[0] for r in store.done_with("$.x")] == ["a"]
         assert [r["cell_key"] for r in store.rows()] == ["a", "b"]
     with sqlite3.connect(db) as conn:
         conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")

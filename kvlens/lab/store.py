@@ -167,9 +167,6 @@ class Store:
             )
         return int(cur.lastrowid)
 
-    def done_keys(self) -> set[str]:
-        return {r[0] for r in self.conn.execute("SELECT cell_key FROM cells WHERE status = 'done'")}
-
     def done_with(self, json_path: str) -> list[tuple[str, str, str, str | None]]:
         """(cell key, model, corpus, ``json_extract(result_json, json_path)``) of every done cell."""
         sql = "SELECT cell_key, model, corpus, json_extract(result_json, ?) FROM cells WHERE status = 'done'"

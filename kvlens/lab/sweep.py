@@ -142,9 +142,10 @@ def run_sweep(
     """Run the spec's cells not yet done in ``db`` (all of them with ``force``); ``on_stored(outcome)``
     is called after each cell's transaction has committed."""
     with Store(db) as store:
-        done = store.done_keys()
+        stored = store.done_with(f"$.{INPUTS}")
+        done = {key for key, *_ in stored}
         digests = spec_digests(spec.cells)
-        check_unchanged(store.done_with(f"$.{INPUTS}"), spec.cells, digests, force, Path(db))
+        check_unchanged(stored, spec.cells, digests, force, Path(db))
         todo = [c for c in spec.cells if force or c.key not in done]
         summary = SweepSummary(Path(db), len(spec.cells), len(spec.cells) - len(todo))
         run_id = store.begin_run(command, executor.name, str(spec.path), spec.text)

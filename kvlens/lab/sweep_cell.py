@@ -36,8 +36,8 @@ _ISA_FLAGS = (
     "avx_vnni",
     "amx_tile",
 )
-# process-wide: the model now in use (its name and its files' stamp: a file replaced at the same path
-# is loaded anew), {weights: LLM} for it (a new model evicts the old one)
+# process-wide: the model now in use (its files' stamp: a file replaced at the same path is loaded
+# anew), {weights: LLM} for it (a new model evicts the old one)
 _LOADED: dict[str, Any] = {"model": None, "llms": {}}
 
 
@@ -118,7 +118,7 @@ def _models(model: str, weights: str) -> tuple[Any, Any, float]:
 
     from .common import load_reference
 
-    stamp = (model, model_stamp(model))
+    stamp = model_stamp(model)  # the name or path, with its files' size, mtime and inode
     if _LOADED["model"] != stamp:
         _LOADED["model"], _LOADED["llms"] = stamp, {}
     llms = _LOADED["llms"]
