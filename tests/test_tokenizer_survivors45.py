@@ -12,6 +12,7 @@ import pytest
 from test_tokenizer import _tiny_meta
 from test_tokenizer_rules import SPACE, pieces, sentencepiece_meta, write_hf_dir
 
+from kvlens.models.spm_spelling import UnspellableTextError
 from kvlens.models.tokenizer import Tokenizer, TokenizerError
 
 # write_hf_dir's vocabulary: <unk> 0, <s> 1, </s> 2, <eot> 3, a 4, b 5
@@ -250,7 +251,9 @@ def test_a_sentencepiece_unknown_id_that_names_no_token_is_left_out(unk):
     if unk is not None:
         meta["tokenizer.ggml.unknown_token_id"] = unk
     tok = Tokenizer.from_gguf_metadata(meta)
-    assert tok.encode("az", add_bos=False) == [6]  # "z" has no token and no byte token: dropped
+    assert tok.encode("ab", add_bos=False) == [9]
+    with pytest.raises(UnspellableTextError, match="'z'"):  # no token, no byte token, no unknown token
+        tok.encode("az", add_bos=False)
 
 
 def test_a_run_of_unknown_sentencepiece_characters_is_one_unknown_token():

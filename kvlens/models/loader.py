@@ -6,6 +6,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,16 @@ class LoadedModel:
         return self._sha256
 
 
+def _directory_files(path: Path) -> list[Path]:
+    """An HF model directory's files, sorted; hidden ones left out (``.git``, ``.cache/huggingface``: a
+    clone's or a download's bookkeeping, which the loader never reads and git or the hub rewrite)."""
+    found = []
+    for root, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # not walked at all: .git can be large
+        found += [Path(root, f) for f in files if not f.startswith(".")]
+    return sorted(p for p in found if p.is_file())
+
+
 def file_digest(path: Path) -> str:
     def one(p: Path) -> str:
         h = hashlib.sha256()
@@ -56,7 +67,7 @@ def file_digest(path: Path) -> str:
 
     if path.is_file():
         return one(path)
-    listing = "".join(f"{p.relative_to(path)}\0{one(p)}\n" for p in sorted(path.rglob("*")) if p.is_file())
+    listing = "".join(f"{p.relative_to(path)}\0{one(p)}\n" for p in _directory_files(path))
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
@@ -68,7 +79,7 @@ def model_stamp(name_or_path: str | Path) -> tuple:
         return (str(name_or_path),)
     path = Path(name_or_path)
     try:
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        files = _directory_files(path) if path.is_dir() else [path]
         return tuple((str(p), s.st_size, s.st_mtime_ns, s.st_ino) for p in files for s in [p.stat()])
     except OSError:
         return (str(name_or_path),)

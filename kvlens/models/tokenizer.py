@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 
 from ..checks import check_bool, check_int, check_token_ids, read_json
+from .spm_spelling import SPACE, spelling_check
 from .token_bytes import token_bytes_reader
 
 
@@ -78,9 +79,6 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     )
 
 
-_SPACE = "\u2581"  # sentencepiece's visible space
-
-
 def _gguf_flag(meta: dict, key: str, default: bool) -> bool:
     """A GGUF bool, ``default`` where absent; another type is refused, as llama.cpp refuses it (a
     string "false" would read as true)."""
@@ -115,11 +113,11 @@ def _sentencepiece_backend(meta: dict, tokens: list[str]) -> tuple[_HFTokenizer,
     unk_text = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
     backend = _HFTokenizer(models.BPE(vocab, merges, unk_token=unk_text, fuse_unk=True, byte_fallback=True))
     prefix = _gguf_flag(meta, "tokenizer.ggml.add_space_prefix", True)
-    steps = [normalizers.Prepend(_SPACE)] if prefix else []
-    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
+    steps = [normalizers.Prepend(SPACE)] if prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPACE)])
     strip = [decoders.Strip(" ", 1, 0)] if prefix else []
     backend.decoder = decoders.Sequence(
-        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
     )
     return backend, tokens
 
@@ -193,6 +191,7 @@ class Tokenizer:
         eos_ids: set[int],
         add_bos: bool,
         chat_template: str | None,
+        check_spelling: Callable[[str], None] | None = None,
     ) -> None:
         n = backend.get_vocab_size(with_added_tokens=True)
         for what, i in [("BOS", bos_id), ("EOS", eos_id), *(("EOS", i) for i in eos_ids)]:
@@ -205,6 +204,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self._bytes_of: Callable[[int], bytes | None] | None = None  # built on first use
+        self._check_spelling = check_spelling  # kvlens.models.spm_spelling; None: nothing to refuse
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
@@ -264,7 +264,11 @@ class Tokenizer:
             None if v is None else _as_ids(v, f"tokenizer.ggml.{k}_token_id")[0]
             for k, v in (("bos", bos), ("eos", eos_id))
         )
-        return cls(backend, bos, eos_id, eos, add_bos, meta.get("tokenizer.chat_template"))
+        specials = [t for t, y in typed if y in (_CONTROL, _USER_DEFINED)]
+        prefix = spm and _gguf_flag(meta, "tokenizer.ggml.add_space_prefix", True)
+        # Where the file names an unknown token, an unspellable character becomes it, as in sentencepiece.
+        check = spelling_check(tokens, prefix, specials) if spm and backend.model.unk_token is None else None
+        return cls(backend, bos, eos_id, eos, add_bos, meta.get("tokenizer.chat_template"), check)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -327,6 +331,8 @@ class Tokenizer:
         # add_special_tokens=False: the post-processor never adds anything; BOS is ours to add.
         # encode_batch, unlike encode, lets go of the GIL while it runs: a server tokenizing a long
         # prompt in a worker thread keeps answering other requests (the same ids).
+        if self._check_spelling is not None:
+            self._check_spelling(text)
         ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_bos is None:
             return self.bos_prefix + ids

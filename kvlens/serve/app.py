@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm import LLM
 from ..engine.serving import Engine
+from ..models.spm_spelling import UnspellableTextError
 from .async_engine import AsyncEngine
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from .metrics import ServeMetrics
@@ -121,6 +122,15 @@ def _install_error_handlers(app: FastAPI, metrics: ServeMetrics) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
         return answer(500, error_body(f"internal error: {type(exc).__name__}", "server_error"))
+
+
+async def _encode(llm: LLM, text: str, param: str, add_bos: bool | None = None) -> list[int]:
+    """The ids of ``text``, tokenized off the event loop (a long prompt takes seconds, and the server
+    answers others meanwhile); a text the vocabulary cannot spell is the request's fault."""
+    try:
+        return await to_thread(llm.tokenizer.encode, text, add_bos)
+    except UnspellableTextError as e:
+        raise APIError(400, str(e), param=param) from None
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -262,11 +272,8 @@ def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(body.model, config.model_name)
-        # tokenized off the event loop: a long prompt takes seconds, and the server answers others meanwhile
         ids = (
-            list(body.prompt)
-            if isinstance(body.prompt, list)
-            else await to_thread(llm.tokenizer.encode, body.prompt)
+            list(body.prompt) if isinstance(body.prompt, list) else await _encode(llm, body.prompt, "prompt")
         )
         job = await runner.submit("completions", new_id("cmpl"), ids, body.max_tokens, body, body.logprobs)
         return await respond(request, _Shapes(runner, False, config.model_name), job, body)
@@ -279,7 +286,7 @@ def build_app(llm: LLM, engine: Engine, config: AppConfig) -> FastAPI:
             text = await to_thread(llm.tokenizer.apply_chat_template, messages)
         except Exception as e:  # no template, or the template refuses the conversation
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
-        ids = await to_thread(llm.tokenizer.encode, text, add_bos=False)
+        ids = await _encode(llm, text, "messages", add_bos=False)
         job = await runner.submit("chat", new_id("chatcmpl"), ids, body.token_limit, body, body.logprobs_top)
         return await respond(request, _Shapes(runner, True, config.model_name), job, body)
 
