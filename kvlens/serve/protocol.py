@@ -197,11 +197,14 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]  # text, or OpenAI's list of content parts (text parts only)
-    name: str | None = None
+    name: Text | None = None  # a participant's name, which some templates write
 
     def for_template(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+        """The message as a chat template reads it: content parts joined by newlines, as vLLM joins them
+        for a template that reads content as text (llama.cpp's server too, but after leading empty
+        parts); ``name`` where given, as vLLM and transformers pass it."""
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": self.role, "content": text} | ({"name": self.name} if self.name is not None else {})
 
 
 class ChatRequest(_Common):
