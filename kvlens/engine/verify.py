@@ -154,10 +154,10 @@ def _check_record(record: dict) -> None:
         raise ValueError("the record's output ids do not match its output_sha256")
 
 
-def verify_record(llm: LLM, record: dict, prompt_ids: list[int] | None = None) -> VerifyResult:
+def verify_record(llm: LLM, record: dict) -> VerifyResult:
     """Re-run the recorded request alone on ``llm`` and compare the output ids token by token."""
     _check_record(record)
-    prompt = list(record["prompt_ids"] if prompt_ids is None else prompt_ids)
+    prompt = list(record["prompt_ids"])
     here = {"model sha256": llm.loaded.file_sha256, **settings(llm)}
     there = {"model sha256": record["model"]["sha256"], **{k: record[k] for k in SETTINGS}}
     mismatched = {k: (there[k], here[k]) for k in here if here[k] != there[k]}
