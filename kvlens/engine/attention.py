@@ -30,6 +30,7 @@ from ..kernels.quest import quest_select
 from ..kernels.reference import blocks_to_mask, sdpa_attention
 from ..kv.blocks import SparseConfig, probe_positions, probe_scores, quest_scores, top_blocks
 from ..kv.cache import BLOCK, HeadSplitStore, KVCache, Rotation, rotations
+from ..kv.kinds import KSUM_BLOCK
 from ..kv.modes import KVMode, StoreKind
 from ..kv.pool import PagedKV
 from ..kv.quant import rotate_rows, unrotate_rows
@@ -233,6 +234,18 @@ def check_backend_mode(backend: str, mode: KVMode) -> None:
         four = ", or 4-bit with numba-int (q4, q4h)" if spec.qbits == 8 and not spec.pv8 else ""
         raise BackendError(
             f"the {backend} backend needs an int8 K cache (q8, q8h, q8-k, q8+mirror){four}, not {mode.name}"
+        )
+
+
+def check_backend_head_dim(backend: str, head_dim: int) -> None:
+    """Refuse an integer backend for a model whose head_dim is not a multiple of 32: its query is
+    quantized, and an int8 K's code sums are kept, per 32 values. Checked where an LLM is built or
+    varied, so such a model fails at load, not at its first decode step (on a VNNI CPU, after a
+    prefill; a server: at every request)."""
+    if _int_spec(backend) is not None and head_dim % KSUM_BLOCK:
+        raise BackendError(
+            f"the {backend} backend needs head_dim divisible by {KSUM_BLOCK} (its query and K code sums are "
+            f"per {KSUM_BLOCK} values); this model's is {head_dim}: use the numba, triton or torch backend"
         )
 
 

@@ -19,7 +19,7 @@ from ..kv.pool import PagedKV
 from ..models.loader import LoadedModel
 from ..models.transformer import Transformer
 from ..models.weights import step_read_bytes
-from .attention import check_sparse_cache, make_attend, resolve_backend
+from .attention import check_backend_head_dim, check_sparse_cache, make_attend, resolve_backend
 from .fused_step import forward_fused, fused_decoder
 from .sampling import Sampler, SamplingParams
 from .sequence import Request
@@ -76,6 +76,7 @@ class LLM:
         self.weights_mode = loaded.weights_mode
         cfg = loaded.config
         self.kv.check_layout(cfg.n_layers, cfg.head_dim, cfg.n_kv_heads)  # a recipe fits this model
+        check_backend_head_dim(backend, cfg.head_dim)
         self.model = Transformer(loaded.config, loaded.weights)
         self.device = self.model.device
         self.prefill_chunk = prefill_chunk
@@ -148,7 +149,7 @@ class LLM:
         sparse = None if prefill else self.sparse
         check_sparse_cache(sparse, cache)  # before the fused step, which runs dense
         if not prefill and ids.shape[0] == 1 and self.fused_step and self.fused is not None:
-            with self._step_threads(True):
+            with self.step_threads(True):
                 hidden = self.forward_fused(ids, cache, start, backend)
             if hidden is not None:
                 return hidden
@@ -161,7 +162,7 @@ class LLM:
             self.model.profiler,
             self.attend_step,
         )
-        with self._step_threads(not prefill):
+        with self.step_threads(not prefill):
             return self.model.forward(ids, start, attend)
 
     def forward_fused(
@@ -187,11 +188,12 @@ class LLM:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of final hidden states [n, hidden] (what :meth:`forward` returns)."""
         check_tensor(hidden, "hidden", floating=True, shape=(None, self.config.hidden))
-        with self._step_threads(hidden.shape[0] == 1):
+        with self.step_threads(hidden.shape[0] == 1):
             return self.model.logits(hidden)
 
-    def _step_threads(self, decode: bool) -> AbstractContextManager:
-        """A decode step on CPU runs on the cores other processes leave free (kernels/threads.py)."""
+    def step_threads(self, decode: bool) -> AbstractContextManager:
+        """A decode step on CPU runs on the cores other processes leave free (kernels/threads.py); the
+        serving engine's steps enter it too (ModelRunner.decode). Not to be nested."""
         return decode_threads() if decode and self.device.type == "cpu" else nullcontext()
 
     def variant(self, **changes) -> LLM:
@@ -209,6 +211,7 @@ class LLM:
         )
         other.kv = KVMode.parse(other.kv)
         other.kv.check_layout(other.config.n_layers, other.config.head_dim, other.config.n_kv_heads)
+        check_backend_head_dim(other.attn_backend, other.config.head_dim)
         return other
 
     def prefill(

@@ -37,12 +37,13 @@ class ModelRunner:
         Returns logits ``[B, vocab]``."""
         llm = self.llm
         ids = torch.as_tensor(tokens, dtype=torch.long, device=llm.device)
-        # one sequence: each layer one compiled call where it applies (bit-identical to a batch's row)
-        hidden = llm.forward_fused(ids, kvs[0], positions[0], llm.attn_backend) if len(kvs) == 1 else None
-        if hidden is None:
-            attends = [
-                make_attend(kv, False, llm.attn_backend, llm.config.layer_windows, step=llm.attend_step)
-                for kv in kvs
-            ]
-            hidden = llm.model.decode_rows(ids, positions, attends)
-        return llm.model.logits_rows(hidden)
+        with llm.step_threads(True):  # the decode thread policy of LLM.forward's steps, as there
+            # one sequence: each layer one compiled call where it applies (bit-identical to a batch's row)
+            hidden = llm.forward_fused(ids, kvs[0], positions[0], llm.attn_backend) if len(kvs) == 1 else None
+            if hidden is None:
+                attends = [
+                    make_attend(kv, False, llm.attn_backend, llm.config.layer_windows, step=llm.attend_step)
+                    for kv in kvs
+                ]
+                hidden = llm.model.decode_rows(ids, positions, attends)
+            return llm.model.logits_rows(hidden)

@@ -292,6 +292,8 @@ def decode_attention_int(
                          f"query, got {k_store.kind}")  # fmt: skip
     if spec.pv8 and not v_store.kind.int8:
         raise ValueError(f"integer P.V ({spec.backend}) needs an int8 V store, got {v_store.kind}")
+    if q.shape[-1] % KSUM_BLOCK:  # before the path's own needs: the same words on every CPU
+        raise ValueError(f"integer attention needs head_dim divisible by {KSUM_BLOCK}, got {q.shape[-1]}")
     shifted = spec.qbits == 8 and path in ("vnni512", "vnni256") and not k4
     if shifted and k_store.ksum is None:
         raise ValueError("integer attention with an 8-bit query on a VNNI path needs the K store's ksum")
@@ -301,8 +303,6 @@ def decode_attention_int(
     blocks, first = sliding_window(n_kv, length, window, blocks, sink, flash.TILE)
     qn = q.detach().to(torch.float32).numpy()
     n_heads, hd = qn.shape
-    if hd % KSUM_BLOCK:
-        raise ValueError(f"integer attention needs head_dim divisible by {KSUM_BLOCK}, got {hd}")
     if k.shape[2] != (hd // 2 if k4 else hd) or n_heads % n_kv or v.shape[:2] != (n_kv, cap):
         raise ValueError(f"shape mismatch: q {tuple(qn.shape)}, k {k.shape}, v {v.shape}")
     tiles, table, serial, n_splits = flash.plan_call(  # split_threads: splits independent of the load
