@@ -7,15 +7,9 @@ from __future__ import annotations
 
 import hashlib
 
+from test_model_stamp46 import hf_dir
+
 from kvlens.models.loader import file_digest, model_stamp
-
-
-def hf_dir(tmp_path):
-    d = tmp_path / "hf"
-    (d / "sub").mkdir(parents=True)
-    (d / "config.json").write_text("{}")
-    (d / "sub" / "a.safetensors").write_bytes(b"xy")
-    return d
 
 
 def test_hidden_files_and_folders_are_not_the_model(tmp_path):

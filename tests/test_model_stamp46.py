@@ -15,6 +15,15 @@ from kvlens.lab.unit import UnitConfig
 from kvlens.models.loader import model_stamp
 
 
+def hf_dir(tmp_path):
+    """A model directory of two files, one in a subfolder."""
+    d = tmp_path / "hf"
+    (d / "sub").mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    (d / "sub" / "a.safetensors").write_bytes(b"xy")
+    return d
+
+
 def test_the_stamp_follows_each_file(tmp_path):
     f = tmp_path / "m.gguf"
     f.write_bytes(b"1234")
@@ -22,10 +31,7 @@ def test_the_stamp_follows_each_file(tmp_path):
     assert model_stamp(f) == model_stamp(str(f)) == ((str(f), 4, st.st_mtime_ns, st.st_ino),)
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # the same bytes, written again
     assert model_stamp(f) != ((str(f), 4, st.st_mtime_ns, st.st_ino),)
-    d = tmp_path / "hf"
-    (d / "sub").mkdir(parents=True)
-    (d / "config.json").write_text("{}")
-    (d / "sub" / "a.safetensors").write_bytes(b"xy")
+    d = hf_dir(tmp_path)
     assert [row[:2] for row in model_stamp(d)] == [
         (str(d / "config.json"), 2),
         (str(d / "sub" / "a.safetensors"), 2),
