@@ -75,12 +75,11 @@ class LLM:
         self.loaded = loaded  # the model file's digest (verifiable records) is cached on it
         self.weights_mode = loaded.weights_mode
         cfg = loaded.config
-        self.kv.check_layout(cfg.n_layers, cfg.head_dim, cfg.n_kv_heads)  # a recipe fits this model
-        check_backend_head_dim(backend, cfg.head_dim)
+        self.attn_backend = backend
+        self._check_fits_model()
         self.model = Transformer(loaded.config, loaded.weights)
         self.device = self.model.device
         self.prefill_chunk = prefill_chunk
-        self.attn_backend = backend
         self.fused = fused_decoder(self.model)  # one compiled call per layer (None: the model has none)
         self.fused_step = True  # one-token steps as one compiled call per layer where they can (False: never)
         # else a layer's attention (its KV write included) as one compiled call, on the CPU
@@ -210,9 +209,15 @@ class LLM:
             other.attn_backend, other.cache_options, other.prefill_chunk, other.sparse, other.device
         )
         other.kv = KVMode.parse(other.kv)
-        other.kv.check_layout(other.config.n_layers, other.config.head_dim, other.config.n_kv_heads)
-        check_backend_head_dim(other.attn_backend, other.config.head_dim)
+        other._check_fits_model()
         return other
+
+    def _check_fits_model(self) -> None:
+        """What the KV mode and backend need of the model, checked where an LLM is built or varied: a
+        recipe's layer and KV-head counts, an integer backend's head_dim."""
+        cfg = self.config
+        self.kv.check_layout(cfg.n_layers, cfg.head_dim, cfg.n_kv_heads)
+        check_backend_head_dim(self.attn_backend, cfg.head_dim)
 
     def prefill(
         self,

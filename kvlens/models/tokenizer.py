@@ -88,9 +88,9 @@ def _gguf_flag(meta: dict, key: str, default: bool) -> bool:
     return value
 
 
-def _sentencepiece_backend(meta: dict, tokens: list[str]) -> tuple[_HFTokenizer, list[str]]:
+def _sentencepiece_backend(meta: dict, tokens: list[str], prefix: bool) -> tuple[_HFTokenizer, list[str]]:
     """A sentencepiece-BPE vocabulary (``tokenizer.ggml.model = llama``) as a `tokenizers` BPE with byte
-    fallback, and the tokens as it spells them.
+    fallback, and the tokens as it spells them; ``prefix``: a space goes before the text.
 
     Such a file lists no merges: they are recovered from the vocabulary, every token cut in two known
     halves, ranked by the token's score (best first; ties by file order), which is the order llama.cpp's
@@ -112,7 +112,6 @@ def _sentencepiece_backend(meta: dict, tokens: list[str]) -> tuple[_HFTokenizer,
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     unk_text = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
     backend = _HFTokenizer(models.BPE(vocab, merges, unk_token=unk_text, fuse_unk=True, byte_fallback=True))
-    prefix = _gguf_flag(meta, "tokenizer.ggml.add_space_prefix", True)
     steps = [normalizers.Prepend(SPACE)] if prefix else []
     backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPACE)])
     strip = [decoders.Strip(" ", 1, 0)] if prefix else []
@@ -222,8 +221,11 @@ class Tokenizer:
         if len(types) != len(tokens):
             raise TokenizerError(f"{len(tokens)} tokens but {len(types)} token types")
         llama3 = model == "gpt2" and _PRE_FAMILY[pre] == "llama3"
+        # sentencepiece: a space before the text (llama.cpp's default), which its encoder and the
+        # spelling check below both need
+        prefix = model == "llama" and _gguf_flag(meta, "tokenizer.ggml.add_space_prefix", True)
         if model == "llama":
-            backend, tokens = _sentencepiece_backend(meta, tokens)
+            backend, tokens = _sentencepiece_backend(meta, tokens, prefix)
         else:
             merges = meta.get("tokenizer.ggml.merges")
             if merges is None:  # llama.cpp: "cannot find tokenizer merges in model file"
@@ -265,7 +267,6 @@ class Tokenizer:
             for k, v in (("bos", bos), ("eos", eos_id))
         )
         specials = [t for t, y in typed if y in (_CONTROL, _USER_DEFINED)]
-        prefix = spm and _gguf_flag(meta, "tokenizer.ggml.add_space_prefix", True)
         # Where the file names an unknown token, an unspellable character becomes it, as in sentencepiece.
         check = spelling_check(tokens, prefix, specials) if spm and backend.model.unk_token is None else None
         return cls(backend, bos, eos_id, eos, add_bos, meta.get("tokenizer.chat_template"), check)
