@@ -109,8 +109,10 @@ class ServerProcess:
         try:
             self._wait_healthy(start_timeout)
         except BaseException:
+            # The error carries the output; no one holds this object to close() it.
             self.proc.kill()
             self.proc.wait()
+            self.log.unlink(missing_ok=True)
             raise
 
     def _wait_healthy(self, timeout: float) -> None:
