@@ -48,7 +48,7 @@ def check_thread_env(environ: Mapping[str, str] = os.environ) -> None:
     warning. Checked from ``kvlens/__init__``, before numba loads; left uncaught (a command line), the
     error prints as one ``error:`` line instead of a traceback, and the exit status is 1."""
     value = environ.get("NUMBA_NUM_THREADS")
-    if value is None or (value.strip().isdigit() and int(value) >= 1):
+    if value is None or _numba_count(value) >= 1:
         return
     previous = sys.excepthook
 
@@ -62,6 +62,15 @@ def check_thread_env(environ: Mapping[str, str] = os.environ) -> None:
     raise ThreadSettingError(
         f"NUMBA_NUM_THREADS={value!r}: numba needs a whole number of threads ≥ 1 (unset it for one per CPU)"
     )
+
+
+def _numba_count(value: str) -> int:
+    """The count numba reads from ``value`` (it calls ``int`` on it); 0 where that fails ("²" is a
+    digit to ``str.isdigit`` but not to ``int``)."""
+    try:
+        return int(value)
+    except ValueError:
+        return 0
 
 
 def set_threads(threads: int | None) -> None:
