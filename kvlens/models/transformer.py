@@ -145,7 +145,7 @@ class Transformer:
         plain = not cfg.qk_norm and not cfg.sandwich_norms and cfg.hidden_act == "silu"
         self.llama_rows = self.row_ops and plain and cfg.embed_scale == 1.0 and self.q_scale == 1.0
 
-    def rope_tables(self, start: int, n: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(self, start: int, n: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] of ``layer`` for positions start..start+n-1 (tables grown on demand)."""
         return self.ropes[layer].rows(start, n)
 
