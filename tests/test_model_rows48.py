@@ -1,7 +1,7 @@
 """Batched decode rows where the forty-eighth session's mutation run found them unchecked: a Llama
-(no sandwich norms) through the torch glue that runs off the CPU, against transformers in float64;
-and ``QLinear.decode_rows``, which reads the weights once for the whole batch on the CPU and runs the
-rows one call each elsewhere."""
+and a Qwen2 (no sandwich norms; a QKV bias) through the torch glue that runs off the CPU, against
+transformers in float64; and ``QLinear.decode_rows``, which reads the weights once for the whole
+batch on the CPU and runs the rows one call each elsewhere."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from kvlens.models import qlinear
 from kvlens.models.qlinear import BF16Linear, Int4Linear, Int8Linear
 
 
-def test_llama_rows_through_the_torch_glue_match_transformers(tmp_path):
-    """row_ops off (as on a GPU): the residual adds without sandwich norms (``_post_rows``), per row."""
-    hf = write_hf("llama", tmp_path / "llama")
-    llm = kvlens.load(str(tmp_path / "llama"), kv="f32", weights="f32", attn_backend="torch")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_rows_through_the_torch_glue_match_transformers(tmp_path, arch):
+    """row_ops off (as on a GPU): the residual adds without sandwich norms (``_post_rows``), per row;
+    Qwen2's QKV bias."""
+    hf = write_hf(arch, tmp_path / arch)
+    llm = kvlens.load(str(tmp_path / arch), kv="f32", weights="f32", attn_backend="torch")
     llm.model.row_ops = False
     seqs = [[5, 17, 200, 33, 41, 9, 128], [77, 64, 3, 250], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
     with torch.no_grad():
