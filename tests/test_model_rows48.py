@@ -69,3 +69,15 @@ def test_decode_rows_without_a_kernel_run_each_row_on_the_dequantized_weight(kin
     # against float64: k products and sums in f32, each rounding within 2^-24 of its running magnitude
     bound = (x.shape[1] + 1) * 2**-24 * (x.abs().double() @ w.abs().double().T + bias.abs().double())
     assert ((out.double() - (x.double() @ w.double().T + bias.double())).abs() <= bound).all()
+
+
+def test_linear_rows_without_the_f32_kernel_run_each_row_alone():
+    """A float weight the f32 row kernel does not take (not f32 on the CPU: a GPU's f16, here float64)
+    runs one ``F.linear`` a row: the bias added, each row the same bits as a batch of one."""
+    g = torch.Generator().manual_seed(2)
+    x, w, bias = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((3, 5), (4, 5), (4,)))
+    out = qlinear.linear_rows(x, w, bias)
+    assert out.shape == (3, 4)
+    assert (out - (torch.einsum("bk,nk->bn", x, w) + bias)).abs().max().item() < 1e-12
+    for b in range(3):
+        assert torch.equal(out[b : b + 1], qlinear.linear_rows(x[b : b + 1], w, bias))

@@ -52,3 +52,13 @@ def test_a_superscript_digit_is_one_error_line_on_the_command_line():
     assert done.stderr.splitlines() == [
         "error: NUMBA_NUM_THREADS='²': numba needs a whole number of threads ≥ 1 (unset it for one per CPU)"
     ]
+
+
+def test_any_other_error_reaches_the_previous_hook_whole(monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *args: seen.append(args))
+    with pytest.raises(ThreadSettingError):
+        check_thread_env({"NUMBA_NUM_THREADS": "0"})
+    error, tb = RuntimeError("other"), object()
+    sys.excepthook(RuntimeError, error, tb)
+    assert seen == [(RuntimeError, error, tb)]
