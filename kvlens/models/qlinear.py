@@ -74,10 +74,8 @@ class QCodes:
         """Group-wise quantization of a float matrix ``[n, k]`` (round to nearest)."""
         n, k = w.shape
         ng = -(-k // G)
-        # pad the last group: zeros for int8 (no effect on max |w|), a repeated value for int4
-        # (no effect on its min/max)
-        pad = "constant" if kind == "int8" or ng * G == k else "replicate"
-        wg = F.pad(w.float(), (0, ng * G - k), mode=pad).view(n, ng, G)
+        # pad the last group with its own last value: no effect on its max |w|, min or max
+        wg = F.pad(w.float(), (0, ng * G - k), mode="replicate").view(n, ng, G)
         if kind == "int8":
             q, scale = symmetric_blocks(wg, 127.0)  # Q8_0's rule, llama.cpp's rounding
             return QCodes(kind, q.to(torch.int8).view(n, -1)[:, :k].contiguous(), scale)
