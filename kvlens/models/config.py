@@ -34,6 +34,16 @@ ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
+
+
+def rope_scaling_kind(scaling: Mapping[str, Any] | None) -> Any:
+    """The RoPE scaling a config's dict names: ``rope_type``, or its older name ``type`` (as
+    transformers reads it); "default" where neither is given."""
+    if not scaling:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
 _COUNTS = ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "max_ctx")
 REQUIRED = object()
 
@@ -147,7 +157,7 @@ class ModelConfig:
             return
         if not isinstance(s, dict):
             raise TypeError(f"rope_scaling must be a mapping, got {type(s).__name__}")
-        kind = s.get("rope_type", s.get("type", "default"))
+        kind = rope_scaling_kind(s)
         if kind not in ROPE_SCALING:
             raise ValueError(
                 f"unsupported rope scaling {kind!r}; kvlens implements: {', '.join(ROPE_SCALING)}"
@@ -265,7 +275,7 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     theta = get("rope_theta", positive, None) or read_key(
         scaling or {}, "rope_theta", where, positive, 10000.0
     )
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    if scaling and rope_scaling_kind(scaling) == "default":
         scaling = None
     fields = dict(
         arch=arch,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import rowops
-from .config import ModelConfig
+from .config import ModelConfig, rope_scaling_kind
 from .qlinear import embedding, linear, linear_rows
 from .weights import LayerWeights, Weights
 
@@ -54,7 +54,7 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) ->
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = cfg.rope_scaling or {}
-    kind = s.get("rope_type", s.get("type"))
+    kind = rope_scaling_kind(s)
     if kind == "llama3":
         factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
         old = float(s["original_max_position_embeddings"])
@@ -64,7 +64,7 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) ->
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         inv = torch.where(medium, smoothed, scaled)
-    elif kind not in (None, "default", "linear"):
+    elif kind not in ("default", "linear"):
         raise ValueError(f"unsupported rope scaling {kind!r}")
     if freq_factors is not None:  # GGUF stores Llama-3 scaling as per-frequency divisors
         inv = inv / freq_factors.float().cpu()
@@ -96,7 +96,7 @@ class RopeTable:
 def layer_ropes(cfg: ModelConfig, weights: Weights, device: torch.device) -> list[RopeTable]:
     """Each layer's RoPE table; Gemma-3's windowed layers share a second one (their own base, unscaled)."""
     s = cfg.rope_scaling or {}
-    pos_scale = 1.0 / float(s["factor"]) if s.get("rope_type", s.get("type")) == "linear" else 1.0
+    pos_scale = 1.0 / float(s["factor"]) if rope_scaling_kind(s) == "linear" else 1.0
     main = RopeTable(rope_inv_freq(cfg, weights.rope_freq_factors), pos_scale, device)
     if cfg.rope_local_theta is None:
         return [main] * cfg.n_layers
