@@ -16,10 +16,12 @@ import kvlens
 
 IDS = [5, 17, 200, 33, 41, 9, 128, 77, 64, 3, 250, 199, 8, 90, 91, 92, 7, 6, 5, 4] * 4  # past 64 positions
 PARAMS = {
+    # low_freq_factor 2, not Llama-3.1's 1, so that old / lo and old * lo differ (head_dim 16: the
+    # wavelengths 6.3, 24, 94, ... against the bands' edges 64 / 8 and 64 / 2)
     "llama3": {
         "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
+        "low_freq_factor": 2.0,
+        "high_freq_factor": 8.0,
         "original_max_position_embeddings": 64,
     },
     "linear": {"factor": 4.0},
