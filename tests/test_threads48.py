@@ -17,3 +17,31 @@ def test_steady_others_reads_the_deque_it_is_given(monkeypatch):
     assert list(mine) == [2, 2, 0] and list(process) == [0, 0]
     assert threads.steady_others(2) == 0  # the process's deque: the median of [0, 0, 2]
     assert list(process) == [0, 0, 2] and list(mine) == [2, 2, 0]
+
+
+def test_own_running_counts_this_thread_and_not_the_sleeping_ones():
+    """``_own_running`` counts the caller (running while it reads /proc) and none of three threads
+    that sleep on an event: at most the process's threads less those three."""
+    import os
+    import threading
+
+    wake = threading.Event()
+    sleepers = [threading.Thread(target=wake.wait) for _ in range(3)]
+    for t in sleepers:
+        t.start()
+    try:
+        total = len(os.listdir("/proc/self/task"))
+        own = threads._own_running()
+        assert 1 <= own <= total - 3
+    finally:
+        wake.set()
+        for t in sleepers:
+            t.join()
+
+
+def test_read_loadavg_reads_the_machine_file():
+    """The text :func:`others_running` parses (its parsing: test_steady, on given strings)."""
+    with open("/proc/loadavg", encoding="utf-8") as f:
+        fields = f.read().split()
+    text = threads._read_loadavg().split()
+    assert len(text) == len(fields) == 5 and threads._running(" ".join(text)) >= 1
