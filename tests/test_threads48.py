@@ -24,12 +24,21 @@ def test_own_running_counts_this_thread_and_not_the_sleeping_ones():
     that sleep on an event: at most the process's threads less those three."""
     import os
     import threading
+    import time
+
+    def state(tid: int) -> str:
+        with open(f"/proc/self/task/{tid}/stat", encoding="utf-8") as f:
+            return f.read().rpartition(")")[2].split()[0]
 
     wake = threading.Event()
     sleepers = [threading.Thread(target=wake.wait) for _ in range(3)]
     for t in sleepers:
         t.start()
     try:
+        # a thread just started may still be running on its way into wait(): wait until all three sleep
+        deadline = time.monotonic() + 10
+        while any(state(t.native_id) == "R" for t in sleepers) and time.monotonic() < deadline:
+            time.sleep(0.01)
         total = len(os.listdir("/proc/self/task"))
         own = threads._own_running()
         assert 1 <= own <= total - 3
